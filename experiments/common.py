@@ -1,0 +1,88 @@
+"""What every runner shares: result folders, config capture, timing, rendering.
+
+Each run writes ``results/<experiment>/<timestamp>/config.json`` (flags, jax version,
+device, git SHA) and ``rows.jsonl``; ``render`` turns rows into ``table.md`` and
+``plot.png``. Measuring never formats and rendering never measures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import subprocess
+import time
+from typing import Callable, Sequence
+
+import jax
+
+RESULTS = pathlib.Path("results")
+
+
+def git_sha() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -> pathlib.Path:
+  """Create the run folder and write config.json."""
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  out = pathlib.Path(out_root or RESULTS) / experiment / stamp
+  out.mkdir(parents=True, exist_ok=True)
+  dev = jax.devices()[0]
+  config = {"experiment": experiment, "flags": flag_values, "jax": jax.__version__,
+            "device_kind": dev.device_kind, "platform": dev.platform,
+            "git_sha": git_sha(), "started": stamp}
+  (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+  return out
+
+
+def append_row(out: pathlib.Path, row: dict) -> None:
+  with open(out / "rows.jsonl", "a") as f:
+    f.write(json.dumps(row, default=float) + "\n")
+
+
+def read_rows(out: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()
+          if line.strip()]
+
+
+def median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+  """Median wall time of ``fn`` (blocked until ready) after ``warmup`` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return 1e3 * statistics.median(times)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.4g}"
+    return "-" if v is None else str(v)
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def bar_plot(path: pathlib.Path, labels: Sequence[str], values: Sequence[float],
+             ylabel: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels)), 3.2))
+  ax.bar(range(len(values)), values, color="#4878a8")
+  ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

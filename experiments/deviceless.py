@@ -1,0 +1,54 @@
+"""Compile jitted functions for an H200 on a machine without a GPU.
+
+Lowering happens against this machine's CPU devices with
+``lowering_platforms=("cuda",)`` (so ``pinned_host`` memory kinds survive in the
+avals), then the StableHLO is compiled by a compile-only CUDA client built from
+``h200_target_config.txtpb``. Needs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
+of the same version as jaxlib (``pip install -e .[audit]``); no GPU, no driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import jax
+from jax._src.lib import xla_client as xc
+from jax.experimental import topologies
+
+TARGET_CONFIG = pathlib.Path(__file__).with_name("h200_target_config.txtpb")
+
+
+def available() -> bool:
+  """True when a compile-only CUDA client can be built here."""
+  try:
+    _h200_devices()
+    return True
+  except Exception:  # noqa: BLE001 - any failure means "not available"
+    return False
+
+
+@functools.cache
+def _h200_devices():
+  topo = topologies.get_topology_desc(
+      platform="cuda", target_config=TARGET_CONFIG.read_text(), topology="1x1x1")
+  return tuple(topo.devices)
+
+
+def lower_for_cuda(fn, *args, **kwargs):
+  """``jax.jit``-lower ``fn`` for CUDA (no compile). ``fn`` may already be jitted."""
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+  return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+def compile_for_h200(lowered) -> str:
+  """Optimized XLA:GPU HLO text of a CUDA-lowered computation, for an H200."""
+  devices = _h200_devices()
+  options = xc.CompileOptions()
+  build = options.executable_build_options
+  build.num_replicas = 1
+  build.num_partitions = 1
+  executable = devices[0].client.compile(
+      lowered.compiler_ir("stablehlo"),
+      executable_devices=xc.DeviceList(devices), compile_options=options)
+  return "\n".join(m.to_string() for m in executable.hlo_modules())

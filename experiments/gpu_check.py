@@ -1,0 +1,392 @@
+r"""Device check on one CUDA GPU: kernel numerics vs reference, then decode timings.
+
+Paper reference: HiSparse (arXiv 2608.07009) decode-step cost of the tiered cache
+vs full-KV sparse attention (their throughput table; §1.9 of SPECS.md).
+
+Command (from the repo root, on the GPU machine; ~4 min on one H200):
+  python -m experiments.gpu_check --out_dir=$OUT
+Smoke run on CPU (kernels interpreted, tiny shapes, seconds):
+  python -m experiments.gpu_check --smoke
+
+Numerics: cache_resolve kernel == reference (exact, multi-step), sparse attention
+kernel vs reference (f32 / bf16 tolerance table), zero-copy fetch from pinned_host
+== reference (exact), and a few tiered decode steps vs full-KV sparse attention.
+Timings: wall clock around ``block_until_ready`` of single decode steps, median of
+``--iters`` after ``--warmup`` (jax has no public device-event API; at these step
+times the launch gap is small and identical for every variant). Variants are
+compared as ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+import traceback
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import decode, selectors
+from kvtier_jax import state as kv_state
+from kvtier_jax.config import TierConfig
+from pallas_kernels import common
+from pallas_kernels.cache_resolve import cache_resolve_reference
+from pallas_kernels.cache_resolve.kernel import cache_resolve
+from pallas_kernels.fetch import fetch_rows, fetch_rows_reference
+from pallas_kernels.sparse_decode_attention import (sparse_decode_attention,
+                                                    sparse_decode_attention_reference)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", os.environ.get("OUT", ""), "Where to write results.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes, CPU-friendly.")
+flags.DEFINE_integer("warmup", 2, "Untimed steps per variant.")
+flags.DEFINE_integer("iters", 10, "Timed steps per variant.")
+flags.DEFINE_float("budget_s", 420.0, "Stop starting new timings after this.")
+flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
+flags.DEFINE_list("sections", ["numerics", "kernels", "decode"], "What to run.")
+flags.DEFINE_list("numerics", ["resolve", "fetch"], "Optional numerics checks to add to "
+                  "attention and decode parity.")
+
+ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+T0 = time.perf_counter()
+LOG: list[dict] = []
+
+
+def log(section, **row):
+  row = {"section": section, **row}
+  LOG.append(row)
+  print(json.dumps(row, default=str), flush=True)
+
+
+def guarded(fn):
+  def run(*a, **k):
+    try:
+      return fn(*a, **k)
+    except Exception as e:  # noqa: BLE001 - a failed check must not hide the rest
+      log(fn.__name__, error=f"{type(e).__name__}: {e}"[:2000],
+          trace=traceback.format_exc()[-3000:])
+  return run
+
+
+def median_ms(fn, warmup, iters):
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@guarded
+def check_resolve(rows, slots, sel, steps, interpret):
+  rng = np.random.default_rng(0)
+  slot_pos = jnp.full((rows, slots), -1, jnp.int32)
+  lru = jnp.tile(jnp.arange(slots, dtype=jnp.int32), (rows, 1))
+  ctx = 4 * slots
+  mism = 0
+  for step in range(steps):
+    newest = jnp.full((rows,), ctx + step, jnp.int32)
+    centre = rng.integers(0, ctx, (rows, 1))
+    cand = np.stack([rng.permutation(np.arange(max(0, c - sel), min(ctx, c + sel)))[:sel]
+                     for c in centre[:, 0]])
+    cand[:, 0] = ctx + step
+    pad = rng.random(cand.shape) < 0.05
+    cand = np.where(pad, -1, cand).astype(np.int32)
+    ref = cache_resolve_reference(slot_pos, lru, jnp.asarray(cand), newest)
+    got = cache_resolve(slot_pos, lru, jnp.asarray(cand), newest, interpret=interpret)
+    mism += sum(int(jnp.sum(a != b)) for a, b in zip(ref, got))
+    slot_pos, lru = ref.slot_pos, ref.lru
+  log("numerics/resolve", rows=rows, B=slots, k=sel, steps=steps, mismatches=mism,
+      ok=mism == 0)
+
+
+@guarded
+def check_attention(dtype, interpret):
+  rng = np.random.default_rng(1)
+  L, R, U, S, Hg, D, Hq, k = 2, 8, 1, 1025, 4, 128, 32, 512
+  kc = jnp.asarray(rng.standard_normal((L, R, U, S, Hg, D)), dtype)
+  vc = jnp.asarray(rng.standard_normal((L, R, U, S, Hg, D)), dtype)
+  q = jnp.asarray(rng.standard_normal((R, Hq, D)), dtype)
+  slot = np.stack([rng.permutation(S)[:k] for _ in range(R)])[:, None].astype(np.int32)
+  slot[:, :, -7:] = -1
+  ref = sparse_decode_attention_reference(q, kc, vc, 1, jnp.asarray(slot))
+  got = sparse_decode_attention(q, kc, vc, 1, jnp.asarray(slot), interpret=interpret)
+  err = float(jnp.max(jnp.abs(ref[0].astype(jnp.float32) - got[0].astype(jnp.float32))))
+  lse_err = float(jnp.max(jnp.abs(ref[1] - got[1])))
+  log("numerics/attention", dtype=jnp.dtype(dtype).name, max_abs_err=err,
+      lse_err=lse_err, atol=ATOL[dtype], ok=err <= ATOL[dtype])
+
+
+@guarded
+def check_fetch(interpret):
+  rng = np.random.default_rng(2)
+  L, R, T1, U, Hg, D, S, N = 2, 4, 4097, 1, 4, 128, 257, 1000
+  host = np.asarray(rng.standard_normal((L, R, T1, U, Hg, D)), np.float32)
+  hs = kv_state.host_sharding()
+  hk, hv = jax.device_put(host, hs), jax.device_put(host + 1, hs)
+  hot = jnp.full((L, R, U, S, Hg, D), jnp.nan, jnp.float32)
+  src = np.stack([rng.integers(0, L, N), rng.integers(0, R, N), rng.integers(0, T1, N),
+                  np.zeros(N)], -1).astype(np.int32)
+  cells = [(l, r, 0, s) for l in range(L) for r in range(R) for s in range(S)]
+  dest = np.array([cells[i] for i in rng.permutation(len(cells))[:N]], np.int32)
+  count = 777
+  ref = fetch_rows_reference(jnp.asarray(src), jnp.asarray(dest), count,
+                             jnp.asarray(host), jnp.asarray(host + 1), hot, hot)
+  got = fetch_rows(jnp.asarray(src), jnp.asarray(dest), count, hk, hv, jnp.array(hot),
+                   jnp.array(hot), interpret=interpret)
+  same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(ref, got))
+  log("numerics/fetch_zero_copy", host_memory_kind=hk.sharding.memory_kind,
+      rows=count, exact=same, ok=same)
+
+
+def tiny_cfg(**kw):
+  base = dict(num_layers=3, num_requests=3, max_len=600, num_q_heads=8, num_kv_heads=2,
+              head_dim=64, hot_slots=96, top_k=48, dtype=jnp.float32, fetch_chunk=32)
+  base.update(kw)
+  return TierConfig(**base)
+
+
+@guarded
+def check_decode_parity(fetch_impl, kernel_impl, interpret):
+  cfg = tiny_cfg(fetch_impl=fetch_impl, attention_impl=kernel_impl,
+                 resolve_impl=kernel_impl, interpret=interpret)
+  rng = np.random.default_rng(3)
+  prompt = 400
+  lens = np.array([400, 90, 250])
+  shape = (cfg.num_layers, cfg.num_requests, prompt, cfg.num_kv_heads, cfg.head_dim)
+  kp = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  vp = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  dec = decode.TieredDecoder(cfg)
+  st = dec.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp, lens)
+  full = decode.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
+  full_step = jax.jit(lambda f, q, k, v, a: decode.full_kv_decode_step(
+      cfg, f, q, k, v, selectors.given_selection, a))
+  worst = 0.0
+  for _ in range(6):
+    q = jnp.asarray(rng.standard_normal((cfg.num_layers, cfg.num_requests,
+                                         cfg.num_q_heads, cfg.head_dim)), jnp.float32)
+    kn = jnp.asarray(rng.standard_normal(shape[:2] + shape[3:]), jnp.float32)
+    sel = np.full((cfg.num_layers, cfg.num_requests, 1, cfg.top_k), -1, np.int32)
+    for l in range(cfg.num_layers):
+      for r in range(cfg.num_requests):
+        n = int(dec.seq_len[r]) + 1
+        c = rng.choice(n, size=min(cfg.top_k, n), replace=False)
+        sel[l, r, 0, :len(c)] = c
+    out, st = dec.step(st, q, kn, -kn, sel)
+    ref, full = full_step(full, q, kn, -kn, sel)
+    worst = max(worst, float(jnp.max(jnp.abs(out - ref))))
+  stats = kv_state.cache_stats(cfg, st)
+  log("numerics/decode_parity", fetch=fetch_impl, kernels=kernel_impl,
+      max_abs_diff=worst, miss_rate=stats["miss_rate"], ok=worst <= 1e-5)
+
+
+# ------------------------------------------------------------------------------ timings
+
+
+def bench_cfg(ctx, req, smoke):
+  if smoke:
+    return TierConfig(num_layers=2, num_requests=req, max_len=ctx + 64, num_q_heads=8,
+                      num_kv_heads=2, head_dim=64, hot_slots=128, top_k=64,
+                      dtype=jnp.bfloat16, fetch_chunk=64)
+  # Attention shape of Qwen3-30B-A3B (32 q heads, 4 KV heads, D=128), bf16,
+  # k=2048, B=2k=4096 (the paper's robust default), 4 layers.
+  return TierConfig(num_layers=4, num_requests=req, max_len=ctx + 64, num_q_heads=32,
+                    num_kv_heads=4, head_dim=128, hot_slots=4096, top_k=2048,
+                    dtype=jnp.bfloat16, fetch_chunk=4096)
+
+
+@guarded
+def bench_decode(ctx, req, variants, smoke):
+  cfg0 = bench_cfg(ctx, req, smoke)
+  key = jax.random.key(0)
+  shape = (cfg0.num_layers, req, ctx, cfg0.num_kv_heads, cfg0.head_dim)
+  make = jax.jit(lambda key: jax.random.normal(key, shape, cfg0.dtype))
+  kp = make(key)
+  vp = make(jax.random.fold_in(key, 1))
+  lens = jnp.full((req,), ctx, jnp.int32)
+  select = selectors.churn_selector(ctx, cfg0.top_k, cfg0.num_units, FLAGS.churn)
+  qshape = (cfg0.num_layers, req, cfg0.num_q_heads, cfg0.head_dim)
+  q = jax.random.normal(jax.random.fold_in(key, 2), qshape, cfg0.dtype)
+  kn = jax.random.normal(jax.random.fold_in(key, 3),
+                         (cfg0.num_layers, req, cfg0.num_kv_heads, cfg0.head_dim), cfg0.dtype)
+  results = {}
+  for name, overrides in variants:
+    if time.perf_counter() - T0 > FLAGS.budget_s:
+      log("timing", ctx=ctx, R=req, variant=name, skipped="time budget")
+      continue
+    t_build = time.perf_counter()
+    miss = None
+    if name == "full_kv":
+      holder = [decode.init_full_kv(cfg0, kp, vp, lens)]
+      step = jax.jit(lambda s, q, kn: decode.full_kv_decode_step(cfg0, s, q, kn, kn, select),
+                     donate_argnums=(0,))
+      after_step = None
+    else:
+      cfg = cfg0.replace(**overrides)
+      holder = [jax.jit(lambda s, kp, vp, lens: decode.prefill(cfg, s, kp, vp, lens),
+                        donate_argnums=(0,))(kv_state.init_state(cfg), kp, vp, lens)]
+      step = jax.jit(lambda s, q, kn: decode.decode_step(cfg, s, q, kn, kn, select),
+                     donate_argnums=(0,))
+      append = jax.jit(lambda s, c: decode.append_newest(cfg, s, c), donate_argnums=(0,))
+      after_step = None if cfg.append_in_scan else append
+
+    def run():
+      res = step(holder[0], q, kn)
+      out, holder[0] = res[0], res[1]
+      if after_step is not None:
+        holder[0] = after_step(holder[0], res[3])
+      return out
+
+    for _ in range(FLAGS.warmup):
+      jax.block_until_ready(run())
+    if name != "full_kv":
+      before = kv_state.cache_stats(cfg, holder[0])
+    ms = median_ms(run, 0, FLAGS.iters)
+    if name == "full_kv":
+      device_bytes = holder[0].k.nbytes + holder[0].v.nbytes
+    else:
+      after = kv_state.cache_stats(cfg, holder[0])
+      misses = after["misses"] - before["misses"]
+      miss = misses / max(1, misses + after["hits"] - before["hits"])
+      device_bytes = kv_state.array_bytes_by_memory_kind(holder[0]).get("device", 0)
+    del holder
+    results[name] = ms
+    log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
+        vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,
+        miss_rate=None if miss is None else round(miss, 4),
+        device_gb=round(device_bytes / 2**30, 3),
+        build_and_time_s=round(time.perf_counter() - t_build, 1))
+
+
+@guarded
+def bench_kernels(smoke):
+  rng = np.random.default_rng(4)
+  rows, slots, sel = (8, 128, 64) if smoke else (32, 4096, 2048)
+  slot_pos = jnp.asarray(np.stack([rng.permutation(8 * slots)[:slots]
+                                   for _ in range(rows)]).astype(np.int32))
+  lru = jnp.asarray(np.stack([rng.permutation(slots) for _ in range(rows)]).astype(np.int32))
+  cand = jnp.asarray(np.stack([rng.permutation(8 * slots)[:sel]
+                               for _ in range(rows)]).astype(np.int32))
+  newest = jnp.full((rows,), 8 * slots, jnp.int32)
+  interp = common.interpret_mode()
+  xla = jax.jit(cache_resolve_reference)
+  ker = jax.jit(lambda *a: cache_resolve(*a, interpret=interp))
+  a = median_ms(lambda: xla(slot_pos, lru, cand, newest), 2, 20)
+  b = median_ms(lambda: ker(slot_pos, lru, cand, newest), 2, 20)
+  log("kernel_timing", op="resolve", rows=rows, B=slots, k=sel, xla_ms=round(a, 4),
+      pallas_ms=round(b, 4), pallas_over_xla=round(b / a, 3))
+
+  L, R, U, S, Hg, D, Hq = (1, 4, 1, 129, 2, 64, 8) if smoke else (1, 32, 1, 4097, 4, 128, 32)
+  kc = jnp.asarray(rng.standard_normal((L, R, U, S, Hg, D)), jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((R, Hq, D)), jnp.bfloat16)
+  slot = jnp.asarray(np.stack([rng.permutation(S - 1)[:sel] for _ in range(R)])[:, None]
+                     .astype(np.int32))
+  xla = jax.jit(sparse_decode_attention_reference)
+  ker = jax.jit(lambda *x: sparse_decode_attention(*x, interpret=interp))
+  a = median_ms(lambda: xla(q, kc, kc, 0, slot), 2, 20)
+  b = median_ms(lambda: ker(q, kc, kc, 0, slot), 2, 20)
+  log("kernel_timing", op="attention", R=R, k=sel, Hq=Hq, xla_ms=round(a, 4),
+      pallas_ms=round(b, 4), pallas_over_xla=round(b / a, 3))
+
+  # Host -> device row fetch bandwidth: HostExecute gather vs zero-copy kernel.
+  from kvtier_jax.fetch import _gather_rows
+  T1, N = (1025, 256) if smoke else (32769, 65536)
+  hs = kv_state.host_sharding()
+  host = jax.device_put(np.zeros((1, R, T1, 1, Hg, D), np.float32).astype(jnp.bfloat16), hs)
+  src = jnp.asarray(np.stack([np.zeros(N), rng.integers(0, R, N), rng.integers(0, T1, N),
+                              np.zeros(N)], -1).astype(np.int32))
+  dest = jnp.asarray(np.stack([np.zeros(N), np.arange(N) % R, np.zeros(N),
+                               np.arange(N) // R % S], -1).astype(np.int32))
+  hot = jnp.zeros((1, R, 1, S, Hg, D), jnp.bfloat16)
+  gath = jax.jit(_gather_rows)
+  zc = jax.jit(lambda s, d, c, a, b, x, y: fetch_rows(s, d, c, a, b, x, y,
+                                                      interpret=interp),
+               donate_argnums=(5, 6))
+  a = median_ms(lambda: gath(host, host, src), 2, 10)
+  holder = [hot, jnp.array(hot)]
+
+  def run_zc():
+    holder[0], holder[1] = zc(src, dest, N, host, host, holder[0], holder[1])
+    return holder[0]
+  b = median_ms(run_zc, 2, 10)
+  nbytes = 2 * N * Hg * D * 2
+  log("kernel_timing", op="fetch", rows=N, row_bytes=Hg * D * 2, host_execute_ms=round(a, 4),
+      zero_copy_ms=round(b, 4), host_execute_gbps=round(nbytes / a / 1e6, 2),
+      zero_copy_gbps=round(nbytes / b / 1e6, 2))
+
+
+def main(argv):
+  del argv
+  dev = jax.devices()[0]
+  info = {"jax": jax.__version__, "device": dev.device_kind, "platform": dev.platform,
+          "memories": [m.kind for m in dev.addressable_memories()]}
+  log("env", **info)
+  out = pathlib.Path(FLAGS.out_dir) if FLAGS.out_dir else None
+  if out and dev.platform == "gpu":
+    try:
+      from jax._src.lib import xla_client as xc
+      (out / "target_config.txtpb").write_text(
+          xc.get_topology_for_devices(jax.devices()).target_config)
+    except Exception as e:  # noqa: BLE001
+      log("env", target_config_error=str(e))
+
+  interpret = common.interpret_mode()
+  smoke = FLAGS.smoke
+  if "numerics" in FLAGS.sections:
+    run_numerics(smoke, interpret, FLAGS.numerics)
+  if "kernels" in FLAGS.sections:
+    bench_kernels(smoke)
+  if "decode" in FLAGS.sections:
+    run_decode(smoke)
+  if out:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.jsonl").write_text("\n".join(json.dumps(r, default=str)
+                                                   for r in LOG) + "\n")
+  print(f"gpu_check done in {time.perf_counter() - T0:.0f}s")
+
+
+def run_numerics(smoke, interpret, checks):
+  if "resolve" in checks:
+    _run_resolve_checks(smoke, interpret)
+  check_attention(jnp.float32, interpret)
+  check_attention(jnp.bfloat16, interpret)
+  if "fetch" in checks:
+    check_fetch(interpret)
+  for fetch_impl in ("xla", "pallas"):
+    check_decode_parity(fetch_impl, "pallas", interpret)
+  check_decode_parity("xla", "xla", interpret)
+
+
+def _run_resolve_checks(smoke, interpret):
+  check_resolve(8 if smoke else 64, 40 if smoke else 4096, 24 if smoke else 2048,
+                4 if smoke else 8, interpret)
+  check_resolve(8, 40 if smoke else 640, 24 if smoke else 512, 4, interpret)
+
+
+def run_decode(smoke):
+  xla_kernels = dict(resolve_impl="xla", attention_impl="xla")
+  variants = [
+      ("full_kv", None),
+      ("tiered_zero_copy", dict(xla_kernels, fetch_impl="pallas", host_append="in_scan")),
+      ("tiered_zero_copy_sep_append", dict(xla_kernels, fetch_impl="pallas",
+                                           host_append="separate")),
+      ("tiered_zero_copy_pallas_attn", dict(xla_kernels, fetch_impl="pallas",
+                                            attention_impl="pallas", host_append="in_scan")),
+      ("tiered_hostexec", dict(xla_kernels, fetch_impl="xla", host_append="in_scan")),
+  ]
+  shapes = [(512, 2), (1024, 2)] if smoke else [(32768, 8), (131072, 8), (32768, 32)]
+  for i, (ctx, req) in enumerate(shapes):
+    bench_decode(ctx, req, variants if i == 0 else variants[:3], smoke)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,208 @@
+r"""Deviceless H200 audit of the jitted tiered decode step (no GPU needed).
+
+Compiles the whole decode step for an H200 target on this CPU machine
+(experiments/deviceless.py) and reads the optimized XLA:GPU HLO for what CPU runs
+cannot show (JAX_HOST_OFFLOAD_NOTES.md §1: on CPU memory kinds are annotations):
+
+* whole-host-tier copies (must be 0): any copy of a host-tier-shaped array, or any
+  host-tier-shaped value materialised in device memory;
+* host->device bytes per miss, read off the HostExecute gathers (XLA fetch) or the
+  zero-copy kernel's operands;
+* in-place aliasing of every state buffer (``input_output_alias`` of the entry);
+* the Pallas (Triton) kernels present and the async host copies.
+
+Command (~1-2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
+  python -m experiments.hlo_audit
+Prints one table row per variant and a final line
+``hlo_audit: whole_host_copies=N host_to_device_bytes_per_miss=M``; exits 1 if N > 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import sys
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import deviceless
+from kvtier_jax import decode, selectors
+from kvtier_jax import state as kv_state
+from kvtier_jax.config import TierConfig
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
+
+KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows")
+_PASSIVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call",
+            "conditional", "dynamic-update-slice-start", "dynamic-update-slice-done",
+            "custom-call", "custom-call-start", "custom-call-done", "fusion"}
+
+
+@dataclasses.dataclass
+class Audit:
+  variant: str
+  whole_host_copies: int
+  host_to_device_bytes_per_miss: float
+  aliased_params: int
+  state_params: int
+  kernels: tuple[str, ...]
+  host_executes: int
+  async_host_writes: int
+
+
+def _instructions(hlo: str):
+  """(result type, opcode, line) of every instruction."""
+  pat = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?\]\{[^}]*\}|\S+) ([a-z\-]+)\(")
+  for line in hlo.splitlines():
+    m = pat.match(line)
+    if m:
+      yield m.group(1), m.group(2), line
+
+
+def count_whole_host_copies(hlo: str, host_shape: tuple[int, ...], dtype: str) -> int:
+  """Copies of a host-tier-shaped array, or such an array placed in device memory."""
+  shape = f"{dtype}[{','.join(map(str, host_shape))}]"
+  n = 0
+  for typ, op, _ in _instructions(hlo):
+    if not typ.startswith(shape + "{"):
+      continue
+    on_host = ":S(5)" in typ
+    if op in ("copy", "copy-start", "copy-done") or (not on_host and op not in _PASSIVE):
+      n += 1
+    elif not on_host and op == "fusion":  # a fusion materialising the tier on device
+      n += 1
+  return n
+
+
+def aliased_parameters(hlo: str) -> set[int]:
+  header = hlo.splitlines()[0]
+  m = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", header)
+  return {int(p) for p in re.findall(r"\(\s*(\d+),", m.group(1))} if m else set()
+
+
+def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
+  """(rows, bytes) delivered to device by each HostExecute gather."""
+  out = []
+  for line in hlo.splitlines():
+    if 'custom_call_target="HostExecute"' not in line or "custom-call-start" not in line:
+      continue
+    results = re.sub(r"\{[^}]*\}", "", line.split(" = ")[1].split(" custom-call-start")[0])
+    # ((operands...), (results...), u32[]): take the middle group.
+    groups = re.findall(r"\((?:[^()]*)\)", results)
+    res = groups[1] if len(groups) > 1 else groups[0]
+    arrays = re.findall(r"(bf16|f16|f32|s32)\[([\d,]+)\]", res)
+    size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}
+    nbytes = sum(size[t] * int(np.prod([int(d) for d in dims.split(",")]))
+                 for t, dims in arrays)
+    rows = int(arrays[0][1].split(",")[0])
+    out.append((rows, nbytes))
+  return out
+
+
+def audit_config(cfg: TierConfig, variant: str) -> Audit:
+  """Lower + compile one decode step for an H200 and read its HLO."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
+                                    memory_kind="pinned_host")
+  dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  abstract = jax.eval_shape(lambda: kv_state.init_state(cfg))
+  state = jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=host if "host" in jax.tree_util.keystr(path) else dev),
+      abstract)
+  sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
+  L, R = cfg.num_layers, cfg.num_requests
+  select = selectors.churn_selector(cfg.max_len // 2, cfg.top_k, cfg.num_units, 0.134)
+  step = jax.jit(functools.partial(decode.decode_step, cfg, select=select),
+                 donate_argnums=(0,))
+  lowered = deviceless.lower_for_cuda(
+      step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
+      sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
+  hlo = deviceless.compile_for_h200(lowered)
+  dtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
+  copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), dtype)
+  gathers = host_execute_rows_bytes(hlo)
+  if gathers:
+    per_miss = max(nbytes / rows for rows, nbytes in gathers)
+  else:  # zero-copy kernel: each missed row is read once for K and once for V
+    per_miss = 2 * cfg.row_bytes if "fetch_rows" in hlo else 0.0
+  triton = [l for l in hlo.splitlines() if "__gpu$xla.gpu.triton" in l]
+  kernels = tuple(sorted({n for l in triton for n in KERNEL_NAMES if n in l}))
+  num_state = len(jax.tree.leaves(abstract))
+  aliased = aliased_parameters(hlo) & set(range(num_state))
+  return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
+               len(gathers), hlo.count("dynamic-update-slice-start"))
+
+
+def audit_config_bad_pattern(cfg: TierConfig) -> int:
+  """Negative control: move the whole host tier to device, then gather (must be > 0)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
+                                    memory_kind="pinned_host")
+  shape = kv_state.host_tier_shape(cfg)
+  tier = jax.ShapeDtypeStruct(shape, cfg.dtype, sharding=host)
+  idx = jax.ShapeDtypeStruct((16,), jnp.int32)
+  bad = lambda h, i: jax.device_put(h, jax.memory.Space.Device)[0, 0, i]
+  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(bad, tier, idx))
+  dtype = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(cfg.dtype).name]
+  return count_whole_host_copies(hlo, shape, dtype)
+
+
+def audit_configs(smoke: bool):
+  if smoke:
+    base = TierConfig(num_layers=2, num_requests=2, max_len=1024, num_q_heads=4,
+                      num_kv_heads=2, head_dim=64, hot_slots=128, top_k=64,
+                      dtype=jnp.bfloat16, fetch_chunk=64, interpret=False,
+                      host_append="in_scan")
+  else:
+    base = TierConfig(num_layers=4, num_requests=4, max_len=32768, num_q_heads=8,
+                      num_kv_heads=2, head_dim=128, hot_slots=2048, top_k=512,
+                      dtype=jnp.bfloat16, fetch_chunk=512, interpret=False,
+                      host_append="in_scan")
+  xla = dict(resolve_impl="xla", attention_impl="xla")
+  pallas = dict(resolve_impl="pallas", attention_impl="pallas")
+  return [
+      ("xla kernels, host-gather fetch", base.replace(**xla, fetch_impl="xla")),
+      ("xla kernels, zero-copy fetch (GPU default)", base.replace(**xla, fetch_impl="pallas")),
+      ("pallas kernels, zero-copy fetch", base.replace(**pallas, fetch_impl="pallas")),
+      ("pallas kernels, host-gather fetch, per-KV-head units",
+       base.replace(**pallas, fetch_impl="xla", per_kv_head=True)),
+  ]
+
+
+def main(argv):
+  del argv
+  if not deviceless.available():
+    print("hlo_audit: no compile-only CUDA client (pip install -e .[audit])")
+    sys.exit(2)
+  configs = audit_configs(FLAGS.smoke)
+  rows = [audit_config(cfg, name) for name, cfg in configs]
+  control = audit_config_bad_pattern(configs[0][1])
+  print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
+        "HostExecute | async host writes |")
+  print("|---|---|---|---|---|---|---|")
+  for a in rows:
+    print(f"| {a.variant} | {a.whole_host_copies} | {a.host_to_device_bytes_per_miss:.0f} | "
+          f"{a.aliased_params}/{a.state_params} | {', '.join(a.kernels) or '-'} | "
+          f"{a.host_executes} | {a.async_host_writes} |")
+  print(f"negative control (device_put of the whole tier, then gather): "
+        f"{control} whole-host copies detected")
+  copies = sum(a.whole_host_copies for a in rows)
+  per_miss = max(a.host_to_device_bytes_per_miss for a in rows)
+  unaliased = sum(a.state_params - a.aliased_params for a in rows)
+  chunk = configs[0][1].fetch_rows_per_chunk
+  print(f"host->device bytes per layer per step: host-gather fetch "
+        f"ceil(misses/{chunk})*{chunk}*{configs[0][1].row_bytes * 2} (+{chunk}*16 index "
+        f"bytes device->host per gather); zero-copy fetch misses*{per_miss:.0f}")
+  print(f"hlo_audit: whole_host_copies={copies} host_to_device_bytes_per_miss={per_miss:.0f}")
+  if copies or unaliased or control == 0:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,129 @@
+"""Static configuration of a tiered KV cache (everything that fixes a shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from pallas_kernels import common
+
+WARM_STARTS = ("first", "head_tail", "empty")
+HOST_APPENDS = ("auto", "in_scan", "separate")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+  """Shapes and implementation choices of one tiered cache (glossary: shapes.py).
+
+  Attributes:
+    num_layers: L, layers with a tiered cache.
+    num_requests: R, request slots decoded together.
+    max_len: T, positions per request the host tier holds.
+    num_q_heads / num_kv_heads / head_dim: Hq, Hkv, D.
+    hot_slots: B, regular hot slots per (layer, request, unit); ``B >= top_k``.
+    top_k: k, positions a selector may return per (layer, request, unit).
+    per_kv_head: one cache unit per KV head (U = Hkv) instead of per request.
+    dtype: KV dtype (host tier and hot cache).
+    warm_start: hot-cache content after a prefill longer than B: ``"first"``
+      (positions 0..B-1, SGLang CUDA), ``"head_tail"`` (first B//2 and last B - B//2,
+      SGLang NPU) or ``"empty"`` (first decode step misses everything).
+    fetch_chunk: rows per host gather of the XLA fetch path; misses are fetched in
+      ``ceil(misses / fetch_chunk)`` gathers. 0 means one gather of R*U*k rows.
+    resolve_impl / attention_impl / fetch_impl: "xla", "pallas" or "auto" (on GPU
+      the faster one as measured there, XLA elsewhere; pallas_kernels/common.py).
+      fetch "xla" is the host gather (compute_on), "pallas" the zero-copy kernel.
+    interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
+    host_append: where the newest token's KV is written to the host tier:
+      ``"in_scan"`` inside the layer scan (no whole-tier copy on XLA:GPU),
+      ``"separate"`` in its own donated jit after the step (XLA:CPU otherwise
+      copies the whole tier, JAX_HOST_OFFLOAD_NOTES.md §1), ``"auto"`` picks.
+  """
+
+  num_layers: int
+  num_requests: int
+  max_len: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  hot_slots: int
+  top_k: int
+  per_kv_head: bool = False
+  dtype: Any = jnp.float32
+  warm_start: str = "head_tail"
+  fetch_chunk: int = 0
+  resolve_impl: str = "auto"
+  attention_impl: str = "auto"
+  fetch_impl: str = "auto"
+  interpret: bool | None = None
+  host_append: str = "auto"
+
+  def __post_init__(self):
+    for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
+                 "num_kv_heads", "head_dim", "hot_slots", "top_k"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.hot_slots < self.top_k:
+      raise ValueError(
+          f"hot_slots (B={self.hot_slots}) must be >= top_k (k={self.top_k}): "
+          "every selected position needs a slot in the same step")
+    if self.top_k > self.max_len:
+      raise ValueError(f"top_k={self.top_k} exceeds max_len={self.max_len}")
+    if self.num_q_heads % self.num_kv_heads:
+      raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+    if self.warm_start not in WARM_STARTS:
+      raise ValueError(f"{self.warm_start=} must be one of {WARM_STARTS}")
+    if self.host_append not in HOST_APPENDS:
+      raise ValueError(f"{self.host_append=} must be one of {HOST_APPENDS}")
+    if self.fetch_chunk < 0:
+      raise ValueError(f"{self.fetch_chunk=} must be >= 0")
+    for name in ("resolve_impl", "attention_impl", "fetch_impl"):
+      common.check_impl(getattr(self, name))
+
+  # Derived sizes -------------------------------------------------------------
+  @property
+  def num_units(self) -> int:  # U
+    return self.num_kv_heads if self.per_kv_head else 1
+
+  @property
+  def heads_per_unit(self) -> int:  # Hg
+    return self.num_kv_heads // self.num_units
+
+  @property
+  def q_per_kv(self) -> int:  # G
+    return self.num_q_heads // self.num_kv_heads
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one row (one position, one unit) of K *or* V."""
+    return self.heads_per_unit * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def fetch_rows_per_chunk(self) -> int:
+    lanes = self.num_requests * self.num_units * self.top_k
+    return min(self.fetch_chunk or lanes, lanes)
+
+  @property
+  def append_in_scan(self) -> bool:
+    if self.host_append == "auto":
+      return common.on_gpu()
+    return self.host_append == "in_scan"
+
+  @property
+  def use_interpret(self) -> bool:
+    return common.interpret_mode() if self.interpret is None else self.interpret
+
+  # Memory accounting (bytes) -------------------------------------------------
+  def host_bytes_per_request(self) -> int:
+    """K+V of every position, plus the one scratch row per layer."""
+    return 2 * self.num_layers * (self.max_len + 1) * self.num_units * self.row_bytes
+
+  def device_bytes_per_request(self) -> int:
+    """Hot K+V plus slot_pos/lru metadata, per request (selector state excluded)."""
+    hot = 2 * self.num_layers * self.num_units * (self.hot_slots + 1) * self.row_bytes
+    meta = 2 * self.num_layers * self.num_units * self.hot_slots * 4
+    return hot + meta
+
+  def replace(self, **changes) -> "TierConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,367 @@
+"""The jitted tiered decode step, prefill, and the full-KV sparse reference step.
+
+One decode step scans the layers (``lax.scan``) with the whole state in the carry,
+so every write (hot slots, metadata, the host tier) is an in-place update of a
+donated buffer. Per layer:
+
+  1. the newest token's K/V go into reserved slot B (and, with
+     ``host_append="in_scan"``, straight into the host tier);
+  2. the selector names the positions to attend (``select(q, ctx)``);
+  3. RESOLVE maps them to slots; only misses are fetched from the host tier;
+  4. exact sparse attention over the named slots;
+  5. if the unit has an empty slot, the newest token is kept there too (short
+     contexts stay fully resident and never fetch).
+
+A step whose inputs are invalid (selection out of range or duplicated, host tier
+full) is refused: the refusing layer and all later layers change nothing, seq_len
+does not advance, and the returned status says why (bits in resolve.STATUS_*).
+Layers before it keep their (self-consistent) cache updates; positions >= seq_len
+in slot metadata are uncommitted and dropped at the next step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import attention, fetch
+from kvtier_jax.config import TierConfig
+from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
+                                check_selection, install_newest, resolve,
+                                selection_errors)
+from kvtier_jax.shapes import EMPTY
+from kvtier_jax.selectors.synthetic import given_selection
+from kvtier_jax.state import TieredKVState
+from pallas_kernels import common
+
+
+class SelectContext(NamedTuple):
+  """What a selector sees at one layer of one step."""
+
+  layer: jax.Array  # i32[]
+  newest: jax.Array  # i32[R] position of the token being decoded
+  aux: Any  # this layer's slice of the per-step selector inputs (any pytree)
+
+
+# (q [R, Hq, D], ctx) -> i32[R, U, k] positions, -1 = padding.
+SelectFn = Callable[[jax.Array, SelectContext], jax.Array]
+
+
+def _or_reduce(x):
+  return jax.lax.reduce(x.astype(jnp.int32), np.int32(0), jax.lax.bitwise_or,
+                        tuple(range(x.ndim)))
+
+
+def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
+                 selected, ok=True):
+  """Sparse attention of one layer through the tiered cache.
+
+  Args:
+    state: the whole cache (all layers); only ``layer`` is touched.
+    layer: i32[] layer index.
+    q: [R, Hq, D] queries; k_new, v_new: [R, Hkv, D] the newest token's K/V.
+    selected: i32[R, U, k] positions to attend (-1 padding); the newest position
+      (``state.seq_len``) is served from reserved slot B.
+    ok: bool[] False forbids any change (an earlier layer refused the step).
+
+  Returns:
+    (out [R, Hq, D], lse f32[R, Hq], state, status i32[]).
+  """
+  num_req, num_units = cfg.num_requests, cfg.num_units
+  hot_slots = cfg.hot_slots
+  unit_rows = lambda x: x.reshape(num_req, num_units, cfg.heads_per_unit, cfg.head_dim)
+  k_rows, v_rows = unit_rows(k_new), unit_rows(v_new)
+  newest = state.seq_len  # [R]
+  newest_u = jnp.broadcast_to(newest[:, None], (num_req, num_units))
+  if selected.shape != (num_req, num_units, cfg.top_k):
+    raise ValueError(f"selector returned {selected.shape}, expected "
+                     f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
+  selected = selected.astype(jnp.int32)
+
+  status = _or_reduce(selection_errors(selected, newest_u))
+  status |= jnp.where((newest >= cfg.max_len).any(), STATUS_CAPACITY, 0)
+  ok = ok & (status == 0)
+
+  # 1. The newest token's K/V go to the host tier now (in-scan append) and to
+  #    reserved slot B below (scratch until the step commits).
+  host_k, host_v = state.host_k, state.host_v
+  if cfg.append_in_scan:
+    write_pos = jnp.where(ok, newest, cfg.max_len)  # max_len: the scratch row
+    host_k, host_v = fetch.append_rows(host_k, host_v, layer, write_pos, k_rows,
+                                       v_rows)
+
+  # 2. Resolve; uncommitted positions left in the metadata by a refused step
+  #    (>= seq_len) count as empty.
+  slot_pos = state.slot_pos[layer]
+  slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
+  res = resolve(slot_pos, state.lru[layer], selected, newest_u,
+                impl=cfg.resolve_impl, interpret=cfg.interpret)
+  is_miss = res.is_miss & ok
+
+  # 3. Keep the newest token resident while the unit has an empty slot (after
+  #    RESOLVE, so the slot is neither a hit nor a victim of this step).
+  new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest_u)
+
+  # 4. All hot-cache writes of the layer in one scatter: newest -> slot B and the
+  #    install target, fetched misses -> their victims. Then attention reads.
+  layer_col = jnp.full((num_req, num_units), layer, jnp.int32)
+  r_col = jnp.broadcast_to(jnp.arange(num_req, dtype=jnp.int32)[:, None],
+                           (num_req, num_units))
+  u_col = jnp.broadcast_to(jnp.arange(num_units, dtype=jnp.int32)[None, :],
+                           (num_req, num_units))
+  to_b = jnp.stack([layer_col, r_col, u_col, jnp.full_like(r_col, hot_slots)], -1)
+  to_target = jnp.stack([layer_col, jnp.where(ok & (target >= 0), r_col, num_req),
+                         u_col, target], -1)
+  dest = [to_b.reshape(-1, 4), to_target.reshape(-1, 4)]
+  new_k = [k_rows.reshape(-1, *k_rows.shape[2:])] * 2
+  new_v = [v_rows.reshape(-1, *v_rows.shape[2:])] * 2
+  hot_k, hot_v = state.hot_k, state.hot_v
+  if common.use_kernel(cfg.fetch_impl, "fetch"):
+    hot_k, hot_v, moved = fetch.fetch_misses_kernel(
+        cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+  else:
+    rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot, is_miss)
+    dest.append(rows.dest)
+    new_k.append(rows.k)
+    new_v.append(rows.v)
+    moved = rows.moved
+  dest = jnp.concatenate(dest)
+  hot_k = fetch.scatter_rows(hot_k, dest, jnp.concatenate(new_k))
+  hot_v = fetch.scatter_rows(hot_v, dest, jnp.concatenate(new_v))
+
+  # 5. Attention over the slots RESOLVE named.
+  out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
+
+  keep = lambda new, old: jnp.where(ok, new, old)
+  valid = selected >= 0
+  state = state.replace(
+      host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
+      slot_pos=state.slot_pos.at[layer].set(keep(new_slot_pos, state.slot_pos[layer])),
+      lru=state.lru.at[layer].set(keep(new_lru, state.lru[layer])),
+      hits=state.hits.at[layer].add(
+          jnp.where(ok, (valid & ~res.is_miss).sum(-1, dtype=jnp.int32), 0)),
+      misses=state.misses.at[layer].add(is_miss.sum(-1, dtype=jnp.int32)),
+      fetched_rows=state.fetched_rows.at[layer].add(moved),
+  )
+  return out, lse, state, status
+
+
+def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,
+                select: SelectFn, select_aux=None):
+  """One decode step over all layers (q/k/v given per layer).
+
+  Args:
+    q: [L, R, Hq, D]; k_new, v_new: [L, R, Hkv, D] (the newest token, every layer).
+    select: selector ``select(q_layer, SelectContext) -> i32[R, U, k]``.
+    select_aux: pytree whose leaves have a leading L axis, sliced per layer into
+      ``ctx.aux`` (e.g. precomputed selections [L, R, U, k]).
+
+  Returns:
+    (out [L, R, Hq, D], state, status i32[], committed bool[]). With
+    ``cfg.append_in_scan`` False the caller must then run ``append_newest``.
+  """
+
+  def body(carry, xs):
+    state, ok, status = carry
+    layer, q_l, k_l, v_l, aux_l = xs
+    selected = select(q_l, SelectContext(layer, state.seq_len, aux_l))
+    out, _, state, layer_status = tiered_layer(cfg, state, layer, q_l, k_l, v_l,
+                                               selected, ok)
+    return (state, ok & (layer_status == 0), status | layer_status), out
+
+  layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  (state, committed, status), out = jax.lax.scan(
+      body, (state, jnp.bool_(True), jnp.int32(0)),
+      (layers, q, k_new, v_new, select_aux))
+  state = state.replace(seq_len=state.seq_len + committed.astype(jnp.int32))
+  return out, state, status, committed
+
+
+def append_newest(cfg: TierConfig, state: TieredKVState, committed):
+  """Copy every layer's newest rows (reserved slot B) into the host tier.
+
+  The separate-jit form of the host append (``host_append="separate"``); writes go
+  to position seq_len-1 (just committed) or the scratch row when not committed.
+  """
+  rows_k = state.hot_k[:, :, :, cfg.hot_slots]  # [L, R, U, Hg, D]
+  rows_v = state.hot_v[:, :, :, cfg.hot_slots]
+  positions = jnp.where(committed, state.seq_len - 1, cfg.max_len)
+  host_k, host_v = fetch.append_rows(state.host_k, state.host_v, None, positions,
+                                     rows_k, rows_v)
+  return state.replace(host_k=host_k, host_v=host_v)
+
+
+def warm_positions(cfg: TierConfig, prompt_lens):
+  """Positions a prefill leaves in slots 0..B-1, i32[R, B] (-1 empty)."""
+  slots = jnp.arange(cfg.hot_slots, dtype=jnp.int32)[None, :]
+  lens = prompt_lens.astype(jnp.int32)[:, None]
+  if cfg.warm_start == "empty":
+    pos = jnp.full((cfg.num_requests, cfg.hot_slots), EMPTY, jnp.int32)
+  elif cfg.warm_start == "first":
+    pos = slots
+  else:  # head_tail: first B//2 positions, then the most recent ones
+    head = cfg.hot_slots // 2
+    pos = jnp.where((lens <= cfg.hot_slots) | (slots < head), slots,
+                    lens - cfg.hot_slots + slots)
+  # Whatever the warm start, a prompt that fits stays fully resident.
+  pos = jnp.where(lens <= cfg.hot_slots, slots, pos)
+  return jnp.where(pos < lens, pos, EMPTY)
+
+
+def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_lens):
+  """Write prompts into the host tier and warm the hot cache from device KV.
+
+  Args:
+    k_prompt, v_prompt: [L, R, P, Hkv, D] the prompts' K/V (device), P <= T.
+    prompt_lens: i32[R], each <= P. Positions past a request's length are written
+      but never read.
+
+  Returns the state with seq_len = prompt_lens, metadata reset (LRU = slot order).
+  """
+  num_layers, num_req, plen = k_prompt.shape[:3]
+  if plen > cfg.max_len:
+    raise ValueError(f"prompt length {plen} exceeds the host tier (max_len={cfg.max_len})")
+  shape6 = (num_layers, num_req, plen, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+  k6 = k_prompt.reshape(shape6).astype(state.host_k.dtype)
+  v6 = v_prompt.reshape(shape6).astype(state.host_v.dtype)
+  to_host = ((lambda x: jax.device_put(x, jax.memory.Space.Host))
+             if fetch.is_host_array(state.host_k) else (lambda x: x))
+  zeros = (0,) * 6
+  host_k = jax.lax.dynamic_update_slice(state.host_k, to_host(k6), zeros)
+  host_v = jax.lax.dynamic_update_slice(state.host_v, to_host(v6), zeros)
+
+  pos = warm_positions(cfg, prompt_lens)  # [R, B]
+  r = jnp.arange(num_req)[:, None]
+  src = jnp.clip(pos, 0, plen - 1)
+  warm_k = jnp.moveaxis(k6[:, r, src], 3, 2)  # [L, R, U, B, Hg, D]
+  warm_v = jnp.moveaxis(v6[:, r, src], 3, 2)
+  valid = (pos >= 0)[None, :, None, :, None, None]
+  hot_k = state.hot_k.at[:, :, :, :cfg.hot_slots].set(
+      jnp.where(valid, warm_k, state.hot_k[:, :, :, :cfg.hot_slots]))
+  hot_v = state.hot_v.at[:, :, :, :cfg.hot_slots].set(
+      jnp.where(valid, warm_v, state.hot_v[:, :, :, :cfg.hot_slots]))
+  meta_shape = state.slot_pos.shape
+  slot_pos = jnp.broadcast_to(pos[None, :, None, :], meta_shape)
+  lru = jnp.broadcast_to(jnp.arange(cfg.hot_slots, dtype=jnp.int32), meta_shape)
+  return state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
+                       slot_pos=slot_pos, lru=lru,
+                       seq_len=prompt_lens.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------------
+# Full-KV sparse attention: the exactness reference and the speed baseline.
+# ---------------------------------------------------------------------------------
+
+
+class FullKVState(NamedTuple):
+  k: jax.Array  # [L, R, T, U, Hg, D] on device
+  v: jax.Array
+  seq_len: jax.Array  # i32[R]
+
+
+def init_full_kv(cfg: TierConfig, k_prompt, v_prompt, prompt_lens, *, fill=0.0):
+  shape = (cfg.num_layers, cfg.num_requests, cfg.max_len, cfg.num_units,
+           cfg.heads_per_unit, cfg.head_dim)
+  k = jnp.full(shape, fill, cfg.dtype)
+  v = jnp.full(shape, fill, cfg.dtype)
+  plen = k_prompt.shape[2]
+  k = k.at[:, :, :plen].set(k_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
+  v = v.at[:, :, :plen].set(v_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
+  return FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32))  # a copy: donated
+
+
+def full_kv_decode_step(cfg: TierConfig, state: FullKVState, q, k_new, v_new,
+                        select: SelectFn, select_aux=None):
+  """Same contract as ``decode_step`` with every position resident on device."""
+  num_req = cfg.num_requests
+  r = jnp.arange(num_req)
+  shape = (num_req, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+
+  def body(carry, xs):
+    k_all, v_all = carry
+    layer, q_l, k_l, v_l, aux_l = xs
+    k_all = k_all.at[layer, r, state.seq_len].set(k_l.reshape(shape).astype(k_all.dtype))
+    v_all = v_all.at[layer, r, state.seq_len].set(v_l.reshape(shape).astype(v_all.dtype))
+    selected = select(q_l, SelectContext(layer, state.seq_len, aux_l))
+    out, _ = attention.full_kv_attention(q_l, k_all, v_all, layer, selected)
+    return (k_all, v_all), out
+
+  layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  (k_all, v_all), out = jax.lax.scan(body, (state.k, state.v),
+                                     (layers, q, k_new, v_new, select_aux))
+  return out, FullKVState(k_all, v_all, state.seq_len + 1)
+
+
+# ---------------------------------------------------------------------------------
+# Driver: jitted, donated entry points with eager error reporting.
+# ---------------------------------------------------------------------------------
+
+
+def describe_status(status: int) -> str:
+  reasons = []
+  if status & STATUS_OUT_OF_RANGE:
+    reasons.append("a selected position is out of range (not -1 and not in 0..newest)")
+  if status & STATUS_DUPLICATE:
+    reasons.append("a selection repeats a position")
+  if status & STATUS_CAPACITY:
+    reasons.append("a request's context exceeds the host tier (max_len)")
+  return "; ".join(reasons) or "ok"
+
+
+class StepRefused(ValueError):
+  """A decode step refused its input; ``state`` is the (unchanged) returned state."""
+
+  def __init__(self, message: str, state):
+    super().__init__(message)
+    self.state = state
+
+
+class TieredDecoder:
+  """Jitted prefill/step with donation; refuses bad input with ``ValueError``.
+
+  The driver mirrors ``seq_len`` on the host (it advances deterministically), so the
+  capacity check needs no device sync; the step's status word is read once per
+  step (a serving loop reads its sampled tokens anyway).
+  """
+
+  def __init__(self, cfg: TierConfig, select: SelectFn = given_selection):
+    self.cfg = cfg
+    self.select = select
+    self._step = jax.jit(functools.partial(decode_step, cfg, select=select),
+                         donate_argnums=(0,))
+    self._append = jax.jit(functools.partial(append_newest, cfg), donate_argnums=(0,))
+    self._prefill = jax.jit(functools.partial(prefill, cfg), donate_argnums=(0,))
+    self.seq_len = np.zeros((cfg.num_requests,), np.int64)
+
+  def prefill(self, state, k_prompt, v_prompt, prompt_lens):
+    lens = np.asarray(prompt_lens)
+    if (lens > self.cfg.max_len).any() or (lens > k_prompt.shape[2]).any():
+      raise ValueError(f"prompt_lens {lens} exceed the prompt ({k_prompt.shape[2]}) "
+                       f"or the host tier (max_len={self.cfg.max_len})")
+    state = self._prefill(state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
+    self.seq_len = lens.astype(np.int64).copy()
+    return state
+
+  def step(self, state, q, k_new, v_new, select_aux=None):
+    if (self.seq_len >= self.cfg.max_len).any():
+      raise ValueError(describe_status(STATUS_CAPACITY) +
+                       f": seq_len={self.seq_len.tolist()}, max_len={self.cfg.max_len}")
+    if self.select is given_selection and not isinstance(select_aux, jax.core.Tracer):
+      sel = np.asarray(select_aux)
+      if sel.shape[1:] != (self.cfg.num_requests, self.cfg.num_units, self.cfg.top_k):
+        raise ValueError(f"selections {sel.shape} must be [L, R, U, k]")
+      check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
+    out, state, status, committed = self._step(state, q, k_new, v_new,
+                                               select_aux=select_aux)
+    if not self.cfg.append_in_scan:
+      state = self._append(state, committed)
+    status = int(status)
+    if status:
+      raise StepRefused(f"decode step refused, cache unchanged: {describe_status(status)}",
+                        state)
+    self.seq_len += 1
+    return out, state

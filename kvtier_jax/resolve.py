@@ -1,0 +1,150 @@
+"""RESOLVE: map a step's selected positions onto hot slots (public contract).
+
+``resolve`` finds hits, picks LRU victims for misses, updates the slot metadata and
+says which slot serves each selected entry; the caller fetches the misses. The
+algorithm lives beside its kernel in ``pallas_kernels/cache_resolve`` (the jnp
+reference doubles as the XLA path); this module validates and dispatches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax.shapes import EMPTY
+from pallas_kernels import common
+from pallas_kernels.cache_resolve import ResolveOutputs, cache_resolve_reference
+
+__all__ = ["ResolveOutputs", "resolve", "install_newest", "selection_errors",
+           "check_selection"]
+
+# Bits of the status word a decode step returns.
+STATUS_OUT_OF_RANGE = 1
+STATUS_DUPLICATE = 2
+STATUS_CAPACITY = 4
+
+
+def _is_concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_shapes(slot_pos, lru, selected, newest):
+  for name, x in (("slot_pos", slot_pos), ("lru", lru), ("selected", selected),
+                  ("newest", newest)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+  if slot_pos.ndim < 1 or slot_pos.shape != lru.shape:
+    raise ValueError(f"slot_pos {slot_pos.shape} and lru {lru.shape} must have the "
+                     "same shape [..., B]")
+  if selected.shape[:-1] != slot_pos.shape[:-1] or selected.ndim != slot_pos.ndim:
+    raise ValueError(f"selected {selected.shape} must be [..., k] with the batch "
+                     f"dims of slot_pos {slot_pos.shape}")
+  if newest.shape != slot_pos.shape[:-1]:
+    raise ValueError(f"newest {newest.shape} must have shape {slot_pos.shape[:-1]}")
+  num_slots, num_sel = slot_pos.shape[-1], selected.shape[-1]
+  if num_slots < num_sel:
+    raise ValueError(f"B={num_slots} hot slots cannot serve k={num_sel} selected "
+                     "positions in one step: B must be >= k")
+
+
+def check_selection(selected, newest) -> None:
+  """Raise ``ValueError`` on out-of-range or duplicate selections (concrete values).
+
+  Valid entries are ``-1`` (padding) or positions in ``[0, newest]`` (no upper
+  bound where ``newest < 0``), distinct within a row.
+  """
+  selected = np.asarray(selected)
+  newest = np.broadcast_to(np.asarray(newest), selected.shape[:-1])[..., None]
+  bad = (selected < EMPTY) | ((newest >= 0) & (selected > newest))
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"selected position {int(selected[where])} at index {where} is "
+                     f"out of range (valid: -1 or 0..newest={int(newest[where[:-1]][0])})")
+  srt = np.sort(selected, axis=-1)
+  dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+  if dup.any():
+    where = tuple(int(i) for i in np.argwhere(dup)[0])
+    raise ValueError(f"selected position {int(srt[where])} appears twice in row "
+                     f"{where[:-1]}; selections must be distinct")
+
+
+def _check_metadata(slot_pos, lru) -> None:
+  slot_pos, lru = np.asarray(slot_pos), np.asarray(lru)
+  num_slots = lru.shape[-1]
+  if not (np.sort(lru, axis=-1) == np.arange(num_slots)).all():
+    raise ValueError("lru must be a permutation of 0..B-1 in every row")
+  if (slot_pos < EMPTY).any():
+    raise ValueError("slot_pos entries must be -1 (empty) or positions >= 0")
+  srt = np.sort(slot_pos, axis=-1)
+  if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any():
+    raise ValueError("a position is held by two slots of the same row")
+
+
+def selection_errors(selected, newest):
+  """In-jit counterpart of ``check_selection``: status bits per row, i32[...]."""
+  bad_range = (selected < EMPTY) | ((newest[..., None] >= 0) &
+                                     (selected > newest[..., None]))
+  srt = jnp.sort(selected, axis=-1)
+  dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+  return (jnp.where(bad_range.any(-1), STATUS_OUT_OF_RANGE, 0)
+          | jnp.where(dup.any(-1), STATUS_DUPLICATE, 0)).astype(jnp.int32)
+
+
+def resolve(slot_pos, lru, selected, newest, *, impl: str = "xla",
+            interpret: bool | None = None) -> ResolveOutputs:
+  """One RESOLVE step over any leading batch dims ``...``.
+
+  Args:
+    slot_pos: i32[..., B] position held by each regular slot, -1 empty.
+    lru: i32[..., B] slot ids, least recently used first.
+    selected: i32[..., k] distinct positions wanted now, -1 = padding.
+    newest: i32[...] the newest position; it is always served by reserved slot B.
+    impl: "xla" (jnp), "pallas" (the fused kernel; interpreted off GPU) or "auto".
+    interpret: override Pallas interpret mode.
+
+  Returns:
+    ``ResolveOutputs(slot_pos, lru, slot, is_miss)``: updated metadata, the slot that
+    holds each selected entry after the step (B for the newest, -1 for padding) and
+    whether it must be fetched from the host tier.
+
+  Raises:
+    ValueError: at trace time on malformed shapes/dtypes or ``B < k``; and, when the
+      inputs are concrete, on out-of-range or duplicate selections and invalid
+      metadata.
+  """
+  slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
+  _check_shapes(slot_pos, lru, selected, newest)
+  if _is_concrete(slot_pos, lru, selected, newest):
+    check_selection(selected, newest)
+    _check_metadata(slot_pos, lru)
+  args = tuple(x.astype(jnp.int32) for x in (slot_pos, lru, selected, newest))
+  if common.use_kernel(impl, "resolve"):
+    from pallas_kernels.cache_resolve.kernel import cache_resolve
+    interp = common.interpret_mode() if interpret is None else interpret
+    return cache_resolve(*args, interpret=interp)
+  return cache_resolve_reference(*args)
+
+
+def install_newest(slot_pos, lru, newest):
+  """Also keep the newest position in a regular slot when one is empty.
+
+  While a request is shorter than B this keeps every position resident (slot i
+  holds position i), so short contexts never fetch. The lowest-index empty slot is
+  used and becomes most recently used. Rows without an empty slot are unchanged.
+
+  Returns:
+    (slot_pos, lru, target) with target i32[...] the slot written, -1 for none.
+  """
+  num_slots = slot_pos.shape[-1]
+  empty = slot_pos == EMPTY
+  has_empty = empty.any(-1)
+  target = jnp.where(has_empty, jnp.argmax(empty, axis=-1), EMPTY).astype(jnp.int32)
+  is_target = lru == target[..., None]  # no match when target == -1
+  dest = jnp.where(is_target, num_slots - 1,
+                   jnp.cumsum(~is_target, axis=-1, dtype=jnp.int32) - 1)
+  moved = jnp.put_along_axis(jnp.zeros_like(lru), dest, lru, axis=-1, inplace=False)
+  new_lru = jnp.where(has_empty[..., None], moved, lru)
+  new_slot_pos = jnp.where(
+      jnp.arange(num_slots) == target[..., None], newest[..., None], slot_pos)
+  return new_slot_pos, new_lru, target

@@ -1,0 +1,47 @@
+"""The one shape glossary of kvtier_jax, pallas_kernels and models.
+
+Dimension letters used in shape comments (``# i32[L, R, U, B]``) and in the
+jaxtyping aliases below:
+
+* ``L``   layers that own a tiered cache.
+* ``R``   request slots in the batch.
+* ``T``   host-tier capacity in positions per request (``max_len``).
+* ``U``   cache units per request: 1 when one selection serves all KV heads of a
+          request (DSA, SGLang-Quest), ``Hkv`` when each KV head selects its own
+          positions (original Quest, NSA per group). Each unit has its own hot
+          slots, LRU and selection.
+* ``Hg``  KV heads per unit (``Hkv // U``).
+* ``Hkv`` KV heads (``U * Hg``); ``G`` query heads per KV head; ``Hq = Hkv * G``.
+* ``D``   head dimension.
+* ``B``   hot slots per (layer, request, unit). Physical slot ``B`` (the
+          ``B + 1``-th) is reserved for the newest token and never in the LRU.
+* ``k``   positions selected per (layer, request, unit) per decode step
+          (the sparse-attention budget), ``B >= k``.
+* ``P``   prompt length (padded) at prefill.
+
+A *row* is the KV of one position for one unit: ``[Hg, D]``. The host tier is
+``[L, R, T, U, Hg, D]`` (a position's rows for all units are contiguous), the
+hot cache ``[L, R, U, B + 1, Hg, D]``.
+
+The single sentinel is ``-1`` (``EMPTY``): an empty slot in ``slot_pos``, a padding
+entry in ``selected``, "no slot" in resolve outputs.
+"""
+
+from jaxtyping import Array, Bool, Float, Int
+
+EMPTY = -1
+
+HostKV = Float[Array, "L R T U Hg D"]
+HotKV = Float[Array, "L R U Bp1 Hg D"]
+SlotPos = Int[Array, "*batch B"]
+LruOrder = Int[Array, "*batch B"]
+Selected = Int[Array, "*batch k"]
+Newest = Int[Array, "*batch"]
+SlotOut = Int[Array, "*batch k"]
+MissMask = Bool[Array, "*batch k"]
+SeqLen = Int[Array, "R"]
+
+__all__ = [
+    "EMPTY", "HostKV", "HotKV", "SlotPos", "LruOrder", "Selected", "Newest",
+    "SlotOut", "MissMask", "SeqLen",
+]

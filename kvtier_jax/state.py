@@ -1,0 +1,121 @@
+"""Tiered KV state: host-authoritative KV, device hot cache, metadata, counters.
+
+All fields are arrays (a pytree), passed into the jitted step and returned, donated
+at the jit boundary. Shapes follow shapes.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax.config import TierConfig
+from kvtier_jax.shapes import EMPTY
+
+
+@flax.struct.dataclass
+class TieredKVState:
+  """Per (layer, request, unit) hot cache over a per-request host tier.
+
+  The host tier has ``T + 1`` positions per request: position ``T`` is a scratch
+  row that absorbs writes which must not land (a rejected step), because
+  ``dynamic_update_slice`` clamps instead of dropping. It is never read.
+  """
+
+  host_k: jax.Array  # f[L, R, T+1, U, Hg, D]  memory_kind=pinned_host where supported
+  host_v: jax.Array  # f[L, R, T+1, U, Hg, D]
+  hot_k: jax.Array  # f[L, R, U, B+1, Hg, D]  slot B: the newest token
+  hot_v: jax.Array  # f[L, R, U, B+1, Hg, D]
+  slot_pos: jax.Array  # i32[L, R, U, B]  position held by each slot, -1 empty
+  lru: jax.Array  # i32[L, R, U, B]  slot ids, least recently used first
+  seq_len: jax.Array  # i32[R]  positions 0..seq_len-1 are in the host tier
+  hits: jax.Array  # i32[L, R, U]  selected entries served without a fetch
+  misses: jax.Array  # i32[L, R, U]  selected entries fetched from the host tier
+  fetched_rows: jax.Array  # i32[L]  rows moved host->device (incl. gather padding)
+
+
+def host_memory_kind(device: jax.Device | None = None) -> str:
+  """``pinned_host`` where the device has it, else the default memory."""
+  device = device or jax.devices()[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  return "pinned_host" if "pinned_host" in kinds else device.default_memory().kind
+
+
+def host_sharding(device: jax.Device | None = None):
+  device = device or jax.devices()[0]
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+
+
+def is_host_array(x) -> bool:
+  """True when ``x`` (array or tracer) lives in host memory space."""
+  space = getattr(jax.typeof(x), "memory_space", None)
+  return space is not None and space == jax.memory.Space.Host
+
+
+def host_tier_shape(cfg: TierConfig) -> tuple[int, ...]:
+  return (cfg.num_layers, cfg.num_requests, cfg.max_len + 1, cfg.num_units,
+          cfg.heads_per_unit, cfg.head_dim)
+
+
+def hot_cache_shape(cfg: TierConfig) -> tuple[int, ...]:
+  return (cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.hot_slots + 1,
+          cfg.heads_per_unit, cfg.head_dim)
+
+
+def init_state(cfg: TierConfig, *, fill: float = 0.0,
+               device: jax.Device | None = None) -> TieredKVState:
+  """An empty cache: no positions, every slot empty, LRU = slot order.
+
+  ``fill`` initialises the KV arrays (tests pass NaN so that any read of memory
+  the cache never wrote poisons the output).
+  """
+  device = device or jax.devices()[0]
+  dtype = jnp.dtype(cfg.dtype)
+  # Built in numpy and placed once: the host tier never passes through HBM.
+  host = np.full(host_tier_shape(cfg), fill, dtype)
+  hs = host_sharding(device)
+  meta_shape = (cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.hot_slots)
+  lru = np.broadcast_to(np.arange(cfg.hot_slots, dtype=np.int32), meta_shape)
+  put = functools.partial(jax.device_put, device=device)
+  counters = (cfg.num_layers, cfg.num_requests, cfg.num_units)
+  return TieredKVState(
+      host_k=jax.device_put(host, hs),
+      host_v=jax.device_put(host, hs),
+      hot_k=put(np.full(hot_cache_shape(cfg), fill, dtype)),
+      hot_v=put(np.full(hot_cache_shape(cfg), fill, dtype)),
+      slot_pos=put(np.full(meta_shape, EMPTY, np.int32)),
+      lru=put(np.ascontiguousarray(lru)),
+      seq_len=put(np.zeros((cfg.num_requests,), np.int32)),
+      hits=put(np.zeros(counters, np.int32)),
+      misses=put(np.zeros(counters, np.int32)),
+      fetched_rows=put(np.zeros((cfg.num_layers,), np.int32)),
+  )
+
+
+def cache_stats(cfg: TierConfig, state: TieredKVState) -> dict:
+  """Counters as int64 numpy (one device->host read; call at run boundaries)."""
+  hits, misses, rows = jax.device_get((state.hits, state.misses, state.fetched_rows))
+  hits, misses, rows = (np.asarray(x, np.int64) for x in (hits, misses, rows))
+  return {
+      "hits_per_layer": hits.sum((1, 2)),
+      "misses_per_layer": misses.sum((1, 2)),
+      "hits": int(hits.sum()),
+      "misses": int(misses.sum()),
+      "fetched_rows": int(rows.sum()),
+      # K and V rows both cross the link.
+      "host_to_device_bytes": int(rows.sum()) * 2 * cfg.row_bytes,
+      "miss_rate": float(misses.sum() / max(1, hits.sum() + misses.sum())),
+  }
+
+
+def array_bytes_by_memory_kind(tree) -> dict[str, int]:
+  """Bytes of every array in ``tree``, grouped by memory kind (measured sizes)."""
+  out: dict[str, int] = {}
+  for x in jax.tree.leaves(tree):
+    kind = getattr(x.sharding, "memory_kind", None) or "device"
+    out[kind] = out.get(kind, 0) + x.nbytes
+  return out

@@ -1,0 +1,1 @@
+from pallas_kernels.cache_resolve.reference import ResolveOutputs, cache_resolve_reference

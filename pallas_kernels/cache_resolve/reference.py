@@ -1,0 +1,95 @@
+"""Pure-jnp RESOLVE: the reference for the kernel and the XLA fallback.
+
+Semantics (SGLang HiSparse ``load_cache_to_device_buffer`` order, SPECS.md §1.5):
+
+* a regular slot is a *hit* when the position it holds is selected (the newest
+  position excluded: it always lives in the reserved slot ``B``);
+* every other regular slot is *evictable*, in LRU order (empty slots included);
+* the j-th miss, counted in ``selected`` order, takes the j-th least-recently-used
+  evictable slot;
+* new LRU order = [evictables not taken, old order] ++ [victims, miss order]
+  ++ [hits, old relative order].
+
+Everything is vectorised: one sort of the ``k`` selected positions, a binary search
+per slot and a few cumsums and scatters per row; no loop over slots.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+class ResolveOutputs(NamedTuple):
+  slot_pos: jax.Array  # i32[..., B]  position held by each regular slot, -1 empty
+  lru: jax.Array  # i32[..., B]  slot ids, least recently used first
+  slot: jax.Array  # i32[..., k]  slot serving each selected entry (B: newest, -1: pad)
+  is_miss: jax.Array  # bool[..., k]
+
+
+def _resolve_row(slot_pos, lru, selected, newest):
+  # slot_pos: i32[B], lru: i32[B], selected: i32[k], newest: i32[]
+  num_slots = slot_pos.shape[0]
+  valid = selected >= 0
+  is_newest = valid & (selected == newest)
+  wanted = valid & ~is_newest  # entries that must come from a regular slot
+
+  # Membership by one sort of the k selected positions (cheaper than sorting the B
+  # slots): each slot looks its position up; positions are distinct on both sides.
+  num_sel = selected.shape[0]
+  masked = jnp.where(wanted, selected, jnp.iinfo(jnp.int32).max)
+  order = jnp.argsort(masked)
+  sel_sorted = masked[order]
+  at = jnp.minimum(jnp.searchsorted(sel_sorted, slot_pos), num_sel - 1)  # [B]
+  is_hit_slot = (slot_pos >= 0) & (sel_sorted[at] == slot_pos)
+  hit_lru = is_hit_slot[lru]  # bool[B]
+  slot_ids = jnp.arange(num_slots, dtype=jnp.int32)
+  held_sorted = jnp.full((num_sel,), -1, jnp.int32).at[
+      jnp.where(is_hit_slot, at, num_sel)].set(slot_ids, mode="drop")
+  hit_slot = jnp.zeros((num_sel,), jnp.int32).at[order].set(held_sorted)
+  held = wanted & (hit_slot >= 0)
+
+  miss = wanted & ~held  # bool[k]
+  num_miss = miss.sum(dtype=jnp.int32)
+  miss_rank = jnp.cumsum(miss, dtype=jnp.int32) - 1
+
+  hit_rank = jnp.cumsum(hit_lru, dtype=jnp.int32) - 1
+  evict_rank = jnp.cumsum(~hit_lru, dtype=jnp.int32) - 1
+  num_evict = num_slots - hit_lru.sum(dtype=jnp.int32)
+
+  # Destination of every old LRU entry in the new order.
+  new_index = jnp.where(
+      hit_lru, num_evict + hit_rank,
+      jnp.where(evict_rank < num_miss, num_evict - num_miss + evict_rank,
+                evict_rank - num_miss))
+  new_lru = jnp.zeros_like(lru).at[new_index].set(lru, unique_indices=True)
+
+  # j-th miss takes the evictable of rank j.
+  evict_by_rank = jnp.zeros_like(lru).at[
+      jnp.where(hit_lru, num_slots, evict_rank)].set(lru, mode="drop")
+  victim = evict_by_rank[jnp.where(miss, miss_rank, 0)]
+
+  slot = jnp.where(miss, victim,
+                   jnp.where(held, hit_slot, jnp.where(is_newest, num_slots, -1)))
+  new_slot_pos = slot_pos.at[jnp.where(miss, victim, num_slots)].set(
+      selected, mode="drop")
+  return ResolveOutputs(new_slot_pos, new_lru, slot.astype(jnp.int32), miss)
+
+
+@jax.jit
+def cache_resolve_reference(slot_pos, lru, selected, newest) -> ResolveOutputs:
+  """RESOLVE over any leading batch dims; see the module docstring.
+
+  Args:
+    slot_pos: i32[..., B] position held by each regular slot, -1 when empty.
+    lru: i32[..., B] permutation of slot ids, least recently used first.
+    selected: i32[..., k] distinct positions wanted this step, -1 = padding.
+    newest: i32[...] the newest position (served by reserved slot ``B``).
+  """
+  batch = slot_pos.shape[:-1]
+  flat = lambda x, n: x.reshape((-1, n))
+  out = jax.vmap(_resolve_row)(
+      flat(slot_pos, slot_pos.shape[-1]), flat(lru, lru.shape[-1]),
+      flat(selected, selected.shape[-1]), newest.reshape((-1,)))
+  return ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out))

@@ -1,0 +1,59 @@
+"""The one place that knows which Pallas backend runs where.
+
+* CPU (CI): every kernel runs with ``interpret=True``.
+* CUDA GPU: the Pallas **Triton** backend. In jax 0.10.2 ``pallas_call`` defaults to
+  Mosaic GPU, which cannot yet express the vector gathers/scatters, ``cumsum`` and
+  masked loads these kernels need (JAX_HOST_OFFLOAD_NOTES.md §3), so we always pass
+  ``triton_params``. Triton is deprecated from jax 0.11 on; WORKSPACE_NOTES.md tracks
+  the re-check of Mosaic GPU.
+
+``impl`` strings accepted by every dispatching op: ``"xla"`` (the pure-jnp reference,
+available everywhere), ``"pallas"`` (the kernel; interpreted on CPU) and ``"auto"``
+(on a GPU whichever of the two measured faster there, ``GPU_AUTO``; XLA elsewhere).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def check_impl(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"{impl=} must be one of {IMPLS}")
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+# What "auto" picks on a GPU, per op: the faster of kernel and XLA as measured on an
+# H200 by experiments/gpu_check.py (table and date in WORKSPACE_NOTES.md).
+GPU_AUTO = {"resolve": "xla", "attention": "xla", "fetch": "pallas"}
+
+
+def use_kernel(impl: str, op: str) -> bool:
+  """True when ``impl`` selects the Pallas kernel of ``op`` on this backend."""
+  check_impl(impl)
+  if impl == "auto":
+    return on_gpu() and GPU_AUTO[op] == "pallas"
+  return impl == "pallas"
+
+
+def interpret_mode() -> bool:
+  """Pallas kernels run interpreted everywhere except on a GPU."""
+  return not on_gpu()
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 1):
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_power_of_2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+cdiv = pl.cdiv

@@ -1,0 +1,35 @@
+"""Block sizes of the sparse decode attention kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tuning knobs (static).
+
+  block_k: selected rows gathered per inner iteration (power of 2, >= 16 for
+    Triton's dot).
+  k_splits: programs splitting one (request, KV head)'s k rows (flash-decoding),
+    merged by log-sum-exp outside the kernel; raises occupancy at small batch.
+  num_warps / num_stages: Triton launch parameters.
+  """
+
+  block_k: int = 64
+  k_splits: int = 4
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.block_k < 16 or self.block_k & (self.block_k - 1):
+      raise ValueError(f"{self.block_k=} must be a power of 2 >= 16")
+    if self.k_splits < 1:
+      raise ValueError(f"{self.k_splits=} must be >= 1")
+
+  @classmethod
+  def get_default(cls, top_k: int) -> "BlockSizes":
+    """Fewer splits for small k, so that each split still has a full block."""
+    block_k = 64 if top_k >= 64 else 16
+    splits = max(1, min(4, top_k // (2 * block_k)))
+    return cls(block_k=block_k, k_splits=splits)

@@ -1,0 +1,241 @@
+"""The jitted tiered decode step against full-KV sparse attention, and its contracts:
+nothing lost in the host tier, no fetch while short, refused input leaves the cache
+unchanged, donation and no retracing."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvtier_jax import decode, selectors
+from kvtier_jax import state as kv_state
+from kvtier_jax.config import TierConfig
+
+
+def make_cfg(**kw):
+  base = dict(num_layers=4, num_requests=3, max_len=520, num_q_heads=4, num_kv_heads=2,
+              head_dim=16, hot_slots=32, top_k=16, fetch_chunk=8)
+  base.update(kw)
+  return TierConfig(**base)
+
+
+def random_kv(rng, cfg, length):
+  shape = (cfg.num_layers, cfg.num_requests, length, cfg.num_kv_heads, cfg.head_dim)
+  return (jnp.asarray(rng.standard_normal(shape), jnp.float32),
+          jnp.asarray(rng.standard_normal(shape), jnp.float32))
+
+
+def draw_selection(rng, cfg, seq_len, prev):
+  """Selections with locality: most of the previous step's, some new, often the newest."""
+  sel = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1, np.int32)
+  for l, r, u in np.ndindex(*sel.shape[:3]):
+    newest = int(seq_len[r])
+    keep = [p for p in prev[l, r, u] if 0 <= p <= newest and rng.random() < 0.75]
+    fresh = rng.choice(newest + 1, size=min(cfg.top_k, newest + 1), replace=False)
+    row = list(dict.fromkeys(keep + ([newest] if rng.random() < 0.7 else []) +
+                             fresh.tolist()))[:cfg.top_k]
+    if rng.random() < 0.2:
+      row = row[:max(1, len(row) - 3)]  # some padding
+    sel[l, r, u, :len(row)] = rng.permutation(row)
+  return sel
+
+
+class Harness:
+  """Steps the tiered cache and the full-KV reference side by side."""
+
+  def __init__(self, cfg, prompt_lens, seed=0):
+    self.cfg = cfg
+    self.rng = np.random.default_rng(seed)
+    plen = max(prompt_lens)
+    kp, vp = random_kv(self.rng, cfg, plen)
+    self.decoder = decode.TieredDecoder(cfg)
+    self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
+                                      prompt_lens)
+    self.full = decode.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
+    self.full_step = jax.jit(functools.partial(decode.full_kv_decode_step, cfg,
+                                               select=selectors.given_selection))
+    self.prev = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1)
+
+  def step(self, sel=None):
+    cfg = self.cfg
+    shape = (cfg.num_layers, cfg.num_requests)
+    q = jnp.asarray(self.rng.standard_normal(shape + (cfg.num_q_heads, cfg.head_dim)),
+                    jnp.float32)
+    kn = jnp.asarray(self.rng.standard_normal(shape + (cfg.num_kv_heads, cfg.head_dim)),
+                     jnp.float32)
+    vn = jnp.asarray(self.rng.standard_normal(kn.shape), jnp.float32)
+    if sel is None:
+      sel = draw_selection(self.rng, cfg, self.decoder.seq_len, self.prev)
+    self.prev = sel
+    out, self.state = self.decoder.step(self.state, q, kn, vn, sel)
+    ref, self.full = self.full_step(self.full, q, kn, vn, select_aux=sel)
+    return np.asarray(out), np.asarray(ref)
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+@pytest.mark.parametrize("slots_per_k", [1, 2])
+def test_tiered_decode_equals_full_kv_sparse_attention(slots_per_k, per_kv_head):
+  # Prompts from shorter than B to 16x B; 200 steps take the short one past B.
+  cfg = make_cfg(hot_slots=16 * slots_per_k, per_kv_head=per_kv_head)
+  lens = [10, 16 * slots_per_k * 8, 300]
+  h = Harness(cfg, lens, seed=slots_per_k + 2 * per_kv_head)
+  worst = 0.0
+  for _ in range(200):
+    out, ref = h.step()
+    worst = max(worst, float(np.abs(out - ref).max()))
+  assert worst <= 1e-5
+  stats = kv_state.cache_stats(cfg, h.state)
+  assert stats["misses"] > 0 and stats["hits"] > 0
+  # Nothing lost: the host tier holds every committed position, bit for bit.
+  host_k = np.asarray(h.state.host_k)
+  full_k = np.asarray(h.full.k)
+  for r, n in enumerate(h.decoder.seq_len):
+    np.testing.assert_array_equal(host_k[:, r, :n], full_k[:, r, :n])
+  np.testing.assert_array_equal(np.asarray(h.state.seq_len), h.decoder.seq_len)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_kernel_paths_match_reference(impl):
+  cfg = make_cfg(resolve_impl=impl, attention_impl=impl, fetch_impl=impl,
+                 host_append="in_scan")
+  h = Harness(cfg, [40, 100, 7], seed=5)
+  for _ in range(25):
+    out, ref = h.step()
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-6)
+
+
+def test_short_context_never_fetches():
+  cfg = make_cfg(hot_slots=64, top_k=16)
+  h = Harness(cfg, [5, 20, 30], seed=1)
+  for _ in range(30):  # longest reaches 60 <= B
+    out, ref = h.step()
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+  stats = kv_state.cache_stats(cfg, h.state)
+  assert stats["misses"] == 0 and stats["fetched_rows"] == 0
+  # Every position is resident at slot == position.
+  slot_pos = np.asarray(h.state.slot_pos)
+  for r, n in enumerate(h.decoder.seq_len):
+    np.testing.assert_array_equal(slot_pos[:, r, 0, :n], np.broadcast_to(np.arange(n), (4, n)))
+  out, ref = h.step()  # the longest request passes B: fetching may begin
+  np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("warm,expected", [
+    ("first", [0, 1, 2, 3, 4, 5, 6, 7]),
+    ("head_tail", [0, 1, 2, 3, 16, 17, 18, 19]),
+    ("empty", [-1] * 8),
+])
+def test_prefill_warm_start(warm, expected):
+  cfg = make_cfg(num_requests=2, hot_slots=8, top_k=4, warm_start=warm)
+  pos = np.asarray(decode.warm_positions(cfg, jnp.array([20, 5])))
+  np.testing.assert_array_equal(pos[0], expected)
+  np.testing.assert_array_equal(pos[1], [0, 1, 2, 3, 4, -1, -1, -1])  # fits: resident
+
+
+def snapshot(state):
+  return jax.tree.map(lambda x: np.asarray(x).copy(), state)
+
+
+def assert_same(a, b, fields=None):
+  for name in fields or a.__dataclass_fields__:
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("out_of_range", "out of range"), ("duplicate", "twice"), ("shape", "must be")])
+def test_bad_selection_is_refused_before_any_change(bad, match):
+  cfg = make_cfg()
+  h = Harness(cfg, [40, 50, 60])
+  h.step()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  if bad == "out_of_range":
+    sel[2, 1, 0, 0] = h.decoder.seq_len[1] + 5
+  elif bad == "duplicate":
+    sel[1, 0, 0, :2] = sel[1, 0, 0, 2]
+  else:
+    sel = sel[..., :-1]
+  before = snapshot(h.state)
+  with pytest.raises(ValueError, match=match):
+    h.decoder.step(h.state, jnp.zeros((4, 3, 4, 16)), jnp.zeros((4, 3, 2, 16)),
+                   jnp.zeros((4, 3, 2, 16)), sel)
+  assert_same(before, snapshot(h.state))
+
+
+def test_capacity_exceeded_is_refused():
+  cfg = make_cfg(max_len=64)
+  h = Harness(cfg, [60, 63, 10])
+  h.step()  # request 1 reaches 64 = max_len
+  before = snapshot(h.state)
+  with pytest.raises(ValueError, match="exceeds the host tier"):
+    h.step()
+  assert_same(before, snapshot(h.state))
+  with pytest.raises(ValueError, match="exceed"):
+    h.decoder.prefill(h.state, *random_kv(h.rng, cfg, 80), [70, 5, 5])
+
+
+def test_selector_bug_inside_jit_is_refused_and_recoverable():
+  """A selector that goes out of range at layer 2: StepRefused, seq_len and the
+  refusing layers unchanged, and decoding continues exactly afterwards."""
+  cfg = make_cfg()
+  h = Harness(cfg, [40, 50, 60])
+  for _ in range(3):
+    h.step()
+
+  def buggy(q, ctx):
+    sel = selectors.given_selection(q, ctx)
+    return jnp.where(ctx.layer == 2, sel.at[..., 0].set(10_000), sel)
+
+  bad_decoder = decode.TieredDecoder(cfg, select=buggy)
+  bad_decoder.seq_len = h.decoder.seq_len.copy()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  before = snapshot(h.state)
+  with pytest.raises(decode.StepRefused, match="out of range") as err:
+    bad_decoder.step(h.state, jnp.ones((4, 3, 4, 16)), jnp.ones((4, 3, 2, 16)),
+                     jnp.ones((4, 3, 2, 16)), sel)
+  after = snapshot(err.value.state)
+  np.testing.assert_array_equal(after.seq_len, before.seq_len)
+  for name in ("slot_pos", "lru", "hits", "misses"):
+    np.testing.assert_array_equal(getattr(after, name)[2:], getattr(before, name)[2:])
+  for r, n in enumerate(h.decoder.seq_len):  # committed host rows untouched
+    np.testing.assert_array_equal(after.host_k[:, r, :n], before.host_k[:, r, :n])
+  h.state = err.value.state
+  for _ in range(20):
+    out, ref = h.step()
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_step_donates_state_and_does_not_retrace():
+  cfg = make_cfg(host_append="in_scan")
+  h = Harness(cfg, [40, 50, 60])
+  h.step()
+  old = h.state
+  h.step()
+  assert old.host_k.is_deleted() and old.hot_k.is_deleted() and old.lru.is_deleted()
+  compiled = h.decoder._step._cache_size()
+  for _ in range(5):
+    h.step()
+  assert h.decoder._step._cache_size() == compiled == 1
+
+
+def test_host_tier_lives_in_host_memory_and_is_accounted():
+  cfg = make_cfg()
+  state = kv_state.init_state(cfg)
+  assert state.host_k.sharding.memory_kind == kv_state.host_memory_kind()
+  by_kind = kv_state.array_bytes_by_memory_kind(state)
+  host = cfg.num_requests * cfg.host_bytes_per_request()
+  assert by_kind[kv_state.host_memory_kind()] == host
+  device = sum(v for k, v in by_kind.items() if k != kv_state.host_memory_kind())
+  counters = (2 * cfg.num_layers * cfg.num_requests * cfg.num_units + cfg.num_layers +
+              cfg.num_requests) * 4
+  assert device == cfg.num_requests * cfg.device_bytes_per_request() + counters
+
+
+def test_config_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="must be >= top_k"):
+    make_cfg(hot_slots=8, top_k=16)
+  with pytest.raises(ValueError, match="multiple"):
+    make_cfg(num_q_heads=5)
+  with pytest.raises(ValueError, match="impl"):
+    make_cfg(fetch_impl="cuda")

@@ -1,0 +1,38 @@
+"""Deviceless H200 compile of the decode step: no whole-host-tier copy, every state
+buffer aliased in place, the kernels present. Needs the CUDA plugin (the `audit`
+extra, installed by CI); skipped without it."""
+
+import jax.numpy as jnp
+import pytest
+
+from experiments import deviceless, hlo_audit
+
+pytestmark = pytest.mark.skipif(not deviceless.available(),
+                                reason="needs jax-cuda12-plugin (pip install -e .[audit])")
+
+
+@pytest.mark.parametrize("variant", range(4))
+def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
+  name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
+  audit = hlo_audit.audit_config(cfg, name)
+  assert audit.whole_host_copies == 0
+  assert audit.aliased_params == audit.state_params == 10
+  assert audit.host_to_device_bytes_per_miss == 2 * cfg.row_bytes
+  assert audit.async_host_writes > 0  # in-scan append: async DUS on the host buffer
+  if cfg.fetch_impl == "pallas":
+    assert "fetch_rows" in audit.kernels and audit.host_executes == 0
+  else:
+    assert audit.host_executes >= 1
+  if cfg.attention_impl == "pallas":
+    assert {"cache_resolve", "sparse_decode_attention"} <= set(audit.kernels)
+
+
+def test_audit_detects_a_whole_tier_copy():
+  """The negative control: the counter is not blind."""
+  _, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  assert hlo_audit.audit_config_bad_pattern(cfg) > 0
+
+
+def test_f32_tier_shape_is_matched():
+  _, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  assert hlo_audit.audit_config_bad_pattern(cfg.replace(dtype=jnp.float32)) > 0

@@ -1,0 +1,145 @@
+"""RESOLVE (XLA reference and Pallas kernel) against the numpy oracle, invariants,
+hand-worked cases and bad input."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kvtier_jax.resolve import install_newest, resolve
+from tests.oracles import resolve_oracle
+
+IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
+
+
+def random_selection(rng, batch, num_sel, newest, pad_prob=0.1, local=True):
+  """Distinct positions in [0, newest] with locality, some padding, newest often."""
+  sel = np.full(batch + (num_sel,), -1, np.int32)
+  for idx in np.ndindex(*batch):
+    top = int(newest[idx])
+    n = min(num_sel, top + 1)
+    if local:
+      centre = rng.integers(0, top + 1)
+      pool = np.arange(max(0, centre - 2 * num_sel), min(top + 1, centre + 2 * num_sel))
+    else:
+      pool = np.arange(top + 1)
+    picks = rng.choice(pool, size=min(n, len(pool)), replace=False)
+    if rng.random() < 0.5:
+      picks[0] = top  # the newest position
+      picks = np.unique(picks)
+    row = np.full(num_sel, -1, np.int32)
+    row[:len(picks)] = picks
+    row[rng.random(num_sel) < pad_prob] = -1
+    sel[idx] = rng.permutation(row)
+  return sel
+
+
+def check_invariants(before_pos, out, selected, newest):
+  slot_pos, lru, slot, is_miss = (np.asarray(x) for x in out)
+  num_slots = slot_pos.shape[-1]
+  assert (np.sort(lru, -1) == np.arange(num_slots)).all(), "lru is not a permutation"
+  for idx in np.ndindex(*slot_pos.shape[:-1]):
+    held = slot_pos[idx][slot_pos[idx] >= 0]
+    assert len(np.unique(held)) == len(held), "a position is held twice"
+    for p, s, m in zip(selected[idx], slot[idx], is_miss[idx]):
+      if p < 0:
+        assert s == -1 and not m
+      elif p == newest[idx]:
+        assert s == num_slots and not m
+      else:
+        assert slot_pos[idx][s] == p, "selected position not where resolve says"
+        assert m == (p not in before_pos[idx]), "miss flag disagrees with residency"
+    # A slot that held a selected position keeps it (hits are never evicted).
+    wanted = set(selected[idx][selected[idx] >= 0].tolist()) - {int(newest[idx])}
+    for s, p in enumerate(before_pos[idx]):
+      if p in wanted:
+        assert slot_pos[idx][s] == p
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("batch,num_slots,num_sel,seed", [
+    ((3,), 32, 16, 0), ((2, 2), 20, 20, 1), ((1, 3, 2), 24, 7, 2), ((4,), 40, 33, 3)])
+def test_resolve_matches_oracle_over_many_steps(impl, batch, num_slots, num_sel, seed):
+  rng = np.random.default_rng(seed)
+  slot_pos = np.full(batch + (num_slots,), -1, np.int32)
+  lru = np.broadcast_to(np.arange(num_slots, dtype=np.int32), slot_pos.shape).copy()
+  steps = 12 if impl == "pallas" else 40
+  for step in range(steps):
+    newest = rng.integers(3 * num_slots, 6 * num_slots, size=batch).astype(np.int32)
+    sel = random_selection(rng, batch, num_sel, newest, local=step % 3 != 0)
+    want = resolve_oracle(slot_pos, lru, sel, newest)
+    got = resolve(slot_pos, lru, sel, newest, impl=impl)
+    for name, w, g in zip(("slot_pos", "lru", "slot", "is_miss"), want, got):
+      np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name}, step {step}")
+    check_invariants(slot_pos, got, sel, newest)
+    slot_pos, lru = want[0], want[1]
+  assert (slot_pos >= 0).any()
+
+
+@given(st.sampled_from([1, 5, 12]), st.sampled_from([0, 3, 20]),
+       st.integers(0, 2**31 - 1))
+def test_resolve_property(num_sel, extra_slots, seed):
+  rng = np.random.default_rng(seed)
+  num_slots = num_sel + extra_slots
+  slot_pos = np.full((2, num_slots), -1, np.int32)
+  held = [rng.choice(60, size=rng.integers(0, num_slots + 1), replace=False)
+          for _ in range(2)]
+  for r, h in enumerate(held):
+    slot_pos[r, rng.permutation(num_slots)[:len(h)]] = h
+  lru = np.stack([rng.permutation(num_slots) for _ in range(2)]).astype(np.int32)
+  newest = rng.integers(0, 60, size=2).astype(np.int32)
+  sel = random_selection(rng, (2,), num_sel, newest, local=False)
+  want = resolve_oracle(slot_pos, lru, sel, newest)
+  got = resolve(slot_pos, lru, sel, newest)
+  for w, g in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(g), w)
+  check_invariants(slot_pos, got, sel, newest)
+
+
+def test_resolve_hand_worked():
+  # slots:        0   1   2   3      LRU (least recent first): [2, 0, 3, 1]
+  slot_pos = [[10, 11, 12, -1]]
+  lru = [[2, 0, 3, 1]]
+  # Select 11 (hit, slot 1), 40 (newest -> slot B=4), 30 and 31 (misses).
+  with pytest.raises(ValueError, match="B must be >= k"):
+    resolve(slot_pos, lru, [[30, 11, 40, -1, 31]], [40])
+  out = resolve(slot_pos, lru, [[30, 11, 40, 31]], [40])
+  # Evictables in LRU order: 2, 0, 3. Misses 30 -> slot 2, 31 -> slot 0.
+  np.testing.assert_array_equal(out.slot, [[2, 1, 4, 0]])
+  np.testing.assert_array_equal(out.is_miss, [[True, False, False, True]])
+  np.testing.assert_array_equal(out.slot_pos, [[31, 11, 30, -1]])
+  # [untaken evictables] ++ [victims in miss order] ++ [hits]
+  np.testing.assert_array_equal(out.lru, [[3, 2, 0, 1]])
+
+
+def test_slot_holding_newest_is_not_a_hit():
+  out = resolve([[5, 7]], [[0, 1]], [[7, 5]], [7])
+  np.testing.assert_array_equal(out.slot, [[2, 0]])  # 7 -> reserved slot B=2
+  np.testing.assert_array_equal(out.lru, [[1, 0]])  # slot 1 stays evictable
+
+
+def test_install_newest_fills_lowest_empty_slot_as_mru():
+  slot_pos = np.array([[0, 1, -1, -1], [4, 5, 6, 7]], np.int32)
+  lru = np.array([[3, 0, 2, 1], [0, 1, 2, 3]], np.int32)
+  new_pos, new_lru, target = install_newest(slot_pos, lru, np.array([2, 8], np.int32))
+  np.testing.assert_array_equal(target, [2, -1])
+  np.testing.assert_array_equal(new_pos, [[0, 1, 2, -1], [4, 5, 6, 7]])
+  np.testing.assert_array_equal(new_lru, [[3, 0, 1, 2], [0, 1, 2, 3]])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(selected=[[1, 1, -1]]), "appears twice"),
+    (dict(selected=[[1, 9, -1]]), "out of range"),
+    (dict(selected=[[1, -3, -1]]), "out of range"),
+    (dict(lru=[[0, 0, 1, 2]]), "permutation"),
+    (dict(slot_pos=[[1, 1, -1, -1]]), "held by two slots"),
+    (dict(selected=[[1.0, 2.0, 3.0]]), "integer"),
+    (dict(newest=[[5]]), "newest"),
+    (dict(lru=[[0, 1, 2]]), "same shape"),
+])
+def test_resolve_rejects_bad_input(bad, match):
+  args = dict(slot_pos=[[1, 2, -1, -1]], lru=[[0, 1, 2, 3]], selected=[[1, 3, -1]],
+              newest=[5])
+  args.update(bad)
+  with pytest.raises(ValueError, match=match):
+    resolve(np.asarray(args["slot_pos"]), np.asarray(args["lru"]),
+            np.asarray(args["selected"]), np.asarray(args["newest"]))
