@@ -1,0 +1,135 @@
+"""The selector protocol: how a sparse-attention rule plugs into the caches.
+
+A selector names, per layer and decode step, the positions attention reads
+(``i32[R, U, k]``, -1 padding). It may keep *resident state* on the device (Quest
+page summaries, DSA indexer keys, NSA compressed keys): that state grows with the
+context and is never offloaded (SPECS.md §1.2), so it is counted in the capacity
+tables via ``state_bytes_per_token``.
+
+The same selector object serves the ``sparse`` backend (full KV on device) and the
+``tiered`` backend (host tier + hot cache); both then attend over the same positions,
+which is what makes the tiered outputs exact.
+
+State layout: a pytree whose leaves carry a leading layer axis ``L`` (the layers
+the selector serves), so a model's layer scan can slice and update it like any
+other cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class StepInputs(NamedTuple):
+  """What a layer offers its selector at one decode step."""
+
+  x: jax.Array  # [R, Dm] the normalised hidden state entering attention
+  q: jax.Array  # [R, Hq, D] post-RoPE queries of the token being decoded
+  k_new: jax.Array  # [R, Hkv, D] its post-RoPE key
+  newest: jax.Array  # i32[R] its position (attention covers 0..newest)
+
+
+class PrefillInputs(NamedTuple):
+  """One layer's prompt, for building resident selector state."""
+
+  x: jax.Array  # [R, P, Dm]
+  k: jax.Array  # [R, P, Hkv, D] post-RoPE keys
+  lens: jax.Array  # i32[R] valid prompt positions per request
+
+
+class Selector(Protocol):
+  """A sparse-attention selection rule (see the module docstring)."""
+
+  num_units: int  # U: 1 (one selection per request) or Hkv (one per KV head)
+  top_k: int  # k: positions per unit per step
+
+  def init_state(self, num_layers: int, num_requests: int, max_len: int) -> Any:
+    """Empty resident state for ``num_layers`` layers."""
+
+  def prefill(self, state: Any, layer, inputs: PrefillInputs, params: Any = None
+              ) -> Any:
+    """Fill one layer's resident state from its prompt (``layer`` may be traced).
+
+    ``params`` as in ``select``: the DSA indexer needs its weights to turn the
+    prompt's hidden states into index keys.
+    """
+
+  def select(self, state: Any, layer, inputs: StepInputs, params: Any = None
+             ) -> tuple[jax.Array, Any]:
+    """Absorb the newest token into the state, then choose positions.
+
+    Returns (positions i32[R, U, k], new state). ``params`` holds learned selector
+    weights for this layer where the rule has any (the DSA indexer).
+    """
+
+  def state_bytes_per_token(self) -> int | float:
+    """Resident bytes per token per layer per request (0 if stateless).
+
+    A float where per-page/per-block state does not divide evenly into tokens.
+    """
+
+
+def layer_slice(state: Any, layer) -> Any:
+  """One layer of a layer-stacked state pytree."""
+  return jax.tree.map(lambda x: x[layer], state)
+
+
+def layer_update(state: Any, layer, new_layer_state: Any) -> Any:
+  return jax.tree.map(lambda x, y: x.at[layer].set(y), state, new_layer_state)
+
+
+def blocks_to_positions(blocks, block_size: int, newest):
+  """Expand selected block ids i32[..., n] into positions i32[..., n * block_size].
+
+  Positions past ``newest`` (the partial last block) and blocks = -1 become -1.
+  """
+  pos = blocks[..., None] * block_size + jnp.arange(block_size)
+  keep = (blocks[..., None] >= 0) & (pos <= newest.reshape(
+      newest.shape + (1,) * (pos.ndim - newest.ndim)))
+  return jnp.where(keep, pos, -1).reshape(*blocks.shape[:-1], -1).astype(jnp.int32)
+
+
+def masked_top_k(scores, valid, k: int):
+  """Indices i32[..., k] of the ``k`` best valid entries of the last axis, best first.
+
+  Entries past the number of valid ones are -1. Valid scores must be > -inf (an
+  invalid entry could otherwise win a tie); ties go to the lower index.
+  """
+  _, idx = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k)
+  picked_valid = jnp.take_along_axis(jnp.broadcast_to(valid, scores.shape), idx, -1)
+  return jnp.where(picked_valid, idx, -1).astype(jnp.int32)
+
+
+def per_token(total_bytes: int, tokens: int) -> int | float:
+  """``total_bytes / tokens``, as an int when it divides evenly."""
+  return total_bytes // tokens if total_bytes % tokens == 0 else total_bytes / tokens
+
+
+def check_step_shapes(inputs: StepInputs, num_kv_heads: int, q_per_kv: int,
+                      head_dim: int) -> None:
+  """Trace-time check of ``q``/``k_new`` against a selector's head configuration."""
+  num_req = inputs.newest.shape[0]
+  want_q = (num_req, num_kv_heads * q_per_kv, head_dim)
+  want_k = (num_req, num_kv_heads, head_dim)
+  if inputs.q.shape != want_q:
+    raise ValueError(f"q has shape {inputs.q.shape}, expected {want_q} "
+                     f"(R, num_kv_heads * q_per_kv, head_dim)")
+  if inputs.k_new.shape != want_k:
+    raise ValueError(f"k_new has shape {inputs.k_new.shape}, expected {want_k} "
+                     f"(R, num_kv_heads, head_dim)")
+
+
+def check_prefill_shapes(inputs: PrefillInputs, num_kv_heads: int, head_dim: int,
+                         max_len: int) -> None:
+  """Trace-time check of a prompt's keys against the state's capacity."""
+  num_req, plen = inputs.k.shape[:2]
+  if inputs.k.shape[2:] != (num_kv_heads, head_dim):
+    raise ValueError(f"prompt keys have shape {inputs.k.shape}, expected "
+                     f"(R, P, {num_kv_heads}, {head_dim})")
+  if plen > max_len:
+    raise ValueError(f"prompt length {plen} exceeds the state's max_len={max_len}")
+  if inputs.lens.shape != (num_req,):
+    raise ValueError(f"lens has shape {inputs.lens.shape}, expected ({num_req},)")
