@@ -1,0 +1,53 @@
+"""Real English prompts without downloads.
+
+The default corpus is the Python standard library's own ``pydoc_data.topics``
+(~465K characters of language-reference prose, PSF license), so every machine
+that runs the tests already has it. Any UTF-8 file can replace it.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import numpy as np
+
+
+def load_text(prompt_file: str | pathlib.Path | None = None) -> str:
+  """The prompt corpus: ``prompt_file``'s text, or the pydoc topics.
+
+  The topics dict's values are joined in sorted key order with a blank line
+  between topics, so the text (and every token offset into it) is the same on
+  every run and machine with the same Python minor version.
+  """
+  if prompt_file is not None:
+    return pathlib.Path(prompt_file).read_text(encoding="utf-8")
+  from pydoc_data.topics import topics
+  return "\n".join(topics[key] for key in sorted(topics))
+
+
+@functools.lru_cache(maxsize=4)
+def _encode(tokenizer, text: str) -> np.ndarray:
+  # Whole-text encoding (~0.3 s for the pydoc corpus), cached because traces
+  # draw several windows from one text. Encoding a prefix instead could change
+  # the last tokens before the cut.
+  return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+
+def tokenize_prompt(tokenizer, text: str, num_tokens: int,
+                    offset: int = 0) -> np.ndarray:
+  """Tokens ``[offset, offset + num_tokens)`` of the tokenized ``text``.
+
+  Returns:
+    i32[num_tokens].
+
+  Raises:
+    ValueError: the text has fewer than ``offset + num_tokens`` tokens.
+  """
+  if num_tokens < 0 or offset < 0:
+    raise ValueError(f"{num_tokens=} and {offset=} must be >= 0")
+  ids = _encode(tokenizer, text)
+  if offset + num_tokens > ids.size:
+    raise ValueError(f"the text has {ids.size} tokens; asked for "
+                     f"[{offset}, {offset + num_tokens})")
+  return ids[offset:offset + num_tokens].copy()
