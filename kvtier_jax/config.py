@@ -30,7 +30,9 @@ class TierConfig:
       (positions 0..B-1, SGLang CUDA), ``"head_tail"`` (first B//2 and last B - B//2,
       SGLang NPU) or ``"empty"`` (first decode step misses everything).
     fetch_chunk: rows per host gather of the XLA fetch path; misses are fetched in
-      ``ceil(misses / fetch_chunk)`` gathers. 0 means one gather of R*U*k rows.
+      ``ceil(misses / fetch_chunk)`` gathers, so padding costs at most a chunk per
+      layer. 0 picks ``max(16, k // 8)`` (an eighth of a selection: typical miss
+      rates of 5-15% take one or two gathers per request).
     resolve_impl / attention_impl / fetch_impl: "xla", "pallas" or "auto" (on GPU
       the faster one as measured there, XLA elsewhere; pallas_kernels/common.py).
       fetch "xla" is the host gather (compute_on), "pallas" the zero-copy kernel.
@@ -102,7 +104,7 @@ class TierConfig:
   @property
   def fetch_rows_per_chunk(self) -> int:
     lanes = self.num_requests * self.num_units * self.top_k
-    return min(self.fetch_chunk or lanes, lanes)
+    return min(self.fetch_chunk or max(16, self.top_k // 8), lanes)
 
   @property
   def append_in_scan(self) -> bool:

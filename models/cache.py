@@ -72,7 +72,7 @@ def dense_from_prefill(k: jax.Array, v: jax.Array, lens: jax.Array,
 
 
 def dense_attend(layer: jax.Array, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                 cache: DenseKV) -> tuple[jax.Array, DenseKV]:
+                 cache: DenseKV, x: jax.Array | None = None) -> tuple[jax.Array, DenseKV]:
   """The ``attend`` of ``Transformer.decode`` for the dense backend.
 
   Writes ``k_new``/``v_new`` at position ``cache.lens`` of ``layer`` and attends
@@ -87,18 +87,26 @@ def dense_attend(layer: jax.Array, q: jax.Array, k_new: jax.Array, v_new: jax.Ar
     layer: i32[] layer index.
     q: [R, Hq, D] post-RoPE queries; k_new, v_new: [R, Hkv, D].
     cache: the whole cache (all layers).
+    x: the layer's normalised input (unused: dense attention selects nothing).
 
   Returns:
     (out [R, Hq, D], cache with the new K/V written; lens unchanged).
   """
-  requests = jnp.arange(q.shape[0])
-  k = cache.k.at[layer, requests, cache.lens].set(k_new.astype(cache.k.dtype))
-  v = cache.v.at[layer, requests, cache.lens].set(v_new.astype(cache.v.dtype))
+  del x
+  k, v = write_newest(cache, layer, k_new, v_new)
   k_layer = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)  # [R, T, Hkv, D]
   v_layer = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
   visible = jnp.arange(k.shape[2])[None, :] <= cache.lens[:, None]  # [R, T]
   out = decode_attention(q, k_layer, v_layer, visible)
   return out, cache.replace(k=k, v=v)
+
+
+def write_newest(cache: DenseKV, layer, k_new, v_new):
+  """The cache's k, v with the new token's K/V written at position ``lens``."""
+  requests = jnp.arange(k_new.shape[0])
+  k = cache.k.at[layer, requests, cache.lens].set(k_new.astype(cache.k.dtype))
+  v = cache.v.at[layer, requests, cache.lens].set(v_new.astype(cache.v.dtype))
+  return k, v
 
 
 def advance(cache: DenseKV, num: int | jax.Array = 1) -> DenseKV:

@@ -38,9 +38,10 @@ from flax import nnx
 
 from models.config import ModelConfig
 
-# (layer i32[], q [R, Hq, D], k_new [R, Hkv, D], v_new [R, Hkv, D], carry)
+# (layer i32[], q [R, Hq, D], k_new [R, Hkv, D], v_new [R, Hkv, D], carry,
+#  x [R, E] the normalised attention input, for selectors such as DSA's indexer)
 #   -> (out [R, Hq, D], carry)
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any],
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any, jax.Array],
                     tuple[jax.Array, Any]]
 
 # Full float32 matmuls everywhere: the default on CPU, but on GPU XLA would
@@ -330,7 +331,8 @@ class Transformer(nnx.Module):
 
     For each layer l, the scan computes post-RoPE ``q [R, Hq, D]`` and the new
     token's ``k_new`` (post-RoPE), ``v_new [R, Hkv, D]`` and calls
-    ``out, carry = attend(l, q, k_new, v_new, carry)`` (``l`` an i32[] tracer).
+    ``out, carry = attend(l, q, k_new, v_new, carry, x)`` (``l`` an i32[] tracer,
+    ``x [R, E]`` the layer's normalised input).
     ``attend`` is a static argument: pass the same function object every step
     (a new lambda per call recompiles).
 
@@ -366,9 +368,11 @@ def _lm_head(cfg: ModelConfig, weights, x: jax.Array) -> jax.Array:
   return jnp.einsum("...e,ev->...v", x, weights["lm_head"], precision=PRECISION)
 
 
-def _prompt_layers(cfg: ModelConfig, weights, tokens, block: int, keep_kv: bool):
+def _prompt_layers(cfg: ModelConfig, weights, tokens, block: int, keep_kv: bool,
+                   keep_inputs: bool = False):
   """All layers over whole prompts: returns hidden [R, P, E] (pre final norm) and,
-  when ``keep_kv``, k, v [L, R, P, Hkv, D]."""
+  when ``keep_kv``, k, v [L, R, P, Hkv, D] (plus, with ``keep_inputs``, every
+  layer's normalised attention input [L, R, P, E])."""
   length = tokens.shape[1]
   x = weights["embed"][tokens]  # [R, P, E]
   cos, sin = rope_angles(jnp.arange(length), cfg.head_dim, cfg.rope_theta)  # [P, D/2]
@@ -384,7 +388,9 @@ def _prompt_layers(cfg: ModelConfig, weights, tokens, block: int, keep_kv: bool)
     x = x + jnp.einsum("rphd,hde->rpe", attn, w["wo"], precision=PRECISION)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
     x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
-    return x, ((k, v) if keep_kv else None)
+    if not keep_kv:
+      return x, None
+    return x, ((k, v, h) if keep_inputs else (k, v))
 
   return jax.lax.scan(layer, x, _layer_weights(weights))
 
@@ -405,6 +411,17 @@ def apply_prefill(cfg: ModelConfig, weights, tokens, lens,
   return _lm_head(cfg, weights, last), k, v
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "block"))
+def apply_prefill_with_inputs(cfg: ModelConfig, weights, tokens, lens,
+                              block: int = DEFAULT_BLOCK):
+  """``apply_prefill`` that also returns every layer's normalised attention input
+  ``h [L, R, P, E]``, from which selectors build their resident state (DSA keys)."""
+  x, (k, v, h) = _prompt_layers(cfg, weights, tokens, block, keep_kv=True,
+                                keep_inputs=True)
+  last = x[jnp.arange(tokens.shape[0]), lens - 1]
+  return _lm_head(cfg, weights, last), k, v, h
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "return_queries"))
 def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
                  attend: AttendFn, return_queries: bool = False):
@@ -421,7 +438,7 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
     k_new = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wk"], precision=PRECISION),
                        cos, sin)  # [R, Hkv, D]
     v_new = jnp.einsum("re,ehd->rhd", h, w["wv"], precision=PRECISION)
-    out, carry = attend(layer_index, q, k_new, v_new, carry)  # [R, Hq, D]
+    out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
     x = x + jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
     x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])

@@ -1,0 +1,272 @@
+"""Cache backends for ``Transformer.decode``: dense, sparse and tiered.
+
+* ``dense``: every position's K/V on device, full attention (models/cache.py).
+* ``sparse``: every position's K/V on device; a selector names the positions each
+  layer attends (the sparse-attention reference).
+* ``tiered``: the host tier + hot cache of kvtier_jax, with the same selector.
+
+Sparse and tiered run the same selector on the same inputs and attend over the same
+rows with the same float operations, so their logits agree (bit for bit with the XLA
+kernels): this is the exactness claim ``experiments/parity.py`` checks. Each backend
+is an ``attend`` function (static: built once per configuration and cached) plus a
+carry pytree threaded through the model's layer scan; ``Runner`` drives prefill and
+decode steps with donated state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import decode as kv_decode
+from kvtier_jax import state as kv_state
+from kvtier_jax.attention import full_kv_attention
+from kvtier_jax.config import TierConfig
+from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, layer_slice,
+                                       layer_update)
+from models import cache as cache_lib
+from models.config import ModelConfig
+from models.transformer import Transformer, apply_decode, apply_prefill_with_inputs
+
+BACKENDS = ("dense", "sparse", "tiered")
+
+
+@flax.struct.dataclass
+class SparseCarry:
+  kv: cache_lib.DenseKV
+  sel: Any  # selector state, leaves [L, ...]
+  params: Any  # selector params per layer (DSA indexer) or None
+
+
+@flax.struct.dataclass
+class TieredCarry:
+  tier: kv_state.TieredKVState
+  sel: Any
+  params: Any
+  ok: jax.Array  # bool[] no layer refused the step so far
+  status: jax.Array  # i32[] OR of the layers' status words
+
+
+def _unit_view(x, num_units: int):
+  """[L, R, T, Hkv, D] -> [L, R, T, U, Hg, D] (a reshape, no copy)."""
+  return x.reshape(*x.shape[:3], num_units, x.shape[3] // num_units, x.shape[4])
+
+
+@functools.cache
+def sparse_attend(selector):
+  """The sparse backend's ``attend`` for ``selector`` (cached: a static argument)."""
+
+  def attend(layer, q, k_new, v_new, carry: SparseCarry, x):
+    kv = carry.kv
+    k, v = cache_lib.write_newest(kv, layer, k_new, v_new)
+    params = None if carry.params is None else layer_slice(carry.params, layer)
+    positions, sel = selector.select(carry.sel, layer, StepInputs(x, q, k_new, kv.lens),
+                                     params)
+    units = selector.num_units
+    out, _ = full_kv_attention(q, _unit_view(k, units), _unit_view(v, units), layer,
+                               positions)
+    return out, carry.replace(kv=kv.replace(k=k, v=v), sel=sel)
+
+  return attend
+
+
+@functools.cache
+def tiered_attend(cfg: TierConfig, selector):
+  """The tiered backend's ``attend`` (cached per configuration)."""
+
+  def attend(layer, q, k_new, v_new, carry: TieredCarry, x):
+    tier = carry.tier
+    params = None if carry.params is None else layer_slice(carry.params, layer)
+    # A refused step must not move selector state either (NSA's sums are not
+    # idempotent): keep this layer's old slice (a small copy taken before the
+    # in-place update) to restore it.
+    sel_old = layer_slice(carry.sel, layer)
+    positions, sel = selector.select(carry.sel, layer,
+                                     StepInputs(x, q, k_new, tier.seq_len), params)
+    out, _, tier, status = kv_decode.tiered_layer(cfg, tier, layer, q, k_new, v_new,
+                                                  positions, carry.ok)
+    ok = carry.ok & (status == 0)
+    sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
+                                                layer_slice(sel, layer), sel_old))
+    return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status)
+
+  return attend
+
+
+# Jitted steps (cfg, selector static; the carry donated). ---------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def _dense_step(cfg: ModelConfig, weights, tokens, kv):
+  logits, kv = apply_decode(cfg, weights, tokens, kv.lens, kv, cache_lib.dense_attend)
+  return logits, cache_lib.advance(kv)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "selector"),
+                   donate_argnames=("carry",))
+def _sparse_step(cfg: ModelConfig, selector, weights, tokens, carry: SparseCarry):
+  logits, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
+                               sparse_attend(selector))
+  return logits, carry.replace(kv=cache_lib.advance(carry.kv))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
+                   donate_argnames=("carry",))
+def _tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, tokens,
+                 carry: TieredCarry):
+  carry = carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
+  logits, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
+                               tiered_attend(tier_cfg, selector))
+  tier = carry.tier.replace(seq_len=carry.tier.seq_len + carry.ok.astype(jnp.int32))
+  return logits, carry.replace(tier=tier)
+
+
+@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("tier",))
+def _append(tier_cfg: TierConfig, tier, committed):
+  return kv_decode.append_newest(tier_cfg, tier, committed)
+
+
+@functools.partial(jax.jit, static_argnames=("selector", "num_layers", "max_len"))
+def _selector_prefill(selector, num_layers: int, max_len: int, params, h, k, lens):
+  state = selector.init_state(num_layers, h.shape[1], max_len)
+
+  def one_layer(layer, state):
+    p = None if params is None else layer_slice(params, layer)
+    return selector.prefill(state, layer, PrefillInputs(h[layer], k[layer], lens), p)
+
+  return jax.lax.fori_loop(0, num_layers, one_layer, state)
+
+
+@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("tier",))
+def _tier_prefill(tier_cfg: TierConfig, tier, k, v, lens):
+  return kv_decode.prefill(tier_cfg, tier, k, v, lens)
+
+
+def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
+                hot_slots: int, **overrides) -> TierConfig:
+  """The TierConfig that serves ``selector`` on ``cfg`` (every layer tiered)."""
+  per_kv_head = selector.num_units == cfg.num_kv_heads and cfg.num_kv_heads > 1
+  return TierConfig(num_layers=cfg.num_layers, num_requests=num_requests,
+                    max_len=max_len, num_q_heads=cfg.num_q_heads,
+                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                    hot_slots=hot_slots, top_k=selector.top_k, per_kv_head=per_kv_head,
+                    dtype=jnp.dtype(cfg.dtype), **overrides)
+
+
+class Runner:
+  """Prefill and step one backend over a batch of requests (state donated).
+
+  Args:
+    model: the Transformer.
+    backend: "dense", "sparse" or "tiered".
+    max_len: positions per request the cache holds.
+    selector, selector_params: the sparse-attention rule (sparse / tiered).
+    hot_slots: B (tiered).
+    tier_overrides: extra TierConfig fields (impls, warm start, fetch chunk...).
+  """
+
+  def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
+               selector_params=None, hot_slots: int | None = None,
+               **tier_overrides):
+    if backend not in BACKENDS:
+      raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if backend != "dense" and selector is None:
+      raise ValueError(f"the {backend} backend needs a selector")
+    if backend == "tiered" and hot_slots is None:
+      raise ValueError("the tiered backend needs hot_slots (B)")
+    self.model, self.backend, self.max_len = model, backend, max_len
+    self.selector, self.params = selector, selector_params
+    self.hot_slots, self.tier_overrides = hot_slots, tier_overrides
+    self.weights = model.weights()
+    self.tier_cfg = None
+    self.carry = None
+    self.seq_len = None  # host mirror of the lengths (no device sync needed)
+
+  def prefill(self, tokens, lens):
+    """Runs the prompts; returns logits f32[R, V] at ``lens - 1``."""
+    cfg = self.model.cfg
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lens_np = np.asarray(lens, np.int64)
+    if (lens_np > self.max_len).any():
+      raise ValueError(f"prompt lengths {lens_np} exceed max_len={self.max_len}")
+    lens = jnp.asarray(lens_np, jnp.int32)
+    logits, k, v, h = apply_prefill_with_inputs(cfg, self.weights, tokens, lens)
+    if self.backend != "tiered":
+      kv = cache_lib.dense_from_prefill(k, v, lens, self.max_len)
+    if self.backend == "dense":
+      self.carry = kv
+    else:
+      sel = _selector_prefill(self.selector, cfg.num_layers, self.max_len, self.params,
+                              h, k, lens)
+      params = jax.tree.map(jnp.copy, self.params)  # the carry is donated each step
+      if self.backend == "sparse":
+        self.carry = SparseCarry(kv, sel, params)
+      else:
+        self.tier_cfg = tier_config(cfg, self.selector, tokens.shape[0], self.max_len,
+                                    self.hot_slots, **self.tier_overrides)
+        tier = _tier_prefill(self.tier_cfg, kv_state.init_state(self.tier_cfg), k, v,
+                             lens)
+        self.carry = TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0))
+    self.seq_len = lens_np.copy()
+    return logits
+
+  def step(self, tokens):
+    """Decodes tokens i32[R] at the next position; returns logits f32[R, V]."""
+    if self.carry is None:
+      raise ValueError("prefill first")
+    if (self.seq_len >= self.max_len).any():
+      raise ValueError(f"context {self.seq_len.tolist()} reached max_len={self.max_len}")
+    cfg = self.model.cfg
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if self.backend == "dense":
+      logits, self.carry = _dense_step(cfg, self.weights, tokens, self.carry)
+    elif self.backend == "sparse":
+      logits, self.carry = _sparse_step(cfg, self.selector, self.weights, tokens,
+                                        self.carry)
+    else:
+      logits, self.carry = _tiered_step(cfg, self.tier_cfg, self.selector, self.weights,
+                                        tokens, self.carry)
+      if not self.tier_cfg.append_in_scan:
+        self.carry = self.carry.replace(
+            tier=_append(self.tier_cfg, self.carry.tier, self.carry.ok))
+      status = int(self.carry.status)
+      if status:
+        raise kv_decode.StepRefused(
+            f"decode step refused: {kv_decode.describe_status(status)}", self.carry)
+    self.seq_len += 1
+    return logits
+
+  def cache_stats(self) -> dict:
+    """Hit/miss/transfer counters (tiered) and the measured device bytes per
+    request of the KV the backend keeps on the accelerator."""
+    num_req = len(self.seq_len)
+    if self.backend == "tiered":
+      stats = kv_state.cache_stats(self.tier_cfg, self.carry.tier)
+      by_kind = kv_state.array_bytes_by_memory_kind(self.carry.tier)
+      host = kv_state.host_memory_kind()
+      stats["device_kv_bytes_per_request"] = sum(
+          b for k, b in by_kind.items() if k != host) / num_req
+      stats["host_kv_bytes_per_request"] = by_kind.get(host, 0) / num_req
+    else:
+      kv = self.carry if self.backend == "dense" else self.carry.kv
+      stats = {"device_kv_bytes_per_request": (kv.k.nbytes + kv.v.nbytes) / num_req}
+    if self.backend != "dense":
+      stats["selector_state_bytes_per_request"] = sum(
+          x.nbytes for x in jax.tree.leaves(self.carry.sel)) / num_req
+    return stats
+
+
+def bytes_per_request_formula(cfg: ModelConfig, context: int, hot_slots: int | None,
+                              selector=None) -> int:
+  """Analytic device bytes per request (KV or hot cache + selector state)."""
+  per_token = cfg.kv_bytes_per_token_per_layer * cfg.num_layers
+  kv = per_token * (context if hot_slots is None else hot_slots + 1)
+  sel = 0 if selector is None else math.ceil(
+      selector.state_bytes_per_token() * context) * cfg.num_layers
+  return kv + sel

