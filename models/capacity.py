@@ -1,0 +1,87 @@
+"""Per-request memory of full-KV vs tiered decoding, and what fits a device budget.
+
+Counts exactly what this project allocates (kvtier_jax.state): a hot cache of
+``B + 1`` rows per layer (slot B holds the newest token), int32 ``slot_pos`` and
+``lru`` per slot, and the selector's resident state, which grows with the context
+and is never offloaded (SPECS.md §1.10). The host tier holds every position plus
+one scratch row per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBytes:
+  """Bytes one request of ``context`` tokens keeps where."""
+
+  context: int
+  full_kv: int  # device, full-KV decoding (KV only)
+  selector_state: int  # device, both ways (indexer keys / page summaries)
+  hot_kv: int  # device, tiered: B + 1 rows per layer
+  metadata: int  # device, tiered: slot_pos + lru (int32)
+  host: int  # host tier
+
+  @property
+  def full_device(self) -> int:
+    return self.full_kv + self.selector_state
+
+  @property
+  def tiered_device(self) -> int:
+    return self.hot_kv + self.metadata + self.selector_state
+
+  @property
+  def reduction(self) -> float:
+    return self.full_device / self.tiered_device
+
+
+def request_bytes(cfg: ModelConfig, context: int, hot_slots: int) -> RequestBytes:
+  row = cfg.kv_bytes_per_token_per_layer
+  layers = cfg.num_layers
+  units = 1  # one selection per request per layer (DSA, SGLang-Quest)
+  return RequestBytes(
+      context=context,
+      full_kv=layers * context * row,
+      selector_state=math.ceil(layers * context * cfg.selector_bytes_per_token_per_layer),
+      hot_kv=layers * units * (hot_slots + 1) * row,
+      metadata=layers * units * hot_slots * 2 * 4,
+      host=layers * (context + 1) * row,
+  )
+
+
+def concurrency(budget_bytes: float, per_request: int, max_batch: int) -> int:
+  """Requests that fit a device KV budget (capped by the serving batch limit)."""
+  return int(min(max_batch, budget_bytes // per_request))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputModel:
+  """Per-device roofline decode throughput (every request lives on one device, as
+  with DP attention; each device has its own host link).
+
+  One step reads the device's weights once (shared by its batch) and, per
+  request, the k selected rows of every layer from HBM; the tiered cache adds
+  each miss's host->device copy, of which ``exposed_io`` is on the critical path
+  (1 = synchronous fetch; prefetch hides the rest). Tokens/s = batch / step.
+  """
+
+  hbm_bandwidth: float = 4.8e12  # bytes/s, H200
+  link_bandwidth: float = 54e9  # bytes/s, PCIe Gen5 zero-copy as measured here
+  weight_bytes: float = 750e9 / 8  # per device (GLM-5.1 FP8 over 8 GPUs)
+  exposed_io: float = 1.0  # fraction of miss traffic on the critical path
+
+  def step_seconds(self, cfg: ModelConfig, batch: int, miss_rate: float | None) -> float:
+    row = cfg.kv_bytes_per_token_per_layer
+    read = cfg.num_layers * cfg.top_k * row  # sparse attention reads k rows
+    t = (self.weight_bytes + batch * read) / self.hbm_bandwidth
+    if miss_rate:
+      t += self.exposed_io * batch * miss_rate * read / self.link_bandwidth
+    return t
+
+  def tokens_per_second(self, cfg: ModelConfig, batch: int,
+                        miss_rate: float | None) -> float:
+    return batch / self.step_seconds(cfg, batch, miss_rate) if batch else 0.0

@@ -1,0 +1,46 @@
+"""Memory accounting: the formula against the arrays the cache really allocates, and
+the paper's reference figures."""
+
+import jax.numpy as jnp
+import pytest
+
+from kvtier_jax import state as kv_state
+from kvtier_jax.config import TierConfig
+from models import capacity
+from models.config import ModelConfig
+
+
+def test_formula_matches_allocated_arrays():
+  cfg = ModelConfig.smollm2_135m().replace(selector="quest", top_k=64, quest_page_size=16)
+  tier = TierConfig(num_layers=cfg.num_layers, num_requests=2, max_len=300,
+                    num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, hot_slots=128, top_k=64, dtype=jnp.float32)
+  state = kv_state.init_state(tier)
+  want = capacity.request_bytes(cfg, 300, 128)
+  assert (state.hot_k.nbytes + state.hot_v.nbytes) // 2 == want.hot_kv
+  assert (state.slot_pos.nbytes + state.lru.nbytes) // 2 == want.metadata
+  assert (state.host_k.nbytes + state.host_v.nbytes) // 2 == want.host
+
+
+def test_glm_5_1_reference_figures():
+  """SPECS.md §1.9-1.10: 13.09 GB full at 128K (KV + FP8 indexer key), ~0.4 GB of
+  hot rows at B=4096, ~1.35 GB of indexer keys that stay on device (~7.6x)."""
+  b = capacity.request_bytes(ModelConfig.glm_5_1(), 131072, 4096)
+  assert b.full_device / 1e9 == pytest.approx(13.09, rel=0.01)
+  assert b.hot_kv / 1e9 == pytest.approx(0.37, rel=0.01)
+  assert b.selector_state / 1e9 == pytest.approx(1.35, rel=0.01)
+  assert b.reduction == pytest.approx(7.6, rel=0.01)  # not 30x: indexer keys stay
+  assert 6.0 < capacity.request_bytes(ModelConfig.glm_5_1(), 131072, 8192).reduction < 6.5
+
+
+def test_throughput_model():
+  cfg = ModelConfig.glm_5_1()
+  model = capacity.ThroughputModel()
+  assert model.tokens_per_second(cfg, 0, None) == 0.0
+  # More requests never lower throughput; IO only costs.
+  assert model.tokens_per_second(cfg, 32, None) > model.tokens_per_second(cfg, 8, None)
+  assert model.tokens_per_second(cfg, 32, 0.1) < model.tokens_per_second(cfg, 32, None)
+  hidden = capacity.ThroughputModel(exposed_io=0.0)
+  assert hidden.tokens_per_second(cfg, 32, 0.5) == model.tokens_per_second(cfg, 32, None)
+  assert capacity.concurrency(10e9, 3e9, 64) == 3
+  assert capacity.concurrency(10e9, 1e6, 64) == 64
