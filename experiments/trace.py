@@ -1,0 +1,149 @@
+r"""Selection traces of SmolLM2-135M over real text, for every selector at once.
+
+Paper table: the inputs of HiSparse's cache-policy ablation (SPECS.md §1.9: one
+LongBenchV2 request, every sparse layer, first 1000 decode steps). Here: SmolLM2
+over Python's pydoc text, a 7680-token prompt (the model's trained 8K context) and
+512 teacher-forced decode steps (the text's own continuation is fed, so every
+selector sees the same hidden states). The model attends densely; at every step
+and layer each selector's choice is recorded (REAL_MODEL.md §4: selections are
+recorded, not fed back). The newest position is dropped from the rows (-1): the
+tiered cache serves it from its reserved slot.
+
+Command (~8-10 min on a 2-core CPU; needs results/indexer/smollm2 for DSA, from
+experiments/distill_indexer.py):
+  python -m experiments.trace
+Output: results/trace/<time>/traces.npz with one i16[T, L, U, k] array per
+selector (positions, -1 padding; row order = the selector's preference order),
+config.json, rows.jsonl (per-selector churn and size), table.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from absl import app, flags
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common, model_setup
+from kvtier_jax.selectors.base import StepInputs, layer_slice
+from models import cache as cache_lib
+from models.transformer import apply_decode, apply_prefill_with_inputs
+from models import backends
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 512, "Teacher-forced decode steps.")
+flags.DEFINE_list("selectors", ["quest", "quest_kv", "dsa", "nsa", "oracle"],
+                  "Selectors to trace.")
+flags.DEFINE_bool("smoke", False, "Short prompt, few steps (tests).")
+flags.DEFINE_string("out_root", None, "Results root.")
+
+
+@flax.struct.dataclass
+class TraceCarry:
+  kv: cache_lib.DenseKV
+  states: tuple  # one resident state per selector
+  params: tuple  # selector params (or None) per selector
+  picks: tuple  # this step's positions per selector, i32[L, R, U, k]
+
+
+@functools.cache
+def trace_attend(selectors: tuple):
+  """Dense attention; every selector also absorbs the token and picks positions."""
+
+  def attend(layer, q, k_new, v_new, carry: TraceCarry, x):
+    out, kv = cache_lib.dense_attend(layer, q, k_new, v_new, carry.kv)
+    inputs = StepInputs(x, q, k_new, carry.kv.lens)
+    states, picks = [], []
+    for sel, state, params, buf in zip(selectors, carry.states, carry.params,
+                                       carry.picks):
+      p = None if params is None else layer_slice(params, layer)
+      positions, state = sel.select(state, layer, inputs, p)
+      states.append(state)
+      picks.append(buf.at[layer].set(positions))
+    return out, carry.replace(kv=kv, states=tuple(states), picks=tuple(picks))
+
+  return attend
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "selectors"),
+                   donate_argnames=("carry",))
+def trace_step(cfg, selectors, weights, tokens, carry: TraceCarry):
+  _, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
+                          trace_attend(selectors))
+  return carry.replace(kv=cache_lib.advance(carry.kv))
+
+
+def churn(trace: np.ndarray) -> float:
+  """Mean share of a row's positions that were not in the previous step's row."""
+  fresh, total = 0, 0
+  for t in range(1, trace.shape[0]):
+    for idx in np.ndindex(*trace.shape[1:-1]):
+      cur = trace[t][idx]
+      cur = cur[cur >= 0]
+      prev = trace[t - 1][idx]
+      fresh += np.setdiff1d(cur, prev[prev >= 0], assume_unique=True).size
+      total += cur.size
+  return fresh / max(1, total)
+
+
+def main(argv):
+  del argv
+  prompt, steps = (512, 16) if FLAGS.smoke else (FLAGS.prompt_tokens, FLAGS.steps)
+  if not FLAGS.smoke and FLAGS["prompt_tokens"].using_default_value:
+    prompt = 7680
+  out = common.start_run("trace", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt,
+                                       steps=steps), FLAGS.out_root)
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
+                                                    FLAGS.offset)
+  cfg = model.cfg
+  built = [model_setup.build_selector(name, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
+           for name in FLAGS.selectors]
+  selectors = tuple(s for s, _ in built)
+  params = tuple(p for _, p in built)
+  weights = model.weights()
+  tokens = np.asarray(ids, np.int32)[None]
+  max_len = prompt + steps + 1
+  start = time.perf_counter()
+  lens = jnp.array([prompt], jnp.int32)
+  _, k, v, h = apply_prefill_with_inputs(cfg, weights, jnp.asarray(tokens[:, :prompt]),
+                                         lens)
+  kv = cache_lib.dense_from_prefill(k, v, lens, max_len)
+  states = tuple(backends._selector_prefill(s, cfg.num_layers, max_len, p, h, k, lens)
+                 for s, p in zip(selectors, params))
+  jax.block_until_ready((kv, states))
+  del k, v, h
+  print(f"prefill {prompt} tokens: {time.perf_counter() - start:.0f} s", flush=True)
+  picks = tuple(jnp.zeros((cfg.num_layers, 1, s.num_units, s.top_k), jnp.int32)
+                for s in selectors)
+  carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks)
+  traces = [np.empty((steps, cfg.num_layers, s.num_units, s.top_k), np.int16)
+            for s in selectors]
+  start = time.perf_counter()
+  for t in range(steps):
+    carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry)
+    newest = prompt + t
+    for trace, pick in zip(traces, jax.device_get(carry.picks)):
+      trace[t] = np.where(pick[:, 0] == newest, -1, pick[:, 0])
+    rate = (t + 1) / (time.perf_counter() - start)
+    print(f"\rstep {t + 1}/{steps} ({rate:.2f} steps/s)", end="", flush=True)
+  print()
+  np.savez_compressed(out / "traces.npz", **dict(zip(FLAGS.selectors, traces)),
+                      prompt_tokens=prompt, steps=steps)
+  rows = []
+  for name, sel, trace in zip(FLAGS.selectors, selectors, traces):
+    rows.append(dict(selector=name, k=sel.top_k, units=sel.num_units,
+                     churn=churn(trace[:, :, :1] if trace.shape[2] > 1 else trace),
+                     mean_valid=float((trace >= 0).sum(-1).mean())))
+    common.append_row(out, rows[-1])
+  table = common.markdown_table(rows, ["selector", "k", "units", "churn", "mean_valid"])
+  (out / "table.md").write_text(table + "\n")
+  print(table)
+  print(f"results: {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,64 @@
+"""Every runner's --smoke path writes config.json + rows.jsonl + table.md, and the
+report collects them. Subprocesses: each runner defines its own absl flags."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def run(module, *args, timeout=600):
+  proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                        text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+def only_run(root, experiment):
+  runs = list((root / experiment).iterdir())
+  assert len(runs) == 1
+  run_dir = runs[0]
+  config = json.loads((run_dir / "config.json").read_text())
+  rows = [json.loads(l) for l in (run_dir / "rows.jsonl").read_text().splitlines()]
+  assert config["experiment"] == experiment and rows
+  assert (run_dir / "table.md").read_text().startswith(("|", "#"))
+  return run_dir, rows
+
+
+def test_bench_decode_smoke(tmp_path):
+  out = run("experiments.bench_decode", "--smoke", f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "bench_decode")
+  assert {r["variant"] for r in rows} == {"full_kv", "tiered"}
+  tiered = next(r for r in rows if r["variant"] == "tiered")
+  assert tiered["device_MiB"] < next(r for r in rows if r["variant"] == "full_kv")[
+      "device_MiB"]
+  assert "| context |" in out
+
+
+def test_capacity_tables(tmp_path):
+  run("experiments.capacity", "--measure=false", "--contexts=4096,131072",
+      f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "capacity")
+  glm = [r for r in rows if r.get("model") == "glm_5_1" and r["table"] == "capacity"
+         and r["context"] == 131072 and r["B"] == "2k"]
+  assert glm and abs(glm[0]["full_GB"] - 13.09) < 0.1
+
+
+def test_miss_rate_on_a_small_trace_and_report(tmp_path):
+  rng = np.random.default_rng(0)
+  trace = np.full((40, 2, 1, 16), -1, np.int16)
+  for t in range(40):
+    for l in range(2):
+      trace[t, l, 0] = rng.choice(np.arange(t, t + 60), 16, replace=False)
+  path = tmp_path / "traces.npz"
+  np.savez_compressed(path, toy=trace)
+  run("experiments.miss_rate", f"--trace={path}", "--slots_per_k=1,2",
+      "--policies=lru,belady", "--warm_after=8", f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "miss_rate")
+  by = {(r["policy"], r["B"]): r for r in rows}
+  assert by[("belady", 32)]["warm"] <= by[("lru", 32)]["warm"] <= by[("lru", 16)]["warm"]
+  run("experiments.report", f"--results={tmp_path}")
+  report = (tmp_path / "REPORT.md").read_text()
+  assert "Table 2" in report and "| toy |" in report
