@@ -41,14 +41,21 @@ def lower_for_cuda(fn, *args, **kwargs):
   return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
 
 
-def compile_for_h200(lowered) -> str:
+# XLA:GPU debug options the audit compiles with, as a GPU run should set them
+# (XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true): without the
+# latency-hiding scheduler an async HostExecute fetch is awaited right away.
+GPU_OPTIONS = (("xla_gpu_enable_latency_hiding_scheduler", True),)
+
+
+def compile_for_h200(lowered, options=GPU_OPTIONS) -> str:
   """Optimized XLA:GPU HLO text of a CUDA-lowered computation, for an H200."""
   devices = _h200_devices()
-  options = xc.CompileOptions()
-  build = options.executable_build_options
+  compile_options = xc.CompileOptions()
+  build = compile_options.executable_build_options
   build.num_replicas = 1
   build.num_partitions = 1
+  compile_options.env_option_overrides = list(options)
   executable = devices[0].client.compile(
       lowered.compiler_ir("stablehlo"),
-      executable_devices=xc.DeviceList(devices), compile_options=options)
+      executable_devices=xc.DeviceList(devices), compile_options=compile_options)
   return "\n".join(m.to_string() for m in executable.hlo_modules())

@@ -19,8 +19,13 @@ compared as ratios measured in the same run.
 
 from __future__ import annotations
 
-import json
 import os
+
+# Before jax initialises: let XLA:GPU overlap async host fetches with compute.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+
+import json
 import pathlib
 import time
 import traceback
@@ -382,6 +387,8 @@ def run_decode(smoke):
       ("tiered_zero_copy_pallas_attn", dict(xla_kernels, fetch_impl="pallas",
                                             attention_impl="pallas", host_append="in_scan")),
       ("tiered_hostexec", dict(xla_kernels, fetch_impl="xla", host_append="in_scan")),
+      ("tiered_hostexec_overlap", dict(xla_kernels, fetch_impl="xla",
+                                       host_append="in_scan", overlap_hit_miss=True)),
   ]
   shapes = [(512, 2), (1024, 2)] if smoke else [(32768, 8), (131072, 8), (32768, 32)]
   for i, (ctx, req) in enumerate(shapes):

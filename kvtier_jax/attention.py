@@ -27,6 +27,17 @@ def hot_attention(cfg: TierConfig, q, hot_k, hot_v, layer, slot):
   return sparse_decode_attention_reference(q, hot_k, hot_v, layer, slot)
 
 
+def rows_attention(q, k_rows, v_rows, valid):
+  """Attention of q [R, Hq, D] over given rows [R, U, k, Hg, D] (valid bool[R, U, k]).
+
+  Returns (out [R, Hq, D], lse f32[R, Hq]).
+  """
+  num_units, heads_per_unit = k_rows.shape[1], k_rows.shape[3]
+  out, lse = attend_rows(group_queries(q, num_units, heads_per_unit), k_rows, v_rows,
+                         valid)
+  return out.reshape(q.shape), lse.reshape(q.shape[:2])
+
+
 def full_kv_attention(q, full_k, full_v, layer, positions):
   """Sparse attention over a full KV cache: the exactness reference.
 

@@ -41,6 +41,8 @@ class TierConfig:
       ``"in_scan"`` inside the layer scan (no whole-tier copy on XLA:GPU),
       ``"separate"`` in its own donated jit after the step (XLA:CPU otherwise
       copies the whole tier, JAX_HOST_OFFLOAD_NOTES.md §1), ``"auto"`` picks.
+    overlap_hit_miss: attend over resident rows while the misses are fetched, then
+      over the misses, merged by log-sum-exp (exact to f32 rounding).
   """
 
   num_layers: int
@@ -60,6 +62,7 @@ class TierConfig:
   fetch_impl: str = "auto"
   interpret: bool | None = None
   host_append: str = "auto"
+  overlap_hit_miss: bool = False
 
   def __post_init__(self):
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",

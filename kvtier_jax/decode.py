@@ -37,6 +37,7 @@ from kvtier_jax.shapes import EMPTY
 from kvtier_jax.selectors.synthetic import given_selection
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
+from pallas_kernels.sparse_decode_attention import merge_partials
 
 
 class SelectContext(NamedTuple):
@@ -120,21 +121,27 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   new_k = [k_rows.reshape(-1, *k_rows.shape[2:])] * 2
   new_v = [v_rows.reshape(-1, *v_rows.shape[2:])] * 2
   hot_k, hot_v = state.hot_k, state.hot_v
-  if common.use_kernel(cfg.fetch_impl, "fetch"):
-    hot_k, hot_v, moved = fetch.fetch_misses_kernel(
-        cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+  zero_copy = common.use_kernel(cfg.fetch_impl, "fetch")
+  if cfg.overlap_hit_miss:
+    out, lse, hot_k, hot_v, moved = _overlapped_attention(
+        cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res, is_miss,
+        jnp.concatenate(dest), jnp.concatenate(new_k), jnp.concatenate(new_v))
   else:
-    rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot, is_miss)
-    dest.append(rows.dest)
-    new_k.append(rows.k)
-    new_v.append(rows.v)
-    moved = rows.moved
-  dest = jnp.concatenate(dest)
-  hot_k = fetch.scatter_rows(hot_k, dest, jnp.concatenate(new_k))
-  hot_v = fetch.scatter_rows(hot_v, dest, jnp.concatenate(new_v))
-
-  # 5. Attention over the slots RESOLVE named.
-  out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
+    if zero_copy:
+      hot_k, hot_v, moved = fetch.fetch_misses_kernel(
+          cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+    else:
+      rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot,
+                                 is_miss)
+      dest.append(rows.dest)
+      new_k.append(rows.k)
+      new_v.append(rows.v)
+      moved = rows.moved
+    dest = jnp.concatenate(dest)
+    hot_k = fetch.scatter_rows(hot_k, dest, jnp.concatenate(new_k))
+    hot_v = fetch.scatter_rows(hot_v, dest, jnp.concatenate(new_v))
+    # 5. Attention over the slots RESOLVE named.
+    out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
 
   keep = lambda new, old: jnp.where(ok, new, old)
   valid = selected >= 0
@@ -148,6 +155,37 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       fetched_rows=state.fetched_rows.at[layer].add(moved),
   )
   return out, lse, state, status
+
+
+def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res,
+                          is_miss, dest, new_k, new_v):
+  """Attention over resident rows while the misses are fetched, then over the
+  misses, merged by log-sum-exp (SGLang PR #22313's split; SPECS.md §1.7c).
+
+  The hit partial depends only on rows already in the hot cache (plus the newest
+  token, written first), so XLA can run it while the host gather is in flight;
+  with the host-gather fetch the miss partial reads the fetched rows straight from
+  the transfer buffer. Exact to f32 rounding (only the summation order changes).
+  """
+  hot_k = fetch.scatter_rows(hot_k, dest, new_k)  # newest -> slot B (+ install slot)
+  hot_v = fetch.scatter_rows(hot_v, dest, new_v)
+  hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
+  out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
+  if common.use_kernel(cfg.fetch_impl, "fetch"):
+    hot_k, hot_v, moved = fetch.fetch_misses_kernel(
+        cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+    out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
+                                           jnp.where(is_miss, res.slot, EMPTY))
+  else:
+    rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot, is_miss,
+                               first_chunk_always=True)
+    lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
+    out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
+    hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
+    hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
+    moved = rows.moved
+  out, lse = merge_partials(out_h, lse_h, out_m, lse_m)
+  return out, lse, hot_k, hot_v, moved
 
 
 def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,

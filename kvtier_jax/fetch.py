@@ -58,6 +58,7 @@ class MissRows(NamedTuple):
   k: jax.Array  # [N, Hg, D]
   v: jax.Array  # [N, Hg, D]
   moved: jax.Array  # i32[]  rows that crossed the link (per K or V array)
+  lane: jax.Array  # i32[R, U, k] row of each selected entry in k/v (misses only)
 
 
 class MissPlan(NamedTuple):
@@ -66,6 +67,7 @@ class MissPlan(NamedTuple):
   src: jax.Array  # i32[N, 4] (layer, request, position, unit) in the host tier
   dest: jax.Array  # i32[N, 4] (layer, request, unit, slot); request = R: unused lane
   count: jax.Array  # i32[] valid lanes
+  lane: jax.Array  # i32[R, U, k] lane of each selected entry (>= count: not a miss)
 
 
 def plan_misses(layer, selected, slot, is_miss, lanes_multiple: int = 1) -> MissPlan:
@@ -90,11 +92,11 @@ def plan_misses(layer, selected, slot, is_miss, lanes_multiple: int = 1) -> Miss
   src = src.at[:, 0].set(layer)
   dest = jnp.broadcast_to(jnp.array([0, num_req, 0, 0], jnp.int32), (padded, 4)
                           ).at[to].set(dest, mode="drop")
-  return MissPlan(src, dest, miss.sum(dtype=jnp.int32))
+  return MissPlan(src, dest, miss.sum(dtype=jnp.int32), to.reshape(selected.shape))
 
 
 def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
-                  is_miss) -> MissRows:
+                  is_miss, first_chunk_always: bool = False) -> MissRows:
   """Gather one layer's missed rows from the host tier (XLA path).
 
   The compacted plan is gathered in ``ceil(misses / C)`` host gathers of
@@ -107,6 +109,10 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
     layer: i32[].
     selected, slot: i32[R, U, k] positions and the slots RESOLVE assigned them.
     is_miss: bool[R, U, k] entries to fetch.
+    first_chunk_always: gather the first chunk outside the loop, unconditionally,
+      so that XLA can schedule it asynchronously around independent work (a
+      gather inside the dynamic loop completes before anything after the loop);
+      costs one chunk of transfer per layer even without misses.
   """
   chunk = cfg.fetch_rows_per_chunk
   plan = plan_misses(layer, selected, slot, is_miss, chunk)
@@ -121,8 +127,14 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
     rows_v = jax.lax.dynamic_update_slice_in_dim(rows_v, got_v, i * chunk, 0)
     return rows_k, rows_v
 
-  rows_k, rows_v = jax.lax.fori_loop(0, num_chunks, one_chunk, (empty, empty))
-  return MissRows(plan.dest, rows_k, rows_v, num_chunks * chunk)
+  first = 0
+  rows = (empty, empty)
+  if first_chunk_always:
+    first = 1
+    rows = one_chunk(0, rows)
+    num_chunks = jnp.maximum(num_chunks, 1)
+  rows_k, rows_v = jax.lax.fori_loop(first, num_chunks, one_chunk, rows)
+  return MissRows(plan.dest, rows_k, rows_v, num_chunks * chunk, plan.lane)
 
 
 def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, hot_k, hot_v, layer,

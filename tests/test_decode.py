@@ -96,10 +96,11 @@ def test_tiered_decode_equals_full_kv_sparse_attention(slots_per_k, per_kv_head)
   np.testing.assert_array_equal(np.asarray(h.state.seq_len), h.decoder.seq_len)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_kernel_paths_match_reference(impl):
+def test_kernel_paths_match_reference(impl, overlap):
   cfg = make_cfg(resolve_impl=impl, attention_impl=impl, fetch_impl=impl,
-                 host_append="in_scan")
+                 host_append="in_scan", overlap_hit_miss=overlap)
   h = Harness(cfg, [40, 100, 7], seed=5)
   for _ in range(25):
     out, ref = h.step()

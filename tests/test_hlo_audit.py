@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
                                 reason="needs jax-cuda12-plugin (pip install -e .[audit])")
 
 
-@pytest.mark.parametrize("variant", range(4))
+@pytest.mark.parametrize("variant", range(5))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
   audit = hlo_audit.audit_config(cfg, name)
@@ -25,6 +25,9 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
     assert audit.host_executes >= 1
   if cfg.attention_impl == "pallas":
     assert {"cache_resolve", "sparse_decode_attention"} <= set(audit.kernels)
+  # Overlapped hit/miss attention: compute is scheduled while the host gather is in
+  # flight (with the latency-hiding scheduler the audit enables).
+  assert (audit.overlapped_ops > 0) == cfg.overlap_hit_miss
 
 
 def test_audit_detects_a_whole_tier_copy():

@@ -46,6 +46,20 @@ def attend_rows(q, k_rows, v_rows, valid, *, scale: float | None = None):
   return out.astype(q.dtype), lse
 
 
+def merge_partials(out_a, lse_a, out_b, lse_b):
+  """Exact softmax attention over the union of two disjoint row sets, from each
+  set's normalised output and log-sum-exp (flash-decoding's merge).
+
+  Shapes: out [..., D], lse [...]; a set with no rows has lse = -inf.
+  """
+  lse = jnp.logaddexp(lse_a, lse_b)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  w_a = jnp.exp(lse_a - safe)[..., None]
+  w_b = jnp.exp(lse_b - safe)[..., None]
+  out = w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
+  return out.astype(out_a.dtype), lse
+
+
 def group_queries(q, num_units: int, heads_per_unit: int):
   """[R, Hq, D] -> [R, U, Hg, G, D] (query head h uses KV head h // G)."""
   r, hq, d = q.shape
