@@ -128,7 +128,7 @@ def ops_overlapping_host_fetch(hlo: str) -> int:
   return best
 
 
-def audit_config(cfg: TierConfig, variant: str) -> Audit:
+def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> Audit:
   """Lower + compile one decode step for an H200 and read its HLO."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
@@ -142,7 +142,8 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
   L, R = cfg.num_layers, cfg.num_requests
   select = selectors.churn_selector(cfg.max_len // 2, cfg.top_k, cfg.num_units, 0.134)
-  step = jax.jit(functools.partial(decode.decode_step, cfg, select=select),
+  step = jax.jit(functools.partial(decode.decode_step, cfg, select=select,
+                                   index_share_every=index_share_every),
                  donate_argnums=(0,))
   lowered = deviceless.lower_for_cuda(
       step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
@@ -199,6 +200,8 @@ def audit_configs(smoke: bool):
        base.replace(**pallas, fetch_impl="xla", per_kv_head=True)),
       ("xla kernels, host-gather fetch, overlapped hit/miss attention",
        base.replace(**xla, fetch_impl="xla", overlap_hit_miss=True)),
+      ("xla kernels, host-gather fetch, index shared by 2 layers",
+       base.replace(**xla, fetch_impl="xla"), 2),
   ]
 
 
@@ -208,7 +211,7 @@ def main(argv):
     print("hlo_audit: no compile-only CUDA client (pip install -e .[audit])")
     sys.exit(2)
   configs = audit_configs(FLAGS.smoke)
-  rows = [audit_config(cfg, name) for name, cfg in configs]
+  rows = [audit_config(cfg, name, *share) for name, cfg, *share in configs]
   control = audit_config_bad_pattern(configs[0][1])
   print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
         "HostExecute | async host writes | ops overlapping the fetch |")

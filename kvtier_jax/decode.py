@@ -57,25 +57,65 @@ def _or_reduce(x):
                         tuple(range(x.ndim)))
 
 
+class LayerPlan(NamedTuple):
+  """An anchor layer's RESOLVE result, replayed by the layers sharing its index."""
+
+  slot: jax.Array  # i32[R, U, k]
+  is_hit: jax.Array  # bool[R, U, k] served without a fetch (newest included)
+  is_miss: jax.Array  # bool[R, U, k] fetched (by the anchor, for every layer)
+  target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
+
+
+def _unit_rows(cfg: TierConfig, x):
+  return x.reshape(cfg.num_requests, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+
+
+def _newest_dest(cfg: TierConfig, layer, target, ok):
+  """Scatter destinations of the newest token: slot B, and the install slot."""
+  shape = (cfg.num_requests, cfg.num_units)
+  layer_col = jnp.full(shape, layer, jnp.int32)
+  r_col = jnp.broadcast_to(jnp.arange(shape[0], dtype=jnp.int32)[:, None], shape)
+  u_col = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32)[None, :], shape)
+  to_b = jnp.stack([layer_col, r_col, u_col, jnp.full_like(r_col, cfg.hot_slots)], -1)
+  to_target = jnp.stack([layer_col, jnp.where(ok & (target >= 0), r_col, shape[0]),
+                         u_col, target], -1)
+  return jnp.concatenate([to_b.reshape(-1, 4), to_target.reshape(-1, 4)])
+
+
+def _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok):
+  if not cfg.append_in_scan:
+    return state.host_k, state.host_v
+  write_pos = jnp.where(ok, state.seq_len, cfg.max_len)  # max_len: the scratch row
+  return fetch.append_rows(state.host_k, state.host_v, layer, write_pos, k_rows, v_rows)
+
+
 def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                 selected, ok=True):
+                 selected, ok=True, *, share: int = 1, prefetch=None,
+                 prefetch_cap: int | None = None):
   """Sparse attention of one layer through the tiered cache.
 
   Args:
-    state: the whole cache (all layers); only ``layer`` is touched.
+    state: the whole cache (all layers); only ``layer`` (.. ``layer + share - 1``)
+      is touched.
     layer: i32[] layer index.
     q: [R, Hq, D] queries; k_new, v_new: [R, Hkv, D] the newest token's K/V.
     selected: i32[R, U, k] positions to attend (-1 padding); the newest position
       (``state.seq_len``) is served from reserved slot B.
     ok: bool[] False forbids any change (an earlier layer refused the step).
+    share: layers served by this selection (index sharing, IndexShare /
+      IndexCache): this anchor layer also fetches the misses of the next
+      ``share - 1`` layers and sets their metadata, which stays in lockstep;
+      those layers then call ``tiered_shared_layer`` with the returned plan.
+    prefetch: i32[R, U, kp] positions predicted for the next step (-1 padding;
+      kp <= B): after attention, up to ``prefetch_cap`` of them (default all) that
+      are not resident are fetched now, so the next RESOLVE finds them resident.
+      A wrong prediction costs bandwidth only.
 
   Returns:
-    (out [R, Hq, D], lse f32[R, Hq], state, status i32[]).
+    (out [R, Hq, D], lse f32[R, Hq], state, status i32[], plan LayerPlan).
   """
   num_req, num_units = cfg.num_requests, cfg.num_units
-  hot_slots = cfg.hot_slots
-  unit_rows = lambda x: x.reshape(num_req, num_units, cfg.heads_per_unit, cfg.head_dim)
-  k_rows, v_rows = unit_rows(k_new), unit_rows(v_new)
+  k_rows, v_rows = _unit_rows(cfg, k_new), _unit_rows(cfg, v_new)
   newest = state.seq_len  # [R]
   newest_u = jnp.broadcast_to(newest[:, None], (num_req, num_units))
   if selected.shape != (num_req, num_units, cfg.top_k):
@@ -89,11 +129,7 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
 
   # 1. The newest token's K/V go to the host tier now (in-scan append) and to
   #    reserved slot B below (scratch until the step commits).
-  host_k, host_v = state.host_k, state.host_v
-  if cfg.append_in_scan:
-    write_pos = jnp.where(ok, newest, cfg.max_len)  # max_len: the scratch row
-    host_k, host_v = fetch.append_rows(host_k, host_v, layer, write_pos, k_rows,
-                                       v_rows)
+  host_k, host_v = _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok)
 
   # 2. Resolve; uncommitted positions left in the metadata by a refused step
   #    (>= seq_len) count as empty.
@@ -109,25 +145,16 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
 
   # 4. All hot-cache writes of the layer in one scatter: newest -> slot B and the
   #    install target, fetched misses -> their victims. Then attention reads.
-  layer_col = jnp.full((num_req, num_units), layer, jnp.int32)
-  r_col = jnp.broadcast_to(jnp.arange(num_req, dtype=jnp.int32)[:, None],
-                           (num_req, num_units))
-  u_col = jnp.broadcast_to(jnp.arange(num_units, dtype=jnp.int32)[None, :],
-                           (num_req, num_units))
-  to_b = jnp.stack([layer_col, r_col, u_col, jnp.full_like(r_col, hot_slots)], -1)
-  to_target = jnp.stack([layer_col, jnp.where(ok & (target >= 0), r_col, num_req),
-                         u_col, target], -1)
-  dest = [to_b.reshape(-1, 4), to_target.reshape(-1, 4)]
+  dest = [_newest_dest(cfg, layer, target, ok)]
   new_k = [k_rows.reshape(-1, *k_rows.shape[2:])] * 2
   new_v = [v_rows.reshape(-1, *v_rows.shape[2:])] * 2
   hot_k, hot_v = state.hot_k, state.hot_v
-  zero_copy = common.use_kernel(cfg.fetch_impl, "fetch")
   if cfg.overlap_hit_miss:
     out, lse, hot_k, hot_v, moved = _overlapped_attention(
         cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res, is_miss,
         jnp.concatenate(dest), jnp.concatenate(new_k), jnp.concatenate(new_v))
   else:
-    if zero_copy:
+    if common.use_kernel(cfg.fetch_impl, "fetch"):
       hot_k, hot_v, moved = fetch.fetch_misses_kernel(
           cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
     else:
@@ -143,18 +170,108 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     # 5. Attention over the slots RESOLVE named.
     out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
 
-  keep = lambda new, old: jnp.where(ok, new, old)
+  # 6. Index sharing: the next share-1 layers' misses are fetched here, ahead of
+  #    their attention (their RESOLVE would pick the same slots).
+  for j in range(1, share):
+    hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v,
+                                                  layer + j, selected, res.slot,
+                                                  is_miss)
+    moved += shared_moved
+
+  # 7. Lookahead prefetch for the next step.
+  prefetched = jnp.zeros((num_req, num_units), jnp.int32)
+  if prefetch is not None:
+    new_slot_pos, new_lru, hot_k, hot_v, pf_moved, prefetched = _prefetch(
+        cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, prefetch,
+        newest_u, ok, prefetch_cap)
+    moved += pf_moved
+
   valid = selected >= 0
+  is_hit = valid & ~res.is_miss
+  span = lambda x: jnp.broadcast_to(x, (share,) + x.shape)
+  keep = lambda new, old: jnp.where(ok, new, old)
+  old_pos = jax.lax.dynamic_slice_in_dim(state.slot_pos, layer, share)
+  old_lru = jax.lax.dynamic_slice_in_dim(state.lru, layer, share)
+  count = lambda mask: span(jnp.where(ok, mask.sum(-1, dtype=jnp.int32), 0))
   state = state.replace(
       host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
-      slot_pos=state.slot_pos.at[layer].set(keep(new_slot_pos, state.slot_pos[layer])),
-      lru=state.lru.at[layer].set(keep(new_lru, state.lru[layer])),
-      hits=state.hits.at[layer].add(
-          jnp.where(ok, (valid & ~res.is_miss).sum(-1, dtype=jnp.int32), 0)),
-      misses=state.misses.at[layer].add(is_miss.sum(-1, dtype=jnp.int32)),
+      slot_pos=jax.lax.dynamic_update_slice_in_dim(
+          state.slot_pos, keep(span(new_slot_pos), old_pos), layer, 0),
+      lru=jax.lax.dynamic_update_slice_in_dim(
+          state.lru, keep(span(new_lru), old_lru), layer, 0),
+      hits=jax.lax.dynamic_update_slice_in_dim(
+          state.hits, jax.lax.dynamic_slice_in_dim(state.hits, layer, share)
+          + count(is_hit), layer, 0),
+      misses=jax.lax.dynamic_update_slice_in_dim(
+          state.misses, jax.lax.dynamic_slice_in_dim(state.misses, layer, share)
+          + count(is_miss), layer, 0),
+      prefetched=state.prefetched.at[layer].add(prefetched),
       fetched_rows=state.fetched_rows.at[layer].add(moved),
   )
-  return out, lse, state, status
+  return out, lse, state, status, LayerPlan(res.slot, is_hit, is_miss, target)
+
+
+def tiered_shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
+                        plan: LayerPlan, ok=True):
+  """A layer that reuses its anchor's selection (index sharing).
+
+  Its misses were fetched and its metadata set by the anchor's ``tiered_layer``
+  (lockstep), so no RESOLVE and no host read happen here: the newest token goes
+  to slot B (and the install slot), then attention over the anchor's slots.
+
+  Returns (out [R, Hq, D], lse f32[R, Hq], state).
+  """
+  k_rows, v_rows = _unit_rows(cfg, k_new), _unit_rows(cfg, v_new)
+  host_k, host_v = _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok)
+  dest = _newest_dest(cfg, layer, plan.target, ok)
+  hot_k = fetch.scatter_rows(state.hot_k, dest,
+                             jnp.concatenate([k_rows.reshape(-1, *k_rows.shape[2:])] * 2))
+  hot_v = fetch.scatter_rows(state.hot_v, dest,
+                             jnp.concatenate([v_rows.reshape(-1, *v_rows.shape[2:])] * 2))
+  out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, plan.slot)
+  return out, lse, state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v)
+
+
+def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
+                     is_miss):
+  """Fetch ``is_miss`` rows of ``layer`` into ``slot`` (no attention, no metadata)."""
+  if common.use_kernel(cfg.fetch_impl, "fetch"):
+    return fetch.fetch_misses_kernel(cfg, host_k, host_v, hot_k, hot_v, layer,
+                                     selected, slot, is_miss)
+  rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, slot, is_miss,
+                             first_chunk_always=True)
+  return (fetch.scatter_rows(hot_k, rows.dest, rows.k),
+          fetch.scatter_rows(hot_v, rows.dest, rows.v), rows.moved)
+
+
+def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, predicted,
+              newest, ok, cap):
+  """Fetch predicted, not-yet-resident positions into LRU victims (capped).
+
+  A RESOLVE over the prediction: predicted positions already resident are hits
+  (protected, promoted), the first ``cap`` others are fetched into LRU victims.
+  Positions >= the newest (not in the host tier yet) are skipped.
+
+  Returns (slot_pos, lru, hot_k, hot_v, rows moved, prefetched per unit i32[R, U]).
+  """
+  num_pred = predicted.shape[-1]
+  if num_pred > cfg.hot_slots:
+    raise ValueError(f"{num_pred} predicted positions exceed B={cfg.hot_slots}")
+  held = jnp.sort(slot_pos, axis=-1)
+  at = jnp.minimum(jax.vmap(jax.vmap(jnp.searchsorted))(held, predicted),
+                   cfg.hot_slots - 1)
+  resident = jnp.take_along_axis(held, at, axis=-1) == predicted
+  usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
+  wanted = usable & ~resident
+  if cap is not None:
+    wanted &= jnp.cumsum(wanted, axis=-1) <= cap
+  res = resolve(slot_pos, lru, jnp.where(wanted | (usable & resident), predicted, EMPTY),
+                jnp.full_like(newest, EMPTY), impl=cfg.resolve_impl,
+                interpret=cfg.interpret)
+  hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer,
+                                         predicted, res.slot, res.is_miss)
+  return (res.slot_pos, res.lru, hot_k, hot_v, moved,
+          res.is_miss.sum(-1, dtype=jnp.int32))
 
 
 def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res,
@@ -189,7 +306,8 @@ def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected,
 
 
 def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,
-                select: SelectFn, select_aux=None):
+                select: SelectFn, select_aux=None, *, index_share_every: int = 1,
+                prefetch=None, prefetch_cap: int | None = None):
   """One decode step over all layers (q/k/v given per layer).
 
   Args:
@@ -197,26 +315,45 @@ def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,
     select: selector ``select(q_layer, SelectContext) -> i32[R, U, k]``.
     select_aux: pytree whose leaves have a leading L axis, sliced per layer into
       ``ctx.aux`` (e.g. precomputed selections [L, R, U, k]).
+    index_share_every: N > 1 selects only on anchor layers (0, N, 2N, ...); the
+      N - 1 layers after an anchor reuse its selection, and their misses are
+      fetched at the anchor, ahead of their attention (HiSparse's exact prefetch).
+    prefetch: optional i32[L, R, U, kp] positions predicted for the next step
+      (lookahead prefetch); ``prefetch_cap`` bounds rows per layer and unit.
 
   Returns:
     (out [L, R, Hq, D], state, status i32[], committed bool[]). With
     ``cfg.append_in_scan`` False the caller must then run ``append_newest``.
   """
+  num_layers, share = cfg.num_layers, index_share_every
+  if share < 1 or num_layers % share:
+    raise ValueError(f"{index_share_every=} must divide num_layers={num_layers}")
+  group = lambda x: jax.tree.map(
+      lambda a: a.reshape((num_layers // share, share) + a.shape[1:]), x)
 
   def body(carry, xs):
     state, ok, status = carry
-    layer, q_l, k_l, v_l, aux_l = xs
-    selected = select(q_l, SelectContext(layer, state.seq_len, aux_l))
-    out, _, state, layer_status = tiered_layer(cfg, state, layer, q_l, k_l, v_l,
-                                               selected, ok)
-    return (state, ok & (layer_status == 0), status | layer_status), out
+    anchor, q_g, k_g, v_g, aux_g, pf_g = xs
+    pick = lambda tree, j: jax.tree.map(lambda a: a[j], tree)
+    selected = select(q_g[0], SelectContext(anchor, state.seq_len, pick(aux_g, 0)))
+    out0, _, state, layer_status, plan = tiered_layer(
+        cfg, state, anchor, q_g[0], k_g[0], v_g[0], selected, ok, share=share,
+        prefetch=None if pf_g is None else pf_g[0], prefetch_cap=prefetch_cap)
+    ok = ok & (layer_status == 0)
+    outs = [out0]
+    for j in range(1, share):
+      out_j, _, state = tiered_shared_layer(cfg, state, anchor + j, q_g[j], k_g[j],
+                                            v_g[j], plan, ok)
+      outs.append(out_j)
+    return (state, ok, status | layer_status), jnp.stack(outs)
 
-  layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  anchors = jnp.arange(0, num_layers, share, dtype=jnp.int32)
+  xs = (anchors, group(q), group(k_new), group(v_new), group(select_aux),
+        None if prefetch is None else group(prefetch))
   (state, committed, status), out = jax.lax.scan(
-      body, (state, jnp.bool_(True), jnp.int32(0)),
-      (layers, q, k_new, v_new, select_aux))
+      body, (state, jnp.bool_(True), jnp.int32(0)), xs)
   state = state.replace(seq_len=state.seq_len + committed.astype(jnp.int32))
-  return out, state, status, committed
+  return out.reshape((num_layers,) + out.shape[2:]), state, status, committed
 
 
 def append_newest(cfg: TierConfig, state: TieredKVState, committed):
@@ -366,10 +503,13 @@ class TieredDecoder:
   step (a serving loop reads its sampled tokens anyway).
   """
 
-  def __init__(self, cfg: TierConfig, select: SelectFn = given_selection):
+  def __init__(self, cfg: TierConfig, select: SelectFn = given_selection, *,
+               index_share_every: int = 1, prefetch_cap: int | None = None):
     self.cfg = cfg
     self.select = select
-    self._step = jax.jit(functools.partial(decode_step, cfg, select=select),
+    self._step = jax.jit(functools.partial(decode_step, cfg, select=select,
+                                           index_share_every=index_share_every,
+                                           prefetch_cap=prefetch_cap),
                          donate_argnums=(0,))
     self._append = jax.jit(functools.partial(append_newest, cfg), donate_argnums=(0,))
     self._prefill = jax.jit(functools.partial(prefill, cfg), donate_argnums=(0,))
@@ -384,7 +524,8 @@ class TieredDecoder:
     self.seq_len = lens.astype(np.int64).copy()
     return state
 
-  def step(self, state, q, k_new, v_new, select_aux=None):
+  def step(self, state, q, k_new, v_new, select_aux=None, prefetch=None):
+    """One step; ``prefetch`` i32[L, R, U, kp] optionally names next-step positions."""
     if (self.seq_len >= self.cfg.max_len).any():
       raise ValueError(describe_status(STATUS_CAPACITY) +
                        f": seq_len={self.seq_len.tolist()}, max_len={self.cfg.max_len}")
@@ -394,7 +535,7 @@ class TieredDecoder:
         raise ValueError(f"selections {sel.shape} must be [L, R, U, k]")
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
     out, state, status, committed = self._step(state, q, k_new, v_new,
-                                               select_aux=select_aux)
+                                               select_aux=select_aux, prefetch=prefetch)
     if not self.cfg.append_in_scan:
       state = self._append(state, committed)
     status = int(status)

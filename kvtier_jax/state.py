@@ -35,6 +35,7 @@ class TieredKVState:
   seq_len: jax.Array  # i32[R]  positions 0..seq_len-1 are in the host tier
   hits: jax.Array  # i32[L, R, U]  selected entries served without a fetch
   misses: jax.Array  # i32[L, R, U]  selected entries fetched from the host tier
+  prefetched: jax.Array  # i32[L, R, U]  rows fetched ahead for a predicted step
   fetched_rows: jax.Array  # i32[L]  rows moved host->device (incl. gather padding)
 
 
@@ -92,19 +93,22 @@ def init_state(cfg: TierConfig, *, fill: float = 0.0,
       seq_len=put(np.zeros((cfg.num_requests,), np.int32)),
       hits=put(np.zeros(counters, np.int32)),
       misses=put(np.zeros(counters, np.int32)),
+      prefetched=put(np.zeros(counters, np.int32)),
       fetched_rows=put(np.zeros((cfg.num_layers,), np.int32)),
   )
 
 
 def cache_stats(cfg: TierConfig, state: TieredKVState) -> dict:
   """Counters as int64 numpy (one device->host read; call at run boundaries)."""
-  hits, misses, rows = jax.device_get((state.hits, state.misses, state.fetched_rows))
-  hits, misses, rows = (np.asarray(x, np.int64) for x in (hits, misses, rows))
+  hits, misses, pref, rows = jax.device_get((state.hits, state.misses, state.prefetched,
+                                              state.fetched_rows))
+  hits, misses, pref, rows = (np.asarray(x, np.int64) for x in (hits, misses, pref, rows))
   return {
       "hits_per_layer": hits.sum((1, 2)),
       "misses_per_layer": misses.sum((1, 2)),
       "hits": int(hits.sum()),
       "misses": int(misses.sum()),
+      "prefetched": int(pref.sum()),
       "fetched_rows": int(rows.sum()),
       # K and V rows both cross the link.
       "host_to_device_bytes": int(rows.sum()) * 2 * cfg.row_bytes,

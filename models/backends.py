@@ -89,8 +89,8 @@ def tiered_attend(cfg: TierConfig, selector):
     sel_old = layer_slice(carry.sel, layer)
     positions, sel = selector.select(carry.sel, layer,
                                      StepInputs(x, q, k_new, tier.seq_len), params)
-    out, _, tier, status = kv_decode.tiered_layer(cfg, tier, layer, q, k_new, v_new,
-                                                  positions, carry.ok)
+    out, _, tier, status, _ = kv_decode.tiered_layer(cfg, tier, layer, q, k_new,
+                                                     v_new, positions, carry.ok)
     ok = carry.ok & (status == 0)
     sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
                                                 layer_slice(sel, layer), sel_old))

@@ -220,6 +220,52 @@ def test_step_donates_state_and_does_not_retrace():
   assert h.decoder._step._cache_size() == compiled == 1
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_index_sharing_is_exact_and_prefetches_shared_layers(impl):
+  """index_share_every=2: layers 1 and 3 reuse the anchors' selections; their
+  misses are fetched at the anchor, and their metadata stays in lockstep."""
+  cfg = make_cfg(fetch_impl=impl, host_append="in_scan")
+  h = Harness(cfg, [40, 120, 200], seed=7)
+  h.decoder = decode.TieredDecoder(cfg, index_share_every=2)
+  h.decoder.seq_len = np.array([40, 120, 200])
+  for _ in range(25):
+    sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+    sel[1], sel[3] = sel[0], sel[2]  # what the shared layers attend
+    out, ref = h.step(sel)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  st = jax.device_get(h.state)
+  np.testing.assert_array_equal(st.slot_pos[1], st.slot_pos[0])
+  np.testing.assert_array_equal(st.lru[3], st.lru[2])
+  np.testing.assert_array_equal(st.misses[1], st.misses[0])
+  assert st.misses[0].sum() > 0
+  assert st.fetched_rows[1] == st.fetched_rows[3] == 0  # fetched by the anchors
+  assert st.fetched_rows[0] >= 2 * st.misses[0].sum()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_prefetched_positions_are_hits_next_step(impl):
+  cfg = make_cfg(fetch_impl=impl, hot_slots=32, top_k=16, host_append="in_scan")
+  h = Harness(cfg, [300, 250, 400], seed=3)
+  h.step()
+  sels = [draw_selection(h.rng, cfg, h.decoder.seq_len + t, h.prev) for t in range(2)]
+  # Next step's selection avoids the position being decoded now (not in the host
+  # tier yet, so not prefetchable).
+  sels[1] = np.where(sels[1] == h.decoder.seq_len[None, :, None, None], -1, sels[1])
+  before = kv_state.cache_stats(cfg, h.state)
+  q, k, v = (jnp.asarray(h.rng.standard_normal(s), jnp.float32) for s in (
+      (4, 3, 4, 16), (4, 3, 2, 16), (4, 3, 2, 16)))
+  out, h.state = h.decoder.step(h.state, q, k, v, sels[0], prefetch=sels[1])
+  ref, h.full = h.full_step(h.full, q, k, v, select_aux=sels[0])
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  mid = kv_state.cache_stats(cfg, h.state)
+  assert mid["prefetched"] > before["prefetched"]
+  h.prev = sels[0]
+  out, ref = h.step(sels[1])
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  after = kv_state.cache_stats(cfg, h.state)
+  assert after["misses"] == mid["misses"], "prefetched positions must all be hits"
+
+
 def test_host_tier_lives_in_host_memory_and_is_accounted():
   cfg = make_cfg()
   state = kv_state.init_state(cfg)
@@ -228,7 +274,7 @@ def test_host_tier_lives_in_host_memory_and_is_accounted():
   host = cfg.num_requests * cfg.host_bytes_per_request()
   assert by_kind[kv_state.host_memory_kind()] == host
   device = sum(v for k, v in by_kind.items() if k != kv_state.host_memory_kind())
-  counters = (2 * cfg.num_layers * cfg.num_requests * cfg.num_units + cfg.num_layers +
+  counters = (3 * cfg.num_layers * cfg.num_requests * cfg.num_units + cfg.num_layers +
               cfg.num_requests) * 4
   assert device == cfg.num_requests * cfg.device_bytes_per_request() + counters
 

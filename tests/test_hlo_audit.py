@@ -11,12 +11,12 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
                                 reason="needs jax-cuda12-plugin (pip install -e .[audit])")
 
 
-@pytest.mark.parametrize("variant", range(5))
+@pytest.mark.parametrize("variant", range(6))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
-  name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
-  audit = hlo_audit.audit_config(cfg, name)
+  name, cfg, *share = hlo_audit.audit_configs(smoke=True)[variant]
+  audit = hlo_audit.audit_config(cfg, name, *share)
   assert audit.whole_host_copies == 0
-  assert audit.aliased_params == audit.state_params == 10
+  assert audit.aliased_params == audit.state_params == 11
   assert audit.host_to_device_bytes_per_miss == 2 * cfg.row_bytes
   assert audit.async_host_writes > 0  # in-scan append: async DUS on the host buffer
   if cfg.fetch_impl == "pallas":
@@ -25,9 +25,10 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
     assert audit.host_executes >= 1
   if cfg.attention_impl == "pallas":
     assert {"cache_resolve", "sparse_decode_attention"} <= set(audit.kernels)
-  # Overlapped hit/miss attention: compute is scheduled while the host gather is in
-  # flight (with the latency-hiding scheduler the audit enables).
-  assert (audit.overlapped_ops > 0) == cfg.overlap_hit_miss
+  # Overlapped hit/miss attention, and the shared layers' fetch issued at the
+  # anchor: compute is scheduled while a host gather is in flight (with the
+  # latency-hiding scheduler the audit enables).
+  assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or bool(share))
 
 
 def test_audit_detects_a_whole_tier_copy():
