@@ -232,6 +232,30 @@ def tiered_shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   return out, lse, state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v)
 
 
+def resident_mask(slot_pos, positions):
+  """bool[..., k]: which ``positions`` (i32[..., k]) some slot of ``slot_pos``
+  (i32[..., B]) holds."""
+  held = jnp.sort(slot_pos, axis=-1)
+  search = jnp.searchsorted
+  for _ in range(held.ndim - 1):
+    search = jax.vmap(search)
+  at = jnp.minimum(search(held, positions), held.shape[-1] - 1)
+  return (positions >= 0) & (jnp.take_along_axis(held, at, axis=-1) == positions)
+
+
+def cap_misses(state: TieredKVState, layer, selected, cap: int):
+  """Keep resident positions and the first ``cap`` others; drop the rest (-1).
+
+  For an uncommitted look-ahead pass (a draft token): it reads what is resident and
+  fetches at most ``cap`` rows per unit, so the traffic it adds is bounded.
+  """
+  newest = state.seq_len[:, None, None]
+  resident = resident_mask(state.slot_pos[layer], selected) | (selected == newest)
+  fetch_it = (selected >= 0) & ~resident
+  fetch_it &= jnp.cumsum(fetch_it, axis=-1) <= cap
+  return jnp.where(resident | fetch_it, selected, EMPTY)
+
+
 def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
                      is_miss):
   """Fetch ``is_miss`` rows of ``layer`` into ``slot`` (no attention, no metadata)."""
@@ -257,10 +281,7 @@ def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, predicted
   num_pred = predicted.shape[-1]
   if num_pred > cfg.hot_slots:
     raise ValueError(f"{num_pred} predicted positions exceed B={cfg.hot_slots}")
-  held = jnp.sort(slot_pos, axis=-1)
-  at = jnp.minimum(jax.vmap(jax.vmap(jnp.searchsorted))(held, predicted),
-                   cfg.hot_slots - 1)
-  resident = jnp.take_along_axis(held, at, axis=-1) == predicted
+  resident = resident_mask(slot_pos, predicted)
   usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
   wanted = usable & ~resident
   if cap is not None:

@@ -42,6 +42,7 @@ class SparseCarry:
   kv: cache_lib.DenseKV
   sel: Any  # selector state, leaves [L, ...]
   params: Any  # selector params per layer (DSA indexer) or None
+  shared: jax.Array  # i32[R, U, k] the current anchor's positions (index sharing)
 
 
 @flax.struct.dataclass
@@ -51,6 +52,7 @@ class TieredCarry:
   params: Any
   ok: jax.Array  # bool[] no layer refused the step so far
   status: jax.Array  # i32[] OR of the layers' status words
+  plan: kv_decode.LayerPlan  # the current anchor's RESOLVE (index sharing)
 
 
 def _unit_view(x, num_units: int):
@@ -59,28 +61,41 @@ def _unit_view(x, num_units: int):
 
 
 @functools.cache
-def sparse_attend(selector):
-  """The sparse backend's ``attend`` for ``selector`` (cached: a static argument)."""
+def sparse_attend(selector, share: int = 1):
+  """The sparse backend's ``attend`` (cached: a static argument). With ``share``
+  N > 1 only anchor layers select; the next N - 1 reuse the positions."""
 
-  def attend(layer, q, k_new, v_new, carry: SparseCarry, x):
+  def attend(layer, q, k_new, v_new, carry: SparseCarry, x, member: int = 0):
     kv = carry.kv
     k, v = cache_lib.write_newest(kv, layer, k_new, v_new)
-    params = None if carry.params is None else layer_slice(carry.params, layer)
-    positions, sel = selector.select(carry.sel, layer, StepInputs(x, q, k_new, kv.lens),
-                                     params)
+    if member == 0:
+      params = None if carry.params is None else layer_slice(carry.params, layer)
+      positions, sel = selector.select(carry.sel, layer,
+                                       StepInputs(x, q, k_new, kv.lens), params)
+      carry = carry.replace(sel=sel, shared=positions)
     units = selector.num_units
     out, _ = full_kv_attention(q, _unit_view(k, units), _unit_view(v, units), layer,
-                               positions)
-    return out, carry.replace(kv=kv.replace(k=k, v=v), sel=sel)
+                               carry.shared)
+    return out, carry.replace(kv=kv.replace(k=k, v=v))
 
+  attend.group_size = share
   return attend
 
 
 @functools.cache
-def tiered_attend(cfg: TierConfig, selector):
-  """The tiered backend's ``attend`` (cached per configuration)."""
+def tiered_attend(cfg: TierConfig, selector, share: int = 1,
+                  draft_cap: int | None = None):
+  """The tiered backend's ``attend`` (cached per configuration).
 
-  def attend(layer, q, k_new, v_new, carry: TieredCarry, x):
+  ``draft_cap``: an uncommitted look-ahead pass; each anchor reads what is resident
+  plus at most ``draft_cap`` fetched rows per unit (``decode.cap_misses``).
+  """
+
+  def attend(layer, q, k_new, v_new, carry: TieredCarry, x, member: int = 0):
+    if member > 0:
+      out, _, tier = kv_decode.tiered_shared_layer(cfg, carry.tier, layer, q, k_new,
+                                                    v_new, carry.plan, carry.ok)
+      return out, carry.replace(tier=tier)
     tier = carry.tier
     params = None if carry.params is None else layer_slice(carry.params, layer)
     # A refused step must not move selector state either (NSA's sums are not
@@ -89,14 +104,32 @@ def tiered_attend(cfg: TierConfig, selector):
     sel_old = layer_slice(carry.sel, layer)
     positions, sel = selector.select(carry.sel, layer,
                                      StepInputs(x, q, k_new, tier.seq_len), params)
-    out, _, tier, status, _ = kv_decode.tiered_layer(cfg, tier, layer, q, k_new,
-                                                     v_new, positions, carry.ok)
+    if draft_cap is not None:
+      positions = kv_decode.cap_misses(tier, layer, positions, draft_cap)
+    out, _, tier, status, plan = kv_decode.tiered_layer(
+        cfg, tier, layer, q, k_new, v_new, positions, carry.ok, share=share)
     ok = carry.ok & (status == 0)
     sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
                                                 layer_slice(sel, layer), sel_old))
-    return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status)
+    return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status,
+                              plan=plan)
 
+  attend.group_size = share
   return attend
+
+
+def ngram_draft(history, max_n: int = 3) -> int:
+  """Prompt-lookup drafting: the token that followed the latest earlier occurrence
+  of the longest recent n-gram (n <= max_n); no model. Falls back to the last token."""
+  tokens = list(history)
+  for n in range(max_n, 0, -1):
+    if len(tokens) <= n:
+      continue
+    tail = tokens[-n:]
+    for start in range(len(tokens) - n - 1, -1, -1):
+      if tokens[start:start + n] == tail:
+        return tokens[start + n]
+  return tokens[-1]
 
 
 # Jitted steps (cfg, selector static; the carry donated). ---------------------
@@ -108,23 +141,46 @@ def _dense_step(cfg: ModelConfig, weights, tokens, kv):
   return logits, cache_lib.advance(kv)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "selector"),
+@functools.partial(jax.jit, static_argnames=("cfg", "selector", "share"),
                    donate_argnames=("carry",))
-def _sparse_step(cfg: ModelConfig, selector, weights, tokens, carry: SparseCarry):
+def _sparse_step(cfg: ModelConfig, selector, share: int, weights, tokens,
+                 carry: SparseCarry):
   logits, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
-                               sparse_attend(selector))
+                               sparse_attend(selector, share))
   return logits, carry.replace(kv=cache_lib.advance(carry.kv))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector", "share"),
                    donate_argnames=("carry",))
-def _tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, tokens,
-                 carry: TieredCarry):
+def _tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, share: int, weights,
+                 tokens, carry: TieredCarry):
   carry = carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
   logits, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
-                               tiered_attend(tier_cfg, selector))
+                               tiered_attend(tier_cfg, selector, share))
   tier = carry.tier.replace(seq_len=carry.tier.seq_len + carry.ok.astype(jnp.int32))
   return logits, carry.replace(tier=tier)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "tier_cfg", "selector", "share", "cap"),
+                   donate_argnames=("carry",))
+def _tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, share: int,
+                       cap: int, weights, tokens, carry: TieredCarry):
+  """Look-ahead (OasisKV): run a draft token at the next position without
+  committing it. Its selections' misses (at most ``cap`` per layer and unit) are
+  fetched now, so the next real step finds them resident; the hot cache's
+  metadata keeps them, nothing else changes: seq_len, the host tier's committed
+  rows, selector state and hit/miss counters are as before (the fetched rows are
+  counted as prefetched). Its KV lands at the uncommitted position seq_len,
+  which the next step overwrites (and RESOLVE ignores)."""
+  tier0, sel0 = carry.tier, carry.sel
+  carry = carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
+  _, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
+                          tiered_attend(tier_cfg, selector, share, draft_cap=cap))
+  fetched = carry.tier.misses - tier0.misses
+  tier = carry.tier.replace(hits=tier0.hits, misses=tier0.misses,
+                            prefetched=carry.tier.prefetched + fetched)
+  return carry.replace(tier=tier, sel=sel0)
 
 
 @functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("tier",))
@@ -168,12 +224,19 @@ class Runner:
     max_len: positions per request the cache holds.
     selector, selector_params: the sparse-attention rule (sparse / tiered).
     hot_slots: B (tiered).
+    index_share_every: N > 1 selects on anchor layers only; the next N - 1 layers
+      reuse the selection (sparse and tiered; the tiered anchor also fetches the
+      shared layers' misses ahead of their attention).
+    lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
+      a prompt-lookup draft token prefetches up to ``prefetch_cap`` rows per layer
+      and unit for the next step.
     tier_overrides: extra TierConfig fields (impls, warm start, fetch chunk...).
   """
 
   def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
                selector_params=None, hot_slots: int | None = None,
-               **tier_overrides):
+               index_share_every: int = 1, lookahead: str = "none",
+               prefetch_cap: int = 64, **tier_overrides):
     if backend not in BACKENDS:
       raise ValueError(f"{backend=} must be one of {BACKENDS}")
     if backend != "dense" and selector is None:
@@ -181,8 +244,12 @@ class Runner:
     if backend == "tiered" and hot_slots is None:
       raise ValueError("the tiered backend needs hot_slots (B)")
     self.model, self.backend, self.max_len = model, backend, max_len
+    if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
+      raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
     self.selector, self.params = selector, selector_params
     self.hot_slots, self.tier_overrides = hot_slots, tier_overrides
+    self.share, self.lookahead, self.prefetch_cap = index_share_every, lookahead, prefetch_cap
+    self.history: list[int] = []
     self.weights = model.weights()
     self.tier_cfg = None
     self.carry = None
@@ -205,15 +272,19 @@ class Runner:
       sel = _selector_prefill(self.selector, cfg.num_layers, self.max_len, self.params,
                               h, k, lens)
       params = jax.tree.map(jnp.copy, self.params)  # the carry is donated each step
+      shape = (tokens.shape[0], self.selector.num_units, self.selector.top_k)
       if self.backend == "sparse":
-        self.carry = SparseCarry(kv, sel, params)
+        self.carry = SparseCarry(kv, sel, params, jnp.full(shape, -1, jnp.int32))
       else:
         self.tier_cfg = tier_config(cfg, self.selector, tokens.shape[0], self.max_len,
                                     self.hot_slots, **self.tier_overrides)
         tier = _tier_prefill(self.tier_cfg, kv_state.init_state(self.tier_cfg), k, v,
                              lens)
-        self.carry = TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0))
+        plan = kv_decode.LayerPlan(jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, bool),
+                                   jnp.zeros(shape, bool), jnp.full(shape[:2], -1, jnp.int32))
+        self.carry = TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0), plan)
     self.seq_len = lens_np.copy()
+    self.history = [np.asarray(tokens)[r, :n].tolist() for r, n in enumerate(lens_np)]
     return logits
 
   def step(self, tokens):
@@ -227,11 +298,11 @@ class Runner:
     if self.backend == "dense":
       logits, self.carry = _dense_step(cfg, self.weights, tokens, self.carry)
     elif self.backend == "sparse":
-      logits, self.carry = _sparse_step(cfg, self.selector, self.weights, tokens,
-                                        self.carry)
-    else:
-      logits, self.carry = _tiered_step(cfg, self.tier_cfg, self.selector, self.weights,
+      logits, self.carry = _sparse_step(cfg, self.selector, self.share, self.weights,
                                         tokens, self.carry)
+    else:
+      logits, self.carry = _tiered_step(cfg, self.tier_cfg, self.selector, self.share,
+                                        self.weights, tokens, self.carry)
       if not self.tier_cfg.append_in_scan:
         self.carry = self.carry.replace(
             tier=_append(self.tier_cfg, self.carry.tier, self.carry.ok))
@@ -240,6 +311,12 @@ class Runner:
         raise kv_decode.StepRefused(
             f"decode step refused: {kv_decode.describe_status(status)}", self.carry)
     self.seq_len += 1
+    for hist, token in zip(self.history, np.asarray(tokens).tolist()):
+      hist.append(token)
+    if self.lookahead == "draft" and (self.seq_len < self.max_len).all():
+      draft = jnp.asarray([ngram_draft(h) for h in self.history], jnp.int32)
+      self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.share,
+                                      self.prefetch_cap, self.weights, draft, self.carry)
     return logits
 
   def cache_stats(self) -> dict:

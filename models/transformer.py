@@ -429,27 +429,48 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
   x = weights["embed"][tokens]  # [R, E]
   cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [R, D/2]
 
-  def layer(state, xs):
-    x, carry = state
-    w, layer_index = xs
+  # Index sharing (IndexShare / IndexCache): an attend with ``group_size`` N > 1
+  # is called with a static ``member`` (0 = the anchor that selects), so the layers
+  # of a group run unrolled inside one scan iteration.
+  group = getattr(attend, "group_size", 1)
+  if cfg.num_layers % group:
+    raise ValueError(f"group_size={group} must divide num_layers={cfg.num_layers}")
+
+  def one_layer(x, carry, w, layer_index, member):
     h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
     q = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wq"], precision=PRECISION),
                    cos, sin)  # [R, Hq, D]
     k_new = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wk"], precision=PRECISION),
                        cos, sin)  # [R, Hkv, D]
     v_new = jnp.einsum("re,ehd->rhd", h, w["wv"], precision=PRECISION)
-    out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
+    if group == 1:
+      out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
+    else:
+      out, carry = attend(layer_index, q, k_new, v_new, carry, h, member=member)
     x = x + jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
     x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
-    return (x, carry), (q if return_queries else None)
+    return x, carry, q
 
-  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, carry), queries = jax.lax.scan(layer, (x, carry),
-                                     (_layer_weights(weights), layer_ids))
+  def layers(state, xs):
+    x, carry = state
+    w, first = xs
+    queries = []
+    for member in range(group):
+      w_j = w if group == 1 else jax.tree.map(lambda a: a[member], w)
+      x, carry, q = one_layer(x, carry, w_j, first + member, member)
+      queries.append(q)
+    return (x, carry), (jnp.stack(queries) if return_queries else None)
+
+  weights_l = _layer_weights(weights)
+  if group > 1:
+    weights_l = jax.tree.map(
+        lambda a: a.reshape((cfg.num_layers // group, group) + a.shape[1:]), weights_l)
+  firsts = jnp.arange(0, cfg.num_layers, group, dtype=jnp.int32)
+  (x, carry), queries = jax.lax.scan(layers, (x, carry), (weights_l, firsts))
   logits = _lm_head(cfg, weights, x)
   if return_queries:
-    return logits, carry, queries
+    return logits, carry, queries.reshape((cfg.num_layers,) + queries.shape[2:])
   return logits, carry
 
 

@@ -102,3 +102,34 @@ def test_parity_cli_prints_the_contract_line():
   last = proc.stdout.strip().splitlines()[-1]
   assert last == "parity: 4/4 tokens, max_abs_logit_diff=0", proc.stdout + proc.stderr
   assert proc.returncode == 0
+
+
+def test_index_sharing_and_draft_lookahead_keep_parity(model_and_prompt):
+  """Index sharing every 3 layers (sparse and tiered select on anchors only) and
+  the uncommitted draft-token pass: logits still equal the sparse run's, and the
+  prefetch takes misses off the real steps."""
+  model, ids = model_and_prompt
+  selector, _ = selector_for("quest", model.cfg)
+  steps, tokens, lens = 8, ids[None], [len(ids)]
+  max_len = len(ids) + steps + 2
+  common = dict(selector=selector, index_share_every=3)
+  sparse = backends.Runner(model, "sparse", max_len, **common)
+  plain = backends.Runner(model, "tiered", max_len, hot_slots=128, **common)
+  ahead = backends.Runner(model, "tiered", max_len, hot_slots=128, lookahead="draft",
+                          prefetch_cap=16, **common)
+  ref = sparse.prefill(tokens, lens)
+  for runner in (plain, ahead):
+    np.testing.assert_array_equal(runner.prefill(tokens, lens), ref)
+  for _ in range(steps):
+    token = jnp.argmax(ref, -1)
+    ref = sparse.step(token)
+    for runner in (plain, ahead):
+      np.testing.assert_allclose(np.asarray(runner.step(token)), np.asarray(ref),
+                                 atol=1e-4, rtol=0)
+  plain_stats, ahead_stats = plain.cache_stats(), ahead.cache_stats()
+  assert ahead_stats["prefetched"] > 0
+  assert ahead_stats["misses"] < plain_stats["misses"]
+  # Shared layers are in lockstep with their anchors.
+  slot_pos = np.asarray(ahead.carry.tier.slot_pos)
+  np.testing.assert_array_equal(slot_pos[1], slot_pos[0])
+  np.testing.assert_array_equal(slot_pos[5], slot_pos[3])
