@@ -19,20 +19,18 @@ config.json, rows.jsonl (per-selector churn and size), table.md.
 
 from __future__ import annotations
 
-import functools
 import time
 
 from absl import app, flags
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import common, model_setup
-from kvtier_jax.selectors.base import StepInputs, layer_slice
-from models import cache as cache_lib
-from models.transformer import apply_decode, apply_prefill_with_inputs
 from models import backends
+from models import cache as cache_lib
+from models.tracing import TraceCarry, trace_step
+from models.transformer import apply_prefill_with_inputs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 512, "Teacher-forced decode steps.")
@@ -40,41 +38,6 @@ flags.DEFINE_list("selectors", ["quest", "quest_kv", "dsa", "nsa", "oracle"],
                   "Selectors to trace.")
 flags.DEFINE_bool("smoke", False, "Short prompt, few steps (tests).")
 flags.DEFINE_string("out_root", None, "Results root.")
-
-
-@flax.struct.dataclass
-class TraceCarry:
-  kv: cache_lib.DenseKV
-  states: tuple  # one resident state per selector
-  params: tuple  # selector params (or None) per selector
-  picks: tuple  # this step's positions per selector, i32[L, R, U, k]
-
-
-@functools.cache
-def trace_attend(selectors: tuple):
-  """Dense attention; every selector also absorbs the token and picks positions."""
-
-  def attend(layer, q, k_new, v_new, carry: TraceCarry, x):
-    out, kv = cache_lib.dense_attend(layer, q, k_new, v_new, carry.kv)
-    inputs = StepInputs(x, q, k_new, carry.kv.lens)
-    states, picks = [], []
-    for sel, state, params, buf in zip(selectors, carry.states, carry.params,
-                                       carry.picks):
-      p = None if params is None else layer_slice(params, layer)
-      positions, state = sel.select(state, layer, inputs, p)
-      states.append(state)
-      picks.append(buf.at[layer].set(positions))
-    return out, carry.replace(kv=kv, states=tuple(states), picks=tuple(picks))
-
-  return attend
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "selectors"),
-                   donate_argnames=("carry",))
-def trace_step(cfg, selectors, weights, tokens, carry: TraceCarry):
-  _, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
-                          trace_attend(selectors))
-  return carry.replace(kv=cache_lib.advance(carry.kv))
 
 
 def churn(trace: np.ndarray) -> float:
