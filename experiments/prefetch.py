@@ -142,16 +142,20 @@ def main(argv):
                  for s, p in zip(selectors, params))
   picks = tuple(jnp.zeros((cfg.num_layers, 1, s.num_units, s.top_k), jnp.int32)
                 for s in selectors)
-  carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks)
+  recall0 = jnp.zeros((len(selectors), cfg.num_layers, 1), jnp.float32)
+  carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks, recall0)
   true = [np.full((steps, cfg.num_layers, s.num_units, s.top_k), -1, np.int32)
           for s in selectors]
   drafted = [np.full_like(t, -1) for t in true]
+  recall = np.zeros((steps, len(selectors)), np.float32)
   draft_hits, start = 0, time.perf_counter()
   for t in range(steps):
     position = prompt + t
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[None, position]), carry)
-    for trace, pick in zip(true, jax.device_get(carry.picks)):
+    picks_t, recall_t = jax.device_get((carry.picks, carry.recall))
+    for trace, pick in zip(true, picks_t):
       trace[t] = np.where(pick[:, 0] == position, -1, pick[:, 0])
+    recall[t] = recall_t[:, :, 0].mean(-1)
     history = tokens[:position + 1].tolist()
     draft = backends.ngram_draft(history)
     draft_hits += int(draft == tokens[position + 1])
@@ -188,6 +192,7 @@ def main(argv):
                        io_gh200_ms=exposed_io_ms(rate, "gh200_c2c")))
     # Index sharing: anchors keep their misses, shared layers' are prefetched.
     base = rows[-3]["critical_miss_rate"]
+    rows[-3]["recall"] = float(recall[:, FLAGS.selectors.index(name)].mean())
     rows.append(dict(selector=name, variant=f"index shared by {FLAGS.share}",
                      critical_miss_rate=base / FLAGS.share,
                      agreement=overlap(real[:, :-1], real[:, 1:]),
@@ -207,7 +212,7 @@ def main(argv):
           f"'agreement' = share of the next step's selection the predictor named "
           f"(index sharing: share of layer l+1's selection in layer l's); IO model: "
           f"batch {FLAGS.batch}, GLM-5.1 rows; paper: 7.7 ms sync, 3.0 ms prefetch")
-  table = common.markdown_table(rows, ["selector", "variant", "agreement",
+  table = common.markdown_table(rows, ["selector", "variant", "recall", "agreement",
                                        "critical_miss_rate", "prefetched_per_miss",
                                        "useful_share", "io_h200_ms", "io_gh200_ms"])
   (out / "table.md").write_text(f"{note}\n\n{table}\n")

@@ -13,8 +13,10 @@ Command (~8-10 min on a 2-core CPU; needs results/indexer/smollm2 for DSA, from
 experiments/distill_indexer.py):
   python -m experiments.trace
 Output: results/trace/<time>/traces.npz with one i16[T, L, U, k] array per
-selector (positions, -1 padding; row order = the selector's preference order),
-config.json, rows.jsonl (per-selector churn and size), table.md.
+selector (positions, -1 padding; row order = the selector's preference order) and
+``recall`` f32[T, selectors, L] (the share of the model's head-averaged attention
+mass each selection covers, at equal token budget), config.json, rows.jsonl
+(per-selector recall, churn and size), table.md.
 """
 
 from __future__ import annotations
@@ -82,27 +84,34 @@ def main(argv):
   print(f"prefill {prompt} tokens: {time.perf_counter() - start:.0f} s", flush=True)
   picks = tuple(jnp.zeros((cfg.num_layers, 1, s.num_units, s.top_k), jnp.int32)
                 for s in selectors)
-  carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks)
+  recall0 = jnp.zeros((len(selectors), cfg.num_layers, 1), jnp.float32)
+  carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks, recall0)
   traces = [np.empty((steps, cfg.num_layers, s.num_units, s.top_k), np.int16)
             for s in selectors]
+  recall = np.zeros((steps, len(selectors), cfg.num_layers), np.float32)
   start = time.perf_counter()
   for t in range(steps):
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry)
     newest = prompt + t
-    for trace, pick in zip(traces, jax.device_get(carry.picks)):
+    picks_t, recall_t = jax.device_get((carry.picks, carry.recall))
+    for trace, pick in zip(traces, picks_t):
       trace[t] = np.where(pick[:, 0] == newest, -1, pick[:, 0])
+    recall[t] = recall_t[:, :, 0]
     rate = (t + 1) / (time.perf_counter() - start)
     print(f"\rstep {t + 1}/{steps} ({rate:.2f} steps/s)", end="", flush=True)
   print()
   np.savez_compressed(out / "traces.npz", **dict(zip(FLAGS.selectors, traces)),
-                      prompt_tokens=prompt, steps=steps)
+                      recall=recall, prompt_tokens=prompt, steps=steps)
   rows = []
-  for name, sel, trace in zip(FLAGS.selectors, selectors, traces):
+  for i, (name, sel, trace) in enumerate(zip(FLAGS.selectors, selectors, traces)):
     rows.append(dict(selector=name, k=sel.top_k, units=sel.num_units,
+                     recall=float(recall[:, i].mean()),
+                     recall_min_layer=float(recall[:, i].mean(0).min()),
                      churn=churn(trace[:, :, :1] if trace.shape[2] > 1 else trace),
                      mean_valid=float((trace >= 0).sum(-1).mean())))
     common.append_row(out, rows[-1])
-  table = common.markdown_table(rows, ["selector", "k", "units", "churn", "mean_valid"])
+  table = common.markdown_table(rows, ["selector", "k", "units", "recall",
+                                       "recall_min_layer", "churn", "mean_valid"])
   (out / "table.md").write_text(table + "\n")
   print(table)
   print(f"results: {out}")

@@ -11,6 +11,7 @@ import functools
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from kvtier_jax.selectors.base import StepInputs, layer_slice
 from models import cache as cache_lib
@@ -23,6 +24,28 @@ class TraceCarry:
   states: tuple  # one resident state per selector
   params: tuple  # selector params (or None) per selector
   picks: tuple  # this step's positions per selector, i32[L, R, U, k]
+  recall: jax.Array  # f32[S, L, R] this step's attention mass each selector covered
+
+
+def attention_mass(q, k_layer, lens):
+  """f32[R, T]: the model's attention over positions 0..lens, averaged over query
+  heads (each head's row sums to 1), from q [R, Hq, D] and keys [R, T, Hkv, D]."""
+  num_req, num_q, head_dim = q.shape
+  group = num_q // k_layer.shape[2]
+  scores = jnp.einsum("rkgd,rtkd->rkgt", q.reshape(num_req, -1, group, head_dim),
+                      k_layer, precision=jax.lax.Precision.HIGHEST) * head_dim ** -0.5
+  visible = jnp.arange(k_layer.shape[1])[None, :] <= lens[:, None]
+  probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
+  return probs.mean(axis=(1, 2))
+
+
+def covered_mass(mass, positions):
+  """f32[R]: attention mass of the positions a selector named (any unit), [R, U, k]."""
+  num_req, length = mass.shape
+  named = jnp.zeros((num_req, length + 1), bool).at[
+      jnp.arange(num_req)[:, None, None], jnp.where(positions >= 0, positions, length)
+  ].set(True)[:, :length]
+  return (mass * named).sum(-1)
 
 
 @functools.cache
@@ -32,14 +55,17 @@ def trace_attend(selectors: tuple):
   def attend(layer, q, k_new, v_new, carry: TraceCarry, x):
     out, kv = cache_lib.dense_attend(layer, q, k_new, v_new, carry.kv)
     inputs = StepInputs(x, q, k_new, carry.kv.lens)
-    states, picks = [], []
-    for sel, state, params, buf in zip(selectors, carry.states, carry.params,
-                                       carry.picks):
+    mass = attention_mass(q, kv.k[layer], carry.kv.lens)  # [R, T]
+    states, picks, recall = [], [], carry.recall
+    for i, (sel, state, params, buf) in enumerate(zip(selectors, carry.states,
+                                                      carry.params, carry.picks)):
       p = None if params is None else layer_slice(params, layer)
       positions, state = sel.select(state, layer, inputs, p)
       states.append(state)
       picks.append(buf.at[layer].set(positions))
-    return out, carry.replace(kv=kv, states=tuple(states), picks=tuple(picks))
+      recall = recall.at[i, layer].set(covered_mass(mass, positions))
+    return out, carry.replace(kv=kv, states=tuple(states), picks=tuple(picks),
+                              recall=recall)
 
   return attend
 
