@@ -5,12 +5,13 @@ from kvtier_jax.config import TierConfig
 from kvtier_jax.state import TieredKVState, cache_stats, init_state
 # Cache resolution and the decode step
 from kvtier_jax.resolve import ResolveOutputs, install_newest, resolve
-from kvtier_jax.decode import (SelectContext, StepRefused, TieredDecoder, decode_step,
-                               prefill, tiered_layer)
+from kvtier_jax.decode import (LayerPlan, SelectContext, StepRefused, TieredDecoder,
+                               decode_step, prefill, tiered_layer, tiered_shared_layer)
 from kvtier_jax import selectors
 
 __all__ = [
     "TierConfig", "TieredKVState", "cache_stats", "init_state", "ResolveOutputs",
-    "install_newest", "resolve", "SelectContext", "StepRefused", "TieredDecoder",
-    "decode_step", "prefill", "tiered_layer", "selectors",
+    "install_newest", "resolve", "LayerPlan", "SelectContext", "StepRefused",
+    "TieredDecoder", "decode_step", "prefill", "tiered_layer", "tiered_shared_layer",
+    "selectors",
 ]
