@@ -15,6 +15,7 @@ Command (~2-4 min on a 2-core CPU for the default trace):
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 
@@ -37,10 +38,13 @@ PAPER = {("lru", 1.0): 0.30, ("lru", 2.0): 0.134, ("fifo", 2.0): 0.172,
 
 
 def latest_trace() -> pathlib.Path:
+  """The newest full (not --smoke) trace run."""
   runs = sorted(pathlib.Path(common.RESULTS, "trace").glob("*/traces.npz"))
-  if not runs:
+  full = [r for r in runs
+          if not json.loads((r.parent / "config.json").read_text())["flags"].get("smoke")]
+  if not full:
     raise FileNotFoundError("no trace: run python -m experiments.trace first")
-  return runs[-1]
+  return full[-1]
 
 
 def streams(trace: np.ndarray) -> np.ndarray:

@@ -8,19 +8,27 @@ across independent streams (layers, requests, units): each step is a handful of
 
 ``"lru"`` reproduces ``kvtier_jax.resolve.resolve`` miss for miss (the newest-token
 slot aside), so replayed counts are what the decode loop would fetch. ``"belady"``
-is the offline optimum, a lower bound for every policy.
+is the offline optimum, a lower bound for every policy. The other policies are the
+candidates of SPECS.md §5.3, adapted to set requests (see ``replay``);
+``compare_policies`` tabulates them against both ends.
 """
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import numpy as np
 
-__all__ = ["POLICIES", "OFFLINE_POLICIES", "replay"]
+__all__ = ["POLICIES", "OFFLINE_POLICIES", "replay", "compare_policies",
+           "synthetic_trace"]
 
-POLICIES = ("lru", "fifo", "random", "belady")
+POLICIES = ("lru", "fifo", "random", "belady", "clock", "sieve", "2q", "arc", "lru2",
+            "freq", "score")
 OFFLINE_POLICIES = ("belady",)  # these read the future of the trace
 
 _PAD = -1
+_NEVER = np.iinfo(np.int64).max  # a key above every stamp
 
 
 def _validate(selections, capacity, policy) -> np.ndarray:
@@ -49,6 +57,31 @@ def _validate(selections, capacity, policy) -> np.ndarray:
     raise ValueError(f"position {int(srt[where])} appears twice in selections row "
                      f"{list(where[:-1])}; a step's positions must be distinct")
   return sel
+
+
+def _validate_params(params) -> None:
+  """Decays lie in [0, 1]; 2Q's list sizes in (0, 1] of the capacity."""
+  for name, value in params.items():
+    closed = name.endswith("alpha")
+    if not 0.0 <= value <= 1.0 or (value == 0.0 and not closed):
+      raise ValueError(f"{name}={value} must lie in "
+                       f"{'[0, 1]' if closed else '(0, 1]'}")
+
+
+def _validate_scores(scores, sel) -> np.ndarray:
+  """f64[..., T, k] selector scores (derived from row order when None)."""
+  k = sel.shape[-1]
+  if scores is None:  # top-k selectors emit rows best first
+    return np.broadcast_to(1.0 - np.arange(k) / max(k, 1), sel.shape)
+  scores = np.asarray(scores, np.float64)
+  if scores.shape != sel.shape:
+    raise ValueError(f"scores {scores.shape} must have the shape of selections "
+                     f"{sel.shape}")
+  used = scores[sel >= 0]
+  if not (np.isfinite(used).all() and (used >= 0).all()):
+    raise ValueError("scores of valid entries must be finite and >= 0 (e.g. "
+                     "attention probabilities); higher = more important")
+  return scores
 
 
 def _dense_ids(sel: np.ndarray) -> tuple[np.ndarray, int]:
@@ -127,25 +160,370 @@ def _queue_step(order, hit_slot, num_miss, lru: bool):
   return new_order, start
 
 
-def replay(selections, capacity: int, policy: str, *, seed: int = 0) -> np.ndarray:
+# ------------------------------------------------------------ shared helpers --
+# Per-slot state arrays have B + 1 columns: column B is a scratch sink that the
+# step's padding entries write to, so updates need no masking.
+
+
+def _smallest(keys, n) -> np.ndarray:
+  """bool[S, W]: the n[s] smallest keys per row; candidates' keys are distinct
+  stamps, others ``_NEVER``, n[s] <= #candidates (so a threshold suffices)."""
+  srt = np.sort(keys, axis=1)
+  thr = srt[np.arange(keys.shape[0]), np.maximum(n - 1, 0)]
+  return (keys <= thr[:, None]) & (n > 0)[:, None]
+
+
+def _lex_pick(st, *keys):
+  """Eviction order: empty slots by id, then unpinned ones by ``keys`` (most
+  significant first, then slot id), pinned last; the j-th miss takes pick[j]."""
+  group = np.where(st.empty, 0, np.where(st.pinned, 2, 1))
+  cols = [np.where(st.empty, 0, key) for key in reversed(keys)]
+  ids = np.broadcast_to(st.slot_ids, group.shape)
+  return np.lexsort([ids, *cols, group], axis=-1), 0
+
+
+def _touch(rec, st, moved=None) -> None:
+  """Restamps requested entries (``rec``: i64[S, B+1]) in resolve's LRU order
+  (SPECS.md §1.5 step 6): misses in selection order, then the (``moved``) hits in
+  their old relative order. Stamps stay below ``(t + 1) * 2k``."""
+  k = st.cur.shape[1]
+  hit = st.hit if moved is None else st.hit & moved
+  old = np.where(hit, rec[st.rows, st.slot_in], _NEVER)
+  hit_rank = np.argsort(np.argsort(old, axis=1, kind="stable"), axis=1)
+  stamp = st.t * 2 * k + np.where(st.miss, np.cumsum(st.miss, axis=1) - 1,
+                                  k + hit_rank)
+  rec[st.rows, np.where(st.miss | hit, st.slot_in, st.scratch)] = stamp
+
+
+def _born(st):
+  """i64[S, k] insertion stamps of the step's misses, in selection order."""
+  return st.t * st.cur.shape[1] + np.cumsum(st.miss, axis=1) - 1
+
+
+def _split(need, n_a, cand_a, key_a, cand_b, key_b):
+  """bool[S, B] ``need`` victims: the n_a oldest candidates of list a, the rest
+  from list b, and more from a where b runs out."""
+  n_a = np.where(need - n_a > cand_b.sum(axis=1), need - cand_b.sum(axis=1), n_a)
+  return (_smallest(np.where(cand_a, key_a, _NEVER), n_a)
+          | _smallest(np.where(cand_b, key_b, _NEVER), need - n_a))
+
+
+def _sweep(seq, pinned, ref, n):
+  """A CLOCK/SIEVE hand over one step's ``n`` victims, all sweeps at once.
+
+  The hand visits slots by increasing ``seq`` (cyclically), skips pinned ones
+  without touching them, clears set ``ref`` bits (second chance) and takes the
+  first unreferenced slot. Unreferenced slots are therefore taken in hand order;
+  once a full turn has cleared every bit, the formerly referenced ones follow in
+  hand order.
+
+  Returns:
+    (pick, clear, last): i64[S, B] eviction order, the bits the hand cleared, and
+    i64[S] the slot of the n-th victim (meaningless where n == 0).
+  """
+  group = np.where(pinned, 2, ref.astype(np.int64))
+  pick = np.lexsort([seq, group], axis=-1)
+  rows = np.arange(seq.shape[0])
+  last = pick[rows, np.maximum(n - 1, 0)]
+  wrapped = n > (group == 0).sum(axis=1)
+  reach = np.where(wrapped, _NEVER, seq[rows, last])  # hand passed seq < reach
+  clear = (group == 1) & (seq < reach[:, None]) & (n > 0)[:, None]
+  return pick, clear, last
+
+
+class _Ghosts:
+  """Evicted positions kept without data (2Q's A1out, ARC's B1/B2): at most
+  ``size`` per stream, each with a list id and an age key (smaller = older)."""
+
+  def __init__(self, num_streams, size, num_pos):
+    self.pos = np.full((num_streams, size), _PAD, np.int64)
+    self.key = np.zeros((num_streams, size), np.int64)
+    self.lst = np.zeros((num_streams, size), np.int8)
+    self.of = np.full((num_streams, num_pos + 1), _PAD, np.int64)
+
+  def count(self, lst):
+    return ((self.pos >= 0) & (self.lst == lst)).sum(axis=1)
+
+  def drop(self, rr, gg):
+    self.of[rr, self.pos[rr, gg]] = _PAD
+    self.pos[rr, gg] = _PAD
+
+  def push(self, pos, mask, key, lst):
+    """Adds ``pos[mask]`` (i64[S, W]) with their keys and list ids to free slots."""
+    free = np.argsort(self.pos >= 0, axis=1, kind="stable")
+    rr, cc = np.nonzero(mask)
+    gg = free[rr, (np.cumsum(mask, axis=1) - 1)[rr, cc]]
+    self.pos[rr, gg], self.key[rr, gg] = pos[rr, cc], key[rr, cc]
+    self.lst[rr, gg] = lst[rr, cc]
+    self.of[rr, pos[rr, cc]] = gg
+
+  def trim(self, lst, keep):
+    """Forgets the oldest ghosts of list ``lst`` beyond ``keep`` (i64[S])."""
+    member = (self.pos >= 0) & (self.lst == lst)
+    over = np.maximum(member.sum(axis=1) - np.maximum(keep, 0), 0)
+    self.drop(*np.nonzero(_smallest(np.where(member, self.key, _NEVER), over)))
+
+
+# ------------------------------------------------------------------ policies --
+
+
+class _Policy:
+  """pick(st) -> (pick, start): the j-th miss of step st takes slot pick[start + j];
+  commit(st) then updates the policy's state (the slot tables are already done)."""
+
+  def commit(self, st):
+    pass
+
+
+class _Queue(_Policy):  # lru / fifo
+
+  def __init__(self, c, lru):
+    self.order, self.lru = np.broadcast_to(c.slot_ids, (c.S, c.B)).copy(), lru
+
+  def pick(self, st):
+    self.order, start = _queue_step(self.order, st.pinned, st.num_miss, self.lru)
+    return self.order, start
+
+
+class _Random(_Policy):
+
+  def __init__(self, c):
+    self.rng, self.shape = np.random.default_rng(c.seed), (c.S, c.B)
+
+  def pick(self, st):
+    draws = self.rng.random(self.shape)  # every step: draws depend on shape only
+    keys = np.where(st.empty, st.slot_ids - self.shape[1], draws)
+    keys[st.pinned] = 2.0
+    return np.argsort(keys, axis=1), 0
+
+
+class _Belady(_Policy):
+
+  def __init__(self, c):
+    self.nxt = _next_use(c.sel, c.num_pos)  # i32[T, S, k]
+    self.slot_next = np.zeros((c.S, c.B + 1), np.int64)  # next use of each entry
+
+  def pick(self, st):
+    # Furthest next use first. Ties (entries wanted together at the same later
+    # step, or never again) do not change the count, see the tests.
+    return _lex_pick(st, -self.slot_next[:, :-1])
+
+  def commit(self, st):
+    self.slot_next[st.rows, st.slot_in] = self.nxt[st.t]
+
+
+class _Clock(_Policy):
+
+  def __init__(self, c):
+    self.ref = np.zeros((c.S, c.B + 1), bool)
+    self.hand = np.zeros(c.S, np.int64)
+
+  def pick(self, st):
+    num_slots = st.slot_ids.size
+    seq = (st.slot_ids - self.hand[:, None]) % num_slots
+    pick, self.clear, last = _sweep(seq, st.pinned, self.ref[:, :-1], st.num_miss)
+    self.hand = np.where(st.num_miss > 0, (last + 1) % num_slots, self.hand)
+    return pick, 0
+
+  def commit(self, st):
+    self.ref[:, :-1] &= ~self.clear
+    self.ref[st.rows, st.slot_in] = st.hit  # hits referenced, new entries not
+
+
+class _Sieve(_Policy):
+
+  def __init__(self, c):
+    self.born = np.zeros((c.S, c.B + 1), np.int64)  # insertion stamp: queue order
+    self.vis = np.zeros((c.S, c.B + 1), bool)
+    self.hand = np.zeros(c.S, np.int64)  # examine the oldest born >= hand first
+    self.wrap = (c.T + 1) * c.k  # above every stamp
+
+  def pick(self, st):
+    born = self.born[:, :-1]
+    seq = np.where(st.empty, st.slot_ids - self.wrap,
+                   np.where(born >= self.hand[:, None], born, born + self.wrap))
+    pick, self.clear, self.last = _sweep(seq, st.pinned, self.vis[:, :-1],
+                                         st.num_miss)
+    return pick, 0
+
+  def commit(self, st):
+    # The hand rests on the last victim's newer neighbour among the old entries,
+    # or on the tail (hand 0) if none is left.
+    born = self.born[:, :-1]
+    last_born = born[st.rows[:, 0], self.last]
+    newer = ~st.empty & ~st.taken & (born > last_born[:, None])
+    self.hand = np.where(st.num_miss > st.empty.sum(axis=1),
+                         np.where(newer.any(axis=1), last_born + 1, 0), self.hand)
+    self.vis[:, :-1] &= ~self.clear
+    self.vis[st.rows, st.slot_in] = st.hit
+    self.born[st.rows, np.where(st.miss, st.slot_in, st.scratch)] = _born(st)
+
+
+class _TwoQ(_Policy):
+
+  def __init__(self, c):
+    self.am = np.zeros((c.S, c.B + 1), bool)  # False: A1in (FIFO), True: Am (LRU)
+    self.born = np.zeros((c.S, c.B + 1), np.int64)
+    self.rec = np.zeros((c.S, c.B + 1), np.int64)
+    self.kin = max(1, round(c.twoq_in * c.B))
+    self.kout = max(1, round(c.twoq_out * c.B))
+    self.ghosts = _Ghosts(c.S, self.kout + c.k, c.num_pos)
+    self.age = (c.T + 1) * 2 * c.k  # ghost key = step * age + stamp
+
+  def pick(self, st):
+    self.g = self.ghosts.of[st.rows, st.cur]  # i64[S, k]
+    self.ghit = st.miss & (self.g >= 0)
+    am, filled = self.am[:, :-1], ~st.empty
+    a1 = filled & ~am
+    cand_in, cand_m = a1 & ~st.pinned, filled & am & ~st.pinned
+    need = np.maximum(st.num_miss - st.empty.sum(axis=1), 0)
+    n_new = (st.miss & ~self.ghit).sum(axis=1)
+    # A1in gives while it exceeds Kin counting this step's admissions.
+    n_in = np.minimum(np.minimum(need, np.maximum(a1.sum(1) + n_new - self.kin, 0)),
+                      cand_in.sum(axis=1))
+    return _lex_pick(st, ~_split(need, n_in, cand_in, self.born[:, :-1], cand_m,
+                                 self.rec[:, :-1]))
+
+  def commit(self, st):
+    am = self.am[:, :-1].copy()
+    rr, cc = np.nonzero(self.ghit)
+    self.ghosts.drop(rr, self.g[rr, cc])
+    out = st.evicted & ~am
+    self.ghosts.push(st.old_pos, out, st.t * self.age + self.born[:, :-1],
+                     np.ones(am.shape, np.int8))
+    self.ghosts.trim(1, np.full(am.shape[0], self.kout))
+    _touch(self.rec, st, moved=self.am[st.rows, st.slot_in])  # Am hits only
+    miss_slot = np.where(st.miss, st.slot_in, st.scratch)
+    self.am[st.rows, miss_slot] = self.ghit
+    self.born[st.rows, miss_slot] = _born(st)
+
+
+class _Arc(_Policy):
+
+  def __init__(self, c):
+    self.t2 = np.zeros((c.S, c.B + 1), bool)  # False: T1, True: T2
+    self.rec = np.zeros((c.S, c.B + 1), np.int64)
+    self.p = np.zeros(c.S)  # target size of T1
+    self.ghosts = _Ghosts(c.S, 2 * c.B, c.num_pos)
+    self.age, self.size = (c.T + 1) * 2 * c.k, c.B
+
+  def pick(self, st):
+    gh = self.ghosts
+    self.g = gh.of[st.rows, st.cur]
+    glst = gh.lst[st.rows, np.maximum(self.g, 0)]
+    self.ghit = st.miss & (self.g >= 0)
+    n1 = (self.ghit & (glst == 1)).sum(axis=1)
+    n2 = (self.ghit & (glst == 2)).sum(axis=1)
+    b1, b2 = gh.count(1).astype(np.float64), gh.count(2).astype(np.float64)
+    r1 = np.maximum(b2 / np.maximum(b1, 1.0), 1.0)
+    r2 = np.maximum(b1 / np.maximum(b2, 1.0), 1.0)
+    self.p = np.minimum(self.size, np.maximum(0.0, self.p + (n1 * r1 - n2 * r2)))
+    t2, filled = self.t2[:, :-1], ~st.empty
+    cand1, cand2 = filled & ~t2 & ~st.pinned, filled & t2 & ~st.pinned
+    need = np.maximum(st.num_miss - st.empty.sum(axis=1), 0)
+    j = np.arange(st.cur.shape[1])
+    # REPLACE takes T1's LRU while |T1| > p (T1 shrinks as it gives), else T2's.
+    take1 = ((cand1.sum(1)[:, None] - j) > self.p[:, None]) & (j < need[:, None])
+    rec = self.rec[:, :-1]
+    return _lex_pick(st, ~_split(need, take1.sum(axis=1), cand1, rec, cand2, rec))
+
+  def commit(self, st):
+    gh, t2 = self.ghosts, self.t2[:, :-1].copy()
+    rr, cc = np.nonzero(self.ghit)
+    gh.drop(rr, self.g[rr, cc])
+    gh.push(st.old_pos, st.evicted, st.t * self.age + self.rec[:, :-1],
+            np.where(t2, 2, 1).astype(np.int8))
+    _touch(self.rec, st)
+    self.t2[st.rows, st.slot_in] = ~st.miss | self.ghit  # only new entries in T1
+    filled = st.slot_pos >= 0
+    n_t1 = (filled & ~self.t2[:, :-1]).sum(axis=1)
+    gh.trim(1, self.size - n_t1)  # |T1| + |B1| <= c
+    gh.trim(2, 2 * self.size - filled.sum(axis=1) - gh.count(1))  # directory <= 2c
+
+
+class _Ranked(_Policy):  # lru2 / freq / score: evict the smallest (key, LRU stamp)
+
+  def __init__(self, c, kind):
+    self.kind, self.c = kind, c
+    self.rec = np.zeros((c.S, c.B + 1), np.int64)
+    self.key = np.zeros((c.S, c.B + 1), np.float64 if kind != "lru2" else np.int64)
+    self.last = np.zeros((c.S, c.B + 1), np.int64)  # lru2: last request step
+
+  def pick(self, st):
+    return _lex_pick(st, self.key[:, :-1], self.rec[:, :-1])
+
+  def commit(self, st):
+    _touch(self.rec, st)
+    at = (st.rows, st.slot_in)
+    if self.kind == "lru2":  # key = second most recent request step, -1 if none
+      self.key[at] = np.where(st.hit, self.last[at], -1)
+      self.last[at] = st.t
+      return
+    gain = 1.0 if self.kind == "freq" else st.score
+    self.key *= self.c.alpha if self.kind == "freq" else self.c.score_alpha
+    self.key[at] = np.where(st.hit, self.key[at] + gain, gain)
+
+
+def _make_policy(c):
+  if c.policy in ("lru", "fifo"):
+    return _Queue(c, c.policy == "lru")
+  if c.policy in ("lru2", "freq", "score"):
+    return _Ranked(c, c.policy)
+  return {"random": _Random, "belady": _Belady, "clock": _Clock, "sieve": _Sieve,
+          "2q": _TwoQ, "arc": _Arc}[c.policy](c)
+
+
+def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None,
+           alpha: float = 0.9, score_alpha: float = 0.8, twoq_in: float = 0.25,
+           twoq_out: float = 0.5) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
-  Demand paging: every step's positions must be resident together, so nothing the
-  current step requests is evicted; the cache starts empty.
+  Demand paging: all of a step's positions must be resident together, so nothing
+  the step requests (hit or just fetched) is evicted; the cache starts empty and
+  empty slots are filled first, in slot order. A step is a *set* request, so the
+  one-request-at-a-time classics are applied per step as: hits, then all of the
+  step's evictions chosen on the old contents, then insertion of the misses in
+  selection order. "LRU order" is resolve's: misses become most recent in
+  selection order, the step's hits above them in their old relative order.
 
-  Policies (``POLICIES``):
+  Policies (``POLICIES``; ties by LRU unless said otherwise):
 
-  * ``"lru"``: exactly ``resolve``'s order (see ``_queue_step``); hits are promoted
-    above the freshly fetched misses.
-  * ``"fifo"``: evict the earliest inserted (empty slots first, in slot order);
-    misses are inserted in selection order, hits do not reorder.
-  * ``"random"``: fill empty slots in slot order, then evict uniformly at random.
-    Draws: each step takes ``rng.random((S, capacity))`` from
-    ``np.random.default_rng(seed)`` (S = the batch dims flattened in C order) and
-    a miss takes the untaken evictable filled slot with the smallest key; so
-    counts are deterministic per seed and a prefix never depends on the future.
-  * ``"belady"`` (offline, ``OFFLINE_POLICIES``): fill empty slots, then evict the
-    entry requested again furthest in the future (never = infinitely far).
+  * ``"lru"``: exactly ``resolve``'s order (see ``_queue_step``).
+  * ``"fifo"``: evict the earliest inserted; hits do not reorder.
+  * ``"random"``: evict uniformly at random: each step draws
+    ``rng.random((S, capacity))`` from ``np.random.default_rng(seed)`` (S = batch
+    dims flattened in C order) and a miss takes the evictable filled slot with the
+    smallest draw; deterministic per seed, and causal.
+  * ``"belady"`` (offline, ``OFFLINE_POLICIES``): evict the entry requested again
+    furthest in the future (never = infinitely far).
+  * ``"clock"``: a ring of slots, a hand (from slot 0) and a reference bit set by
+    hits, clear for new entries. Per miss the hand skips pinned slots untouched,
+    clears set bits and takes the first clear slot, stopping just past it; the
+    empty slots are the ones ahead of it during warm-up.
+  * ``"sieve"`` (NSDI'24): a FIFO queue with a visited bit (set by hits, clear for
+    new entries, which enter at the head); the hand walks from the tail towards
+    the head, wrapping, skips pinned entries, clears visited bits, evicts the first
+    unvisited entry and rests on its newer neighbour (the tail if none is left).
+  * ``"2q"`` (full 2Q, VLDB'94): new entries enter the FIFO A1in; its evictions go
+    to the ghost FIFO A1out (``twoq_out * B`` ids); a miss found in A1out enters
+    the LRU list Am; Am hits become most recent, A1in hits change nothing. An
+    eviction takes A1in's oldest unrequested entry while |A1in| plus the step's
+    admissions to A1in exceeds Kin = ``twoq_in * B`` (|A1in| falls as it gives),
+    else Am's LRU unrequested entry; if that list has none, the other's.
+  * ``"arc"`` (FAST'03): T1/T2 with ghosts B1/B2. Hits move to T2; p moves by
+    ``+max(|B2|/|B1|, 1)`` per B1-ghost miss and ``-max(|B1|/|B2|, 1)`` per B2 one
+    (start-of-step sizes, summed, clipped to [0, B]); each eviction takes T1's LRU
+    (to B1) while |T1| > p (unrequested T1; it falls as it gives), else T2's LRU
+    unrequested (to B2), else T1's (the |T1| == p rule for B2 misses is dropped: a
+    step has no single current miss). Ghost misses enter T2, new ones T1; then B1
+    keeps its newest B - |T1| ghosts and B2 its newest 2B - |T1| - |T2| - |B1|.
+  * ``"lru2"`` (LRU-K, K=2): evict the entry whose second most recent request step
+    is oldest; entries requested once since their fetch rank below all others.
+    History is kept for resident entries only (a refetch starts afresh).
+  * ``"freq"``: ``f <- alpha * f + [requested]`` per resident entry and step (new
+    entries start at 1; no ghost history, so one float per slot); evict min f.
+  * ``"score"``: ``e <- score_alpha * e + score`` (0 when not requested; new entries
+    start at their score); evict min e.
 
   Args:
     selections: int[..., T, k] positions requested at each step, distinct within a
@@ -153,15 +531,29 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0) -> np.ndarr
     capacity: hot slots per stream, >= k.
     policy: one of ``POLICIES``.
     seed: seeds the ``"random"`` policy; ignored otherwise.
+    scores: ``"score"`` only: f[..., T, k] selector scores aligned with
+      ``selections``, finite and >= 0 for valid entries (e.g. attention
+      probabilities), higher = more important. None: rank r in the row -> 1 - r/k,
+      since top-k selectors emit rows best first.
+    alpha: ``"freq"`` decay per step in [0, 1] (memory ~1 / (1 - alpha) steps).
+    score_alpha: ``"score"`` decay per step in [0, 1].
+    twoq_in, twoq_out: ``"2q"`` Kin and Kout as fractions of capacity, in (0, 1]
+      (the paper's 25% and 50%).
+  Defaults were tuned at B = 2k on ``synthetic_trace`` (better decays grow with
+  B / k; see ``compare_policies``).
 
   Returns:
     i64[..., T] misses (fetches) per stream and step.
 
   Raises:
     ValueError: on a non-integer dtype, rank < 2, entries < -1, a position twice in
-      a row, ``capacity < k`` or an unknown policy.
+      a row, ``capacity < k``, an unknown policy, or bad scores or parameters.
   """
   sel = _validate(selections, capacity, policy)
+  params = dict(alpha=alpha, score_alpha=score_alpha, twoq_in=twoq_in,
+                twoq_out=twoq_out)
+  _validate_params(params)
+  score = _validate_scores(scores, sel) if policy == "score" else None
   batch, (num_steps, k) = sel.shape[:-2], sel.shape[-2:]
   num_streams, num_slots = int(np.prod(batch, dtype=np.int64)), int(capacity)
   out = np.zeros((num_steps, num_streams), np.int64)  # i64[T, S]
@@ -169,16 +561,16 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0) -> np.ndarr
     return np.moveaxis(out, 0, -1).reshape(batch + (num_steps,))
   sel = np.moveaxis(sel.reshape(num_streams, num_steps, k).astype(np.int64), 1, 0)
   sel, num_pos = _dense_ids(sel)  # i64[T, S, k], padding = num_pos
+  if score is not None:
+    score = np.moveaxis(score.reshape(num_streams, num_steps, k), 1, 0)  # [T, S, k]
 
   rows = np.arange(num_streams)[:, None]
   slot_ids = np.arange(num_slots)
   slot_pos = np.full((num_streams, num_slots), _PAD, np.int64)  # slot -> position
   slot_of = np.full((num_streams, num_pos + 1), _PAD, np.int64)  # position -> slot
-  order = np.broadcast_to(slot_ids, slot_pos.shape).copy()  # lru/fifo queue
-  if policy == "belady":
-    nxt = _next_use(sel, num_pos)  # i32[T, S, k]
-    slot_next = np.zeros(slot_pos.shape, np.int64)  # next use of each slot's entry
-  rng = np.random.default_rng(seed)
+  pol = _make_policy(SimpleNamespace(
+      policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
+      sel=sel, seed=seed, slot_ids=slot_ids, **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]
@@ -188,30 +580,21 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0) -> np.ndarr
     hit = valid & ~miss
     num_miss = miss.sum(axis=1)  # i64[S]
     out[t] = num_miss
-    hit_slot = np.zeros((num_streams, num_slots + 1), bool)
-    hit_slot[rows, np.where(hit, held, num_slots)] = True
-    hit_slot = hit_slot[:, :num_slots]  # bool[S, B] pinned this step
-
-    if policy in ("lru", "fifo"):
-      order, start = _queue_step(order, hit_slot, num_miss, policy == "lru")
-      pick = order  # i64[S, B]; the j-th miss takes pick[start + j]
-    else:
-      # Keys sorted ascending give the eviction preference: empty slots first in
-      # slot order (keys below every filled key), then filled ones, hits last.
-      empty = slot_pos < 0
-      if policy == "random":
-        draws = rng.random(slot_pos.shape)  # every step: draws depend on shape only
-        keys = np.where(empty, slot_ids - num_slots, draws)
-        keys[hit_slot] = 2.0
-      else:
-        # Furthest next use first. Ties (entries wanted together at the same
-        # later step, or never again) do not change the count, see the tests.
-        keys = np.where(empty, slot_ids - num_slots - num_steps - 1, -slot_next)
-        keys[hit_slot] = num_steps + 1
-      pick = np.argsort(keys, axis=1)
-      start = np.zeros(num_streams, np.int64)
-    rank = np.cumsum(miss, axis=1) - 1 + start[:, None]  # i64[S, k]
+    pinned = np.zeros((num_streams, num_slots + 1), bool)
+    pinned[rows, np.where(hit, held, num_slots)] = True
+    st = SimpleNamespace(t=t, rows=rows, slot_ids=slot_ids, scratch=num_slots,
+                         cur=cur, hit=hit, miss=miss, num_miss=num_miss,
+                         pinned=pinned[:, :num_slots], empty=slot_pos < 0,
+                         score=None if score is None else score[t])
+    pick, start = pol.pick(st)  # the j-th miss takes pick[start + j]
+    rank = np.cumsum(miss, axis=1) - 1 + np.reshape(start, (-1, 1))  # i64[S, k]
     victim = np.take_along_axis(pick, np.where(miss, rank, 0), axis=1)
+    st.slot_in = np.where(miss, victim, np.where(hit, held, num_slots))  # [S, k]
+    taken = np.zeros((num_streams, num_slots + 1), bool)
+    taken[rows, np.where(miss, victim, num_slots)] = True
+    st.taken = taken[:, :num_slots]
+    st.old_pos = slot_pos.copy()
+    st.evicted = st.taken & ~st.empty
 
     rr, cc = np.nonzero(miss)
     slot = victim[rr, cc]
@@ -219,8 +602,96 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0) -> np.ndarr
     slot_of[rr, np.where(old >= 0, old, num_pos)] = _PAD
     slot_of[rr, cur[rr, cc]] = slot
     slot_pos[rr, slot] = cur[rr, cc]
-    if policy == "belady":
-      vr, vc = np.nonzero(valid)
-      slot_next[vr, np.where(miss, victim, held)[vr, vc]] = nxt[t][vr, vc]
+    st.slot_pos = slot_pos
+    pol.commit(st)
 
   return np.moveaxis(out, 0, -1).reshape(batch + (num_steps,))
+
+
+def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
+  """Pooled miss rate of each (policy, capacity) and its share of the LRU gap.
+
+  Args:
+    traces: sequence of int[..., T, k] selections, or (selections, scores) pairs
+      (scores feed ``"score"``; see ``replay``).
+    capacities: slots per stream; an int is a slot count, a float a multiple of
+      each trace's k (rounded).
+    policies: names from ``POLICIES``; ``"lru"`` and ``"belady"`` are replayed too.
+    **kw: policy parameters passed to ``replay``.
+
+  Returns:
+    One dict per (policy, capacity): ``miss_rate`` = misses / valid entries over
+    all traces, streams and steps (cold start included), ``gap_closed`` =
+    ``(lru - rate) / (lru - belady)`` (nan when LRU is already optimal), and the
+    replay ``seconds``.
+  """
+  traces = [t if isinstance(t, tuple) else (t, None) for t in traces]
+  valid = sum(int((np.asarray(s) >= 0).sum()) for s, _ in traces)
+  rows = []
+  for cap in capacities:
+    rates, secs = {}, {}
+    for policy in dict.fromkeys(("lru", "belady", *policies)):
+      start, misses = time.perf_counter(), 0
+      for sel, score in traces:
+        size = round(cap * np.shape(sel)[-1]) if isinstance(cap, float) else cap
+        args = dict(kw, scores=score) if policy == "score" else kw
+        misses += int(replay(sel, size, policy, **args).sum())
+      rates[policy], secs[policy] = misses / max(valid, 1), time.perf_counter() - start
+    gap = rates["lru"] - rates["belady"]
+    for policy in policies:
+      rows.append(dict(policy=policy, capacity=cap, miss_rate=rates[policy],
+                       gap_closed=(rates["lru"] - rates[policy]) / gap if gap > 0
+                       else float("nan"), seconds=secs[policy]))
+  return rows
+
+
+def synthetic_trace(seed=0, streams=30, steps=512, k=256, context=8192, *,
+                    sinks=4, facts=1024):
+  """(selections i64[streams, steps, k], scores f64[same]) mimicking top-k attention.
+
+  For tuning policies before real traces exist. Each stream (a layer, say) decodes
+  the last ``steps`` tokens of ``context``; a row holds ``sinks`` always-selected
+  first positions, a local window drifting with the newest token (width k/16 to
+  3k/8, each position kept w.p. 0.8, never selected again once it falls behind),
+  ``facts`` recurrent key facts (Zipf popularity times a log-normal AR(1) drift
+  with a ~50-step memory, top ones by a Gumbel-perturbed key), and 2-15% one-shot
+  noise drawn from the other positions. Window width, noise share and Zipf
+  exponent vary per stream, as layers do. Rows are sorted best first by the
+  latent key (sinks, window, facts, noise) and ``scores`` = softmax(key / 4).
+  """
+  rng = np.random.default_rng(seed)
+  sel = np.empty((streams, steps, k), np.int64)
+  out = np.empty((streams, steps, k))
+  first = context - steps
+  newest = first + np.arange(steps)  # the reserved slot serves it: not selected
+  pool = np.arange(sinks, first - 128)  # facts and noise (the window lies above)
+  for s in range(streams):
+    width = int(rng.integers(max(k // 16, 1), max(3 * k // 8, 2)))
+    noise = int(rng.uniform(0.02, 0.15) * k)
+    zipf = rng.uniform(0.7, 1.3)
+    pos_f = rng.choice(pool, facts, replace=False)
+    drift = np.empty((steps, facts))
+    drift[0] = rng.normal(0, 1.5, facts)  # stationary: 0.3 / sqrt(1 - 0.98**2)
+    for t in range(1, steps):
+      drift[t] = 0.98 * drift[t - 1] + 0.3 * rng.normal(0, 1, facts)
+    fact_key = (-zipf * np.log1p(rng.permutation(facts)) + drift
+                + 0.5 * rng.gumbel(size=(steps, facts)))  # [T, F]
+    win = newest[:, None] - np.arange(1, width + 1)  # [T, W]
+    win_on = rng.random(win.shape) < 0.8
+    room = k - sinks - noise - win_on.sum(1)  # facts per step
+    fact_on = np.argsort(np.argsort(-fact_key, 1), 1) < room[:, None]
+    rest = np.setdiff1d(pool, pos_f)
+    noise_pos = np.stack([rng.choice(rest, noise, replace=False) for _ in range(steps)])
+    cand = np.concatenate([np.broadcast_to(np.arange(sinks), (steps, sinks)), win,
+                           np.broadcast_to(pos_f, (steps, facts)), noise_pos], 1)
+    key = np.concatenate([
+        np.full((steps, sinks), 20.0),
+        np.where(win_on, 10.0 - np.arange(width) / width, -np.inf),
+        np.where(fact_on, fact_key, -np.inf),
+        -30.0 - rng.random((steps, noise))], 1)  # [T, candidates]
+    order = np.argsort(-key, 1, kind="stable")[:, :k]
+    sel[s] = np.take_along_axis(cand, order, 1)
+    top = np.take_along_axis(key, order, 1)
+    prob = np.exp((top - top[:, :1]) / 4.0)
+    out[s] = prob / prob.sum(1, keepdims=True)
+  return sel, out

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvtier_jax.cache_sim import OFFLINE_POLICIES, POLICIES, replay
+from kvtier_jax.cache_sim import (OFFLINE_POLICIES, POLICIES, compare_policies, replay,
+                                  synthetic_trace)
 from kvtier_jax.resolve import resolve
 
 ONLINE = tuple(p for p in POLICIES if p not in OFFLINE_POLICIES)
@@ -131,6 +132,157 @@ def belady_oracle(stream, capacity, tie=1):
       cand = sorted(cache - want, key=lambda p: (next_use(p, t), tie * p))
       cache -= set(cand[-over:])
     cache |= want
+  return out
+
+
+def lru_order(order, want, resident):
+  """Resolve's recency update on a list (LRU first) of the resident entries.
+
+  Misses become most recent in selection order; hits go above them, keeping their
+  old relative order. ``order`` must already lack the step's evicted entries.
+  """
+  wset = set(want)
+  hits = [p for p in order if p in wset]
+  misses = [p for p in want if p not in resident]
+  return [p for p in order if p not in wset] + misses + hits
+
+
+def clock_oracle(stream, capacity):
+  """A ring of slots, a hand and reference bits, one miss at a time."""
+  slots, ref, hand, out = [None] * capacity, [False] * capacity, 0, []
+  for want in valid_rows(stream):
+    pinned = {slots.index(p) for p in want if p in slots}
+    for s in pinned:
+      ref[s] = True
+    misses = [p for p in want if p not in slots]
+    for p in misses:
+      while hand in pinned or ref[hand]:
+        if hand not in pinned:
+          ref[hand] = False
+        hand = (hand + 1) % capacity
+      if slots[hand] is None:  # the documented claim: empties fill in slot order
+        assert hand == slots.index(None)
+      slots[hand], ref[hand] = p, False
+      pinned.add(hand)
+      hand = (hand + 1) % capacity
+    out.append(len(misses))
+  return out
+
+
+def sieve_oracle(stream, capacity):
+  """SIEVE on a Python list (tail = oldest first), hand = an entry or None."""
+  queue, visited, hand, out = [], {}, None, []
+  for want in valid_rows(stream):
+    wset = set(want)
+    misses = [p for p in want if p not in visited]
+    for p in want:
+      if p in visited:
+        visited[p] = True
+    for _ in range(max(0, len(queue) + len(misses) - capacity)):
+      i = 0 if hand is None else queue.index(hand)
+      while queue[i] in wset or visited[queue[i]]:
+        if queue[i] not in wset:
+          visited[queue[i]] = False
+        i = (i + 1) % len(queue)
+      del visited[queue.pop(i)]
+      hand = queue[i] if i < len(queue) else None
+    for p in misses:
+      queue.append(p)
+      visited[p] = False
+    out.append(len(misses))
+  return out
+
+
+def twoq_oracle(stream, capacity, kin_frac=0.25, kout_frac=0.5):
+  """Full 2Q with lists: A1in FIFO, Am LRU, A1out ghost FIFO (oldest first)."""
+  kin = max(1, round(kin_frac * capacity))
+  kout = max(1, round(kout_frac * capacity))
+  a1in, am, a1out, out = [], [], [], []
+  for want in valid_rows(stream):
+    wset, resident = set(want), set(a1in) | set(am)
+    misses = [p for p in want if p not in resident]
+    ghost = [p for p in misses if p in a1out]
+    admitted = len(misses) - len(ghost)
+    for _ in range(max(0, len(resident) + len(misses) - capacity)):
+      c_in = [p for p in a1in if p not in wset]
+      c_m = [p for p in am if p not in wset]
+      if c_in and (len(a1in) + admitted > kin or not c_m):
+        a1in.remove(c_in[0])
+        a1out.append(c_in[0])
+      else:
+        am.remove(c_m[0])
+    a1out = [p for p in a1out if p not in wset][-kout:]
+    am = lru_order(am, [p for p in want if p in am or p in ghost], set(am))
+    a1in += [p for p in misses if p not in ghost]
+    out.append(len(misses))
+  return out
+
+
+def arc_oracle(stream, capacity):
+  """ARC with sets/lists, one step = hits, p update, REPLACEs, insertions, trims."""
+  c = capacity
+  t1, t2, order, b1, b2, p, out = set(), set(), [], [], [], 0.0, []
+  for want in valid_rows(stream):
+    wset = set(want)
+    misses = [x for x in want if x not in t1 and x not in t2]
+    g1 = [x for x in misses if x in b1]
+    g2 = [x for x in misses if x in b2]
+    r1 = max(len(b2) / len(b1), 1.0) if b1 else 1.0
+    r2 = max(len(b1) / len(b2), 1.0) if b2 else 1.0
+    p = min(c, max(0.0, p + (len(g1) * r1 - len(g2) * r2)))
+    hits = wset - set(misses)
+    t1 -= hits
+    t2 |= hits
+    for _ in range(max(0, len(t1) + len(t2) + len(misses) - c)):
+      c1 = [x for x in order if x in t1]
+      c2 = [x for x in order if x in t2 and x not in wset]
+      if c1 and (len(t1) > p or not c2):
+        t1.remove(c1[0])
+        b1.append(c1[0])
+        order.remove(c1[0])
+      else:
+        t2.remove(c2[0])
+        b2.append(c2[0])
+        order.remove(c2[0])
+    b1 = [x for x in b1 if x not in wset]
+    b2 = [x for x in b2 if x not in wset]
+    order = lru_order(order, want, t1 | t2)
+    t2 |= set(g1) | set(g2)
+    t1 |= set(misses) - t2
+    b1 = b1[max(0, len(b1) - (c - len(t1))):]
+    b2 = b2[max(0, len(b2) - (2 * c - len(t1) - len(t2) - len(b1))):]
+    out.append(len(misses))
+  return out
+
+
+def ranked_oracle(stream, capacity, kind, alpha=0.9, scores=None):
+  """lru2 / freq / score: evict the smallest (key, LRU position), key per entry.
+
+  lru2 key: second most recent request step (-1 if requested once); freq:
+  f <- alpha*f + [requested]; score: e <- alpha*e + score (0 if not requested).
+  """
+  k = len(stream[0])
+  order, key, last, out = [], {}, {}, []
+  for t, row in enumerate(stream):
+    want = [int(p) for p in row if p >= 0]
+    gain = {int(p): (1 - r / k if scores is None else float(scores[t][r]))
+            for r, p in enumerate(row) if p >= 0}
+    wset, resident = set(want), set(order)
+    misses = [p for p in want if p not in resident]
+    for _ in range(max(0, len(order) + len(misses) - capacity)):
+      cand = [p for p in order if p not in wset]
+      order.remove(min(cand, key=lambda p: (key[p], order.index(p))))
+    for p in order:
+      if kind == "lru2" and p in wset:
+        key[p], last[p] = last[p], t
+      elif kind == "freq":
+        key[p] = alpha * key[p] + 1.0 if p in wset else alpha * key[p]
+      elif kind == "score":
+        key[p] = alpha * key[p] + gain[p] if p in wset else alpha * key[p]
+    for p in misses:
+      key[p], last[p] = {"lru2": -1, "freq": 1.0, "score": gain.get(p)}[kind], t
+    order = lru_order(order, want, resident)
+    out.append(len(misses))
   return out
 
 
@@ -275,3 +427,119 @@ def test_padding_may_repeat():
   sel = np.array([[-1, -1, 3], [3, -1, -1]])
   for policy in POLICIES:
     np.testing.assert_array_equal(replay(sel, 3, policy), [1, 0])
+
+
+NEW_ORACLES = {"clock": clock_oracle, "sieve": sieve_oracle, "2q": twoq_oracle,
+               "arc": arc_oracle}
+
+
+@pytest.mark.parametrize("policy", sorted(NEW_ORACLES))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("capacity", [12, 18, 24])
+def test_queue_policies_match_oracles(policy, seed, capacity):
+  sel = make_trace(seed + 90, k=12, num_pos=48)
+  want = [NEW_ORACLES[policy](s, capacity) for s in sel]
+  np.testing.assert_array_equal(replay(sel, capacity, policy), want)
+
+
+@pytest.mark.parametrize("kind", ["lru2", "freq", "score"])
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("capacity", [12, 18, 24])
+def test_ranked_policies_match_oracles(kind, seed, capacity):
+  sel = make_trace(seed + 100, k=12, num_pos=48)
+  want = [ranked_oracle(s, capacity, kind, 0.85) for s in sel]
+  np.testing.assert_array_equal(
+      replay(sel, capacity, kind, alpha=0.85, score_alpha=0.85), want)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_decay_parameters_match_oracles(seed, alpha):
+  sel = make_trace(seed + 110, k=12, num_pos=48)
+  scores = np.random.default_rng(seed).random(sel.shape)
+  for kind, kw in (("freq", dict(alpha=alpha)),
+                   ("score", dict(score_alpha=alpha, scores=scores))):
+    want = [ranked_oracle(s, 18, kind, alpha, kw.get("scores", [None] * 3)[i])
+            for i, s in enumerate(sel)]
+    np.testing.assert_array_equal(replay(sel, 18, kind, **kw), want, kind)
+
+
+@pytest.mark.parametrize("kin, kout", [(0.1, 0.25), (0.5, 1.0)])
+def test_2q_sizes_match_oracle(kin, kout):
+  sel = make_trace(120, k=12, num_pos=48)
+  want = [twoq_oracle(s, 18, kin, kout) for s in sel]
+  np.testing.assert_array_equal(replay(sel, 18, "2q", twoq_in=kin, twoq_out=kout),
+                                want)
+
+
+def test_score_causal_with_explicit_scores():
+  sel = make_trace(130, batch=(3,), k=12)
+  scores = np.random.default_rng(0).random(sel.shape)
+  other = scores.copy()
+  other[:, 25:] = 1.0 - other[:, 25:]
+  full = replay(sel, 16, "score", scores=scores)
+  np.testing.assert_array_equal(full[:, :25],
+                                replay(sel, 16, "score", scores=other)[:, :25])
+
+
+def test_score_default_is_row_order():
+  sel = make_trace(140, batch=(3,), k=12)
+  rank = np.broadcast_to(1.0 - np.arange(12) / 12, sel.shape)
+  np.testing.assert_array_equal(replay(sel, 18, "score"),
+                                replay(sel, 18, "score", scores=rank))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scores=np.zeros((2, 3))), "shape"),
+    (dict(scores=-np.ones((2, 2))), ">= 0"),
+    (dict(scores=np.full((2, 2), np.nan)), "finite"),
+    (dict(alpha=1.5), "alpha"),
+    (dict(twoq_in=0.0), "twoq_in"),
+])
+def test_bad_policy_arguments_raise(kw, match):
+  with pytest.raises(ValueError, match=match):
+    replay(np.array([[0, 1], [2, 3]]), 2, "score", **kw)
+
+
+@pytest.mark.parametrize("policy", ["freq", "2q", "lru"])
+def test_bad_parameters_raise_for_every_policy(policy):
+  with pytest.raises(ValueError, match="twoq_out"):
+    replay(np.array([[0, 1]]), 2, policy, twoq_out=1.5)
+  with pytest.raises(ValueError, match="score_alpha"):
+    replay(np.array([[0, 1]]), 2, policy, score_alpha=-0.1)
+
+
+def test_synthetic_trace_is_a_valid_trace():
+  sel, scores = synthetic_trace(3, streams=2, steps=20, k=32, context=1024, facts=64)
+  assert sel.shape == scores.shape == (2, 20, 32)
+  srt = np.sort(sel, axis=-1)
+  assert (srt[..., 1:] > srt[..., :-1]).all() and (sel >= 0).all()
+  assert (sel < 1024 - 20 + np.arange(20)[:, None]).all()  # newest never selected
+  assert (sel[..., :4] < 4).all()  # sinks first, every step
+  np.testing.assert_allclose(scores.sum(-1), 1.0)
+  assert (np.diff(scores, axis=-1) <= 0).all()  # best first
+  np.testing.assert_array_equal(synthetic_trace(3, streams=2, steps=20, k=32,
+                                                context=1024, facts=64)[0], sel)
+
+
+def test_compare_policies_pools_traces_and_measures_the_gap():
+  a = make_trace(150, batch=(2,), k=12)
+  b = make_trace(151, batch=(3,), steps=30, k=8)
+  scores = np.random.default_rng(0).random(b.shape)
+  policies = ["lru", "belady", "fifo", "score"]
+  rows = compare_policies([a, (b, scores)], [18, 1.5], policies)
+  assert [(r["policy"], r["capacity"]) for r in rows] == [
+      (p, c) for c in (18, 1.5) for p in policies]
+  valid = (a >= 0).sum() + (b >= 0).sum()
+  for r in rows:
+    size_b = 18 if r["capacity"] == 18 else 12  # 1.5 * k with k = 8
+    kw = dict(scores=scores) if r["policy"] == "score" else {}
+    misses = (replay(a, 18, r["policy"]).sum()
+              + replay(b, size_b, r["policy"], **kw).sum())
+    assert r["miss_rate"] == pytest.approx(misses / valid)
+  for cap in (18, 1.5):
+    got = {r["policy"]: r for r in rows if r["capacity"] == cap}
+    assert got["lru"]["gap_closed"] == 0.0 and got["belady"]["gap_closed"] == 1.0
+    lru, opt = got["lru"]["miss_rate"], got["belady"]["miss_rate"]
+    assert got["fifo"]["gap_closed"] == pytest.approx(
+        (lru - got["fifo"]["miss_rate"]) / (lru - opt))
