@@ -101,7 +101,7 @@ def measured_row():
   runner.prefill(np.asarray(ids, np.int32)[None], [2048])
   tier = runner.carry.tier
   hot = sum(x.nbytes for x in (tier.hot_k, tier.hot_v))
-  meta = sum(x.nbytes for x in (tier.slot_pos, tier.lru))
+  meta = sum(x.nbytes for x in (tier.slot_pos, tier.lru, tier.slot_score))
   host = kv_state.array_bytes_by_memory_kind(tier).get(kv_state.host_memory_kind(), 0)
   sel = sum(x.nbytes for x in jax.tree.leaves(runner.carry.sel))
   want = capacity.request_bytes(preset("smollm2_135m"), 2049, 512)

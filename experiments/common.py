@@ -16,6 +16,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 RESULTS = pathlib.Path("results")
 
@@ -86,3 +87,19 @@ def bar_plot(path: pathlib.Path, labels: Sequence[str], values: Sequence[float],
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def latest_trace() -> pathlib.Path:
+  """The newest full (not --smoke) trace run."""
+  runs = sorted(pathlib.Path(RESULTS, "trace").glob("*/traces.npz"))
+  full = [r for r in runs
+          if not json.loads((r.parent / "config.json").read_text())["flags"].get("smoke")]
+  if not full:
+    raise FileNotFoundError("no trace: run python -m experiments.trace first")
+  return full[-1]
+
+
+def trace_streams(trace: np.ndarray) -> np.ndarray:
+  """[T, L, U, k] -> [L*U, T, k] independent (layer, unit) streams."""
+  steps, layers, units, k = trace.shape
+  return np.moveaxis(trace.astype(np.int64), 0, 2).reshape(layers * units, steps, k)

@@ -15,7 +15,6 @@ Command (~2-4 min on a 2-core CPU for the default trace):
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
@@ -37,22 +36,6 @@ PAPER = {("lru", 1.0): 0.30, ("lru", 2.0): 0.134, ("fifo", 2.0): 0.172,
          ("random", 2.0): 0.161, ("belady", 2.0): 0.082, ("lru", 4.0): 0.067}
 
 
-def latest_trace() -> pathlib.Path:
-  """The newest full (not --smoke) trace run."""
-  runs = sorted(pathlib.Path(common.RESULTS, "trace").glob("*/traces.npz"))
-  full = [r for r in runs
-          if not json.loads((r.parent / "config.json").read_text())["flags"].get("smoke")]
-  if not full:
-    raise FileNotFoundError("no trace: run python -m experiments.trace first")
-  return full[-1]
-
-
-def streams(trace: np.ndarray) -> np.ndarray:
-  """[T, L, U, k] -> [L*U, T, k] independent (layer, unit) streams."""
-  steps, layers, units, k = trace.shape
-  return np.moveaxis(trace.astype(np.int64), 0, 2).reshape(layers * units, steps, k)
-
-
 def replay_rates(sel: np.ndarray, capacity: int, policy: str, warm_after: int):
   misses = cache_sim.replay(sel, capacity, policy)  # [S, T]
   valid = (sel >= 0).sum(-1)  # [S, T]
@@ -63,14 +46,14 @@ def replay_rates(sel: np.ndarray, capacity: int, policy: str, warm_after: int):
 
 def main(argv):
   del argv
-  path = pathlib.Path(FLAGS.trace) if FLAGS.trace else latest_trace()
+  path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace()
   data = np.load(path)
   names = FLAGS.selectors or [n for n in data.files if data[n].ndim == 4]
   out = common.start_run("miss_rate", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []
   for name in names:
-    sel = streams(data[name])
+    sel = common.trace_streams(data[name])
     k = sel.shape[-1]
     for mult in map(float, FLAGS.slots_per_k):
       capacity = int(round(mult * k))

@@ -11,6 +11,7 @@ from pallas_kernels import common
 
 WARM_STARTS = ("first", "head_tail", "empty")
 HOST_APPENDS = ("auto", "in_scan", "separate")
+POLICIES = ("lru", "freq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class TierConfig:
       copies the whole tier, JAX_HOST_OFFLOAD_NOTES.md §1), ``"auto"`` picks.
     overlap_hit_miss: attend over resident rows while the misses are fetched, then
       over the misses, merged by log-sum-exp (exact to f32 rounding).
+    policy: victim choice: ``"lru"`` (HiSparse's RESOLVE order) or ``"freq"``
+      (lowest exponential moving average of selections, ``freq_alpha`` decay; the
+      best online policy on our traces, experiments/policies.py). Outputs are the
+      same either way; only which slots get evicted differs.
   """
 
   num_layers: int
@@ -63,6 +68,8 @@ class TierConfig:
   interpret: bool | None = None
   host_append: str = "auto"
   overlap_hit_miss: bool = False
+  policy: str = "lru"
+  freq_alpha: float = 0.9
 
   def __post_init__(self):
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
@@ -81,6 +88,12 @@ class TierConfig:
       raise ValueError(f"{self.warm_start=} must be one of {WARM_STARTS}")
     if self.host_append not in HOST_APPENDS:
       raise ValueError(f"{self.host_append=} must be one of {HOST_APPENDS}")
+    if self.policy not in POLICIES:
+      raise ValueError(f"{self.policy=} must be one of {POLICIES}")
+    if self.policy == "freq" and self.resolve_impl == "pallas":
+      raise ValueError("the freq policy has no Pallas RESOLVE kernel: resolve_impl='xla'")
+    if not 0.0 < self.freq_alpha < 1.0:
+      raise ValueError(f"{self.freq_alpha=} must be in (0, 1)")
     if self.fetch_chunk < 0:
       raise ValueError(f"{self.fetch_chunk=} must be >= 0")
     for name in ("resolve_impl", "attention_impl", "fetch_impl"):
@@ -125,9 +138,10 @@ class TierConfig:
     return 2 * self.num_layers * (self.max_len + 1) * self.num_units * self.row_bytes
 
   def device_bytes_per_request(self) -> int:
-    """Hot K+V plus slot_pos/lru metadata, per request (selector state excluded)."""
+    """Hot K+V plus slot_pos/lru/slot_score metadata, per request (selector state
+    excluded)."""
     hot = 2 * self.num_layers * self.num_units * (self.hot_slots + 1) * self.row_bytes
-    meta = 2 * self.num_layers * self.num_units * self.hot_slots * 4
+    meta = 3 * self.num_layers * self.num_units * self.hot_slots * 4
     return hot + meta
 
   def replace(self, **changes) -> "TierConfig":

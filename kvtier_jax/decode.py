@@ -31,7 +31,7 @@ import numpy as np
 from kvtier_jax import attention, fetch
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
-                                check_selection, install_newest, resolve,
+                                check_selection, install_newest, resolve, resolve_freq,
                                 selection_errors)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.selectors.synthetic import given_selection
@@ -80,6 +80,14 @@ def _newest_dest(cfg: TierConfig, layer, target, ok):
   to_target = jnp.stack([layer_col, jnp.where(ok & (target >= 0), r_col, shape[0]),
                          u_col, target], -1)
   return jnp.concatenate([to_b.reshape(-1, 4), to_target.reshape(-1, 4)])
+
+
+def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest):
+  """RESOLVE under ``cfg.policy``: (ResolveOutputs, new per-slot score)."""
+  if cfg.policy == "freq":
+    return resolve_freq(slot_pos, lru, score, selected, newest, alpha=cfg.freq_alpha)
+  return resolve(slot_pos, lru, selected, newest, impl=cfg.resolve_impl,
+                 interpret=cfg.interpret), score
 
 
 def _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok):
@@ -135,13 +143,14 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   #    (>= seq_len) count as empty.
   slot_pos = state.slot_pos[layer]
   slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
-  res = resolve(slot_pos, state.lru[layer], selected, newest_u,
-                impl=cfg.resolve_impl, interpret=cfg.interpret)
+  res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
+                            selected, newest_u)
   is_miss = res.is_miss & ok
 
   # 3. Keep the newest token resident while the unit has an empty slot (after
   #    RESOLVE, so the slot is neither a hit nor a victim of this step).
   new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest_u)
+  new_score = jnp.where(jnp.arange(cfg.hot_slots) == target[..., None], 1.0, new_score)
 
   # 4. All hot-cache writes of the layer in one scatter: newest -> slot B and the
   #    install target, fetched misses -> their victims. Then attention reads.
@@ -181,9 +190,9 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # 7. Lookahead prefetch for the next step.
   prefetched = jnp.zeros((num_req, num_units), jnp.int32)
   if prefetch is not None:
-    new_slot_pos, new_lru, hot_k, hot_v, pf_moved, prefetched = _prefetch(
-        cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, prefetch,
-        newest_u, ok, prefetch_cap)
+    new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched = _prefetch(
+        cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, new_score,
+        prefetch, newest_u, ok, prefetch_cap)
     moved += pf_moved
 
   valid = selected >= 0
@@ -192,6 +201,7 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   keep = lambda new, old: jnp.where(ok, new, old)
   old_pos = jax.lax.dynamic_slice_in_dim(state.slot_pos, layer, share)
   old_lru = jax.lax.dynamic_slice_in_dim(state.lru, layer, share)
+  old_score = jax.lax.dynamic_slice_in_dim(state.slot_score, layer, share)
   count = lambda mask: span(jnp.where(ok, mask.sum(-1, dtype=jnp.int32), 0))
   state = state.replace(
       host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
@@ -199,6 +209,8 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
           state.slot_pos, keep(span(new_slot_pos), old_pos), layer, 0),
       lru=jax.lax.dynamic_update_slice_in_dim(
           state.lru, keep(span(new_lru), old_lru), layer, 0),
+      slot_score=jax.lax.dynamic_update_slice_in_dim(
+          state.slot_score, keep(span(new_score), old_score), layer, 0),
       hits=jax.lax.dynamic_update_slice_in_dim(
           state.hits, jax.lax.dynamic_slice_in_dim(state.hits, layer, share)
           + count(is_hit), layer, 0),
@@ -268,15 +280,16 @@ def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
           fetch.scatter_rows(hot_v, rows.dest, rows.v), rows.moved)
 
 
-def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, predicted,
-              newest, ok, cap):
+def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
+              predicted, newest, ok, cap):
   """Fetch predicted, not-yet-resident positions into LRU victims (capped).
 
   A RESOLVE over the prediction: predicted positions already resident are hits
   (protected, promoted), the first ``cap`` others are fetched into LRU victims.
   Positions >= the newest (not in the host tier yet) are skipped.
 
-  Returns (slot_pos, lru, hot_k, hot_v, rows moved, prefetched per unit i32[R, U]).
+  Returns (slot_pos, lru, score, hot_k, hot_v, rows moved, prefetched per unit
+  i32[R, U]).
   """
   num_pred = predicted.shape[-1]
   if num_pred > cfg.hot_slots:
@@ -286,12 +299,12 @@ def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, predicted
   wanted = usable & ~resident
   if cap is not None:
     wanted &= jnp.cumsum(wanted, axis=-1) <= cap
-  res = resolve(slot_pos, lru, jnp.where(wanted | (usable & resident), predicted, EMPTY),
-                jnp.full_like(newest, EMPTY), impl=cfg.resolve_impl,
-                interpret=cfg.interpret)
+  res, score = _resolve(cfg, slot_pos, lru, score,
+                        jnp.where(wanted | (usable & resident), predicted, EMPTY),
+                        jnp.full_like(newest, EMPTY))
   hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer,
                                          predicted, res.slot, res.is_miss)
-  return (res.slot_pos, res.lru, hot_k, hot_v, moved,
+  return (res.slot_pos, res.lru, score, hot_k, hot_v, moved,
           res.is_miss.sum(-1, dtype=jnp.int32))
 
 
@@ -445,6 +458,7 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
   lru = jnp.broadcast_to(jnp.arange(cfg.hot_slots, dtype=jnp.int32), meta_shape)
   return state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
                        slot_pos=slot_pos, lru=lru,
+                       slot_score=jnp.zeros_like(state.slot_score),
                        seq_len=prompt_lens.astype(jnp.int32))
 
 

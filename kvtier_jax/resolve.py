@@ -14,10 +14,11 @@ import numpy as np
 
 from kvtier_jax.shapes import EMPTY
 from pallas_kernels import common
-from pallas_kernels.cache_resolve import ResolveOutputs, cache_resolve_reference
+from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
+                                          cache_resolve_reference)
 
-__all__ = ["ResolveOutputs", "resolve", "install_newest", "selection_errors",
-           "check_selection"]
+__all__ = ["ResolveOutputs", "resolve", "resolve_freq", "install_newest",
+           "selection_errors", "check_selection"]
 
 # Bits of the status word a decode step returns.
 STATUS_OUT_OF_RANGE = 1
@@ -124,6 +125,29 @@ def resolve(slot_pos, lru, selected, newest, *, impl: str = "xla",
     interp = common.interpret_mode() if interpret is None else interpret
     return cache_resolve(*args, interpret=interp)
   return cache_resolve_reference(*args)
+
+
+def resolve_freq(slot_pos, lru, score, selected, newest, *, alpha: float = 0.9):
+  """RESOLVE with the frequency-aware victim order (policy ``"freq"``).
+
+  Same contract and validation as ``resolve`` plus ``score`` f[..., B], the
+  per-slot selection frequency (start from zeros); only the victims differ: the
+  evictable slots with the lowest score, empty ones first, ties in LRU order
+  (exactly ``cache_sim.replay(..., "freq", alpha=alpha)``).
+
+  Returns (ResolveOutputs, new score).
+  """
+  slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
+  score = jnp.asarray(score)
+  _check_shapes(slot_pos, lru, selected, newest)
+  if score.shape != slot_pos.shape:
+    raise ValueError(f"score {score.shape} must match slot_pos {slot_pos.shape}")
+  if _is_concrete(slot_pos, lru, selected, newest):
+    check_selection(selected, newest)
+    _check_metadata(slot_pos, lru)
+  args = tuple(x.astype(jnp.int32) for x in (slot_pos, lru))
+  return cache_resolve_freq_reference(*args, score, selected.astype(jnp.int32),
+                                      newest.astype(jnp.int32), alpha=alpha)
 
 
 def install_newest(slot_pos, lru, newest):

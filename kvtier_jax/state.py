@@ -32,6 +32,7 @@ class TieredKVState:
   hot_v: jax.Array  # f[L, R, U, B+1, Hg, D]
   slot_pos: jax.Array  # i32[L, R, U, B]  position held by each slot, -1 empty
   lru: jax.Array  # i32[L, R, U, B]  slot ids, least recently used first
+  slot_score: jax.Array  # f32[L, R, U, B]  selection frequency (policy "freq")
   seq_len: jax.Array  # i32[R]  positions 0..seq_len-1 are in the host tier
   hits: jax.Array  # i32[L, R, U]  selected entries served without a fetch
   misses: jax.Array  # i32[L, R, U]  selected entries fetched from the host tier
@@ -90,6 +91,7 @@ def init_state(cfg: TierConfig, *, fill: float = 0.0,
       hot_v=put(np.full(hot_cache_shape(cfg), fill, dtype)),
       slot_pos=put(np.full(meta_shape, EMPTY, np.int32)),
       lru=put(np.ascontiguousarray(lru)),
+      slot_score=put(np.zeros(meta_shape, np.float32)),
       seq_len=put(np.zeros((cfg.num_requests,), np.int32)),
       hits=put(np.zeros(counters, np.int32)),
       misses=put(np.zeros(counters, np.int32)),

@@ -2,7 +2,7 @@
 
 Counts exactly what this project allocates (kvtier_jax.state): a hot cache of
 ``B + 1`` rows per layer (slot B holds the newest token), int32 ``slot_pos`` and
-``lru`` per slot, and the selector's resident state, which grows with the context
+``lru`` and a float32 ``slot_score`` per slot, and the selector's resident state, which grows with the context
 and is never offloaded (SPECS.md §1.10). The host tier holds every position plus
 one scratch row per layer.
 """
@@ -23,7 +23,7 @@ class RequestBytes:
   full_kv: int  # device, full-KV decoding (KV only)
   selector_state: int  # device, both ways (indexer keys / page summaries)
   hot_kv: int  # device, tiered: B + 1 rows per layer
-  metadata: int  # device, tiered: slot_pos + lru (int32)
+  metadata: int  # device, tiered: slot_pos + lru (int32) + slot_score (f32)
   host: int  # host tier
 
   @property
@@ -48,7 +48,7 @@ def request_bytes(cfg: ModelConfig, context: int, hot_slots: int) -> RequestByte
       full_kv=layers * context * row,
       selector_state=math.ceil(layers * context * cfg.selector_bytes_per_token_per_layer),
       hot_kv=layers * units * (hot_slots + 1) * row,
-      metadata=layers * units * hot_slots * 2 * 4,
+      metadata=layers * units * hot_slots * 3 * 4,
       host=layers * (context + 1) * row,
   )
 

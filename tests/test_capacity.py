@@ -18,7 +18,8 @@ def test_formula_matches_allocated_arrays():
   state = kv_state.init_state(tier)
   want = capacity.request_bytes(cfg, 300, 128)
   assert (state.hot_k.nbytes + state.hot_v.nbytes) // 2 == want.hot_kv
-  assert (state.slot_pos.nbytes + state.lru.nbytes) // 2 == want.metadata
+  assert (state.slot_pos.nbytes + state.lru.nbytes + state.slot_score.nbytes) // 2 == \
+      want.metadata
   assert (state.host_k.nbytes + state.host_v.nbytes) // 2 == want.host
 
 

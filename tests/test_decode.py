@@ -286,3 +286,19 @@ def test_config_rejects_bad_shapes():
     make_cfg(num_q_heads=5)
   with pytest.raises(ValueError, match="impl"):
     make_cfg(fetch_impl="cuda")
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_replacement_policy_changes_victims_not_outputs(policy):
+  cfg = make_cfg(policy=policy, hot_slots=24, top_k=16)
+  h = Harness(cfg, [200, 260, 300], seed=11)
+  for _ in range(40):
+    out, ref = h.step()
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  misses = kv_state.cache_stats(cfg, h.state)["misses"]
+  scores = np.asarray(h.state.slot_score)
+  if policy == "freq":
+    assert scores.max() > 1.0  # repeated hits accumulate
+  else:
+    assert (scores == 0).all()
+  assert misses > 0

@@ -16,7 +16,7 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   name, cfg, *share = hlo_audit.audit_configs(smoke=True)[variant]
   audit = hlo_audit.audit_config(cfg, name, *share)
   assert audit.whole_host_copies == 0
-  assert audit.aliased_params == audit.state_params == 11
+  assert audit.aliased_params == audit.state_params == 12
   assert audit.host_to_device_bytes_per_miss == 2 * cfg.row_bytes
   assert audit.async_host_writes > 0  # in-scan append: async DUS on the host buffer
   if cfg.fetch_impl == "pallas":

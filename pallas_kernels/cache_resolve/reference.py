@@ -16,6 +16,7 @@ per slot and a few cumsums and scatters per row; no loop over slots.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,8 +29,9 @@ class ResolveOutputs(NamedTuple):
   is_miss: jax.Array  # bool[..., k]
 
 
-def _resolve_row(slot_pos, lru, selected, newest):
+def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None):
   # slot_pos: i32[B], lru: i32[B], selected: i32[k], newest: i32[]
+  # score: f[B] per-slot selection frequency (EMA) for the "freq" policy, or None
   num_slots = slot_pos.shape[0]
   valid = selected >= 0
   is_newest = valid & (selected == newest)
@@ -58,23 +60,63 @@ def _resolve_row(slot_pos, lru, selected, newest):
   evict_rank = jnp.cumsum(~hit_lru, dtype=jnp.int32) - 1
   num_evict = num_slots - hit_lru.sum(dtype=jnp.int32)
 
-  # Destination of every old LRU entry in the new order.
-  new_index = jnp.where(
-      hit_lru, num_evict + hit_rank,
-      jnp.where(evict_rank < num_miss, num_evict - num_miss + evict_rank,
-                evict_rank - num_miss))
+  if score is None:
+    # LRU: the j-th miss takes the evictable of rank j; destination of every old
+    # LRU entry in the new order.
+    new_index = jnp.where(
+        hit_lru, num_evict + hit_rank,
+        jnp.where(evict_rank < num_miss, num_evict - num_miss + evict_rank,
+                  evict_rank - num_miss))
+    evict_by_rank = jnp.zeros_like(lru).at[
+        jnp.where(hit_lru, num_slots, evict_rank)].set(lru, mode="drop")
+    victim = evict_by_rank[jnp.where(miss, miss_rank, 0)]
+  else:
+    # "freq": victims are the evictables with the lowest frequency (empty slots
+    # first), ties in LRU order; the LRU list keeps its rule.
+    key = jnp.where(slot_pos < 0, -1.0, score).astype(score.dtype)
+    key_lru = jnp.where(hit_lru, jnp.inf, key[lru])
+    order = jnp.argsort(key_lru, stable=True)  # evictables by (key, LRU)
+    rank = jnp.zeros_like(lru).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
+    taken = ~hit_lru & (rank < num_miss)
+    kept_rank = jnp.cumsum(~hit_lru & ~taken, dtype=jnp.int32) - 1
+    new_index = jnp.where(hit_lru, num_evict + hit_rank,
+                          jnp.where(taken, num_evict - num_miss + rank, kept_rank))
+    victim = lru[order[jnp.where(miss, miss_rank, 0)]]
   new_lru = jnp.zeros_like(lru).at[new_index].set(lru, unique_indices=True)
-
-  # j-th miss takes the evictable of rank j.
-  evict_by_rank = jnp.zeros_like(lru).at[
-      jnp.where(hit_lru, num_slots, evict_rank)].set(lru, mode="drop")
-  victim = evict_by_rank[jnp.where(miss, miss_rank, 0)]
 
   slot = jnp.where(miss, victim,
                    jnp.where(held, hit_slot, jnp.where(is_newest, num_slots, -1)))
   new_slot_pos = slot_pos.at[jnp.where(miss, victim, num_slots)].set(
       selected, mode="drop")
-  return ResolveOutputs(new_slot_pos, new_lru, slot.astype(jnp.int32), miss)
+  out = ResolveOutputs(new_slot_pos, new_lru, slot.astype(jnp.int32), miss)
+  if score is None:
+    return out
+  # Frequency update after the victims are chosen: decay, +1 per hit, 1 when filled.
+  new_score = jnp.where(is_hit_slot, alpha * score + 1, alpha * score)
+  new_score = new_score.at[jnp.where(miss, victim, num_slots)].set(1, mode="drop")
+  return out, new_score
+
+
+@functools.partial(jax.jit, static_argnames=("alpha",))
+def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alpha: float):
+  """RESOLVE with the frequency-aware victim order (``cache_sim`` policy "freq").
+
+  Hits, misses, served slots and the LRU rule are RESOLVE's; only victims differ:
+  the evictable slots with the lowest ``score`` (an exponential moving average of
+  how often the slot's position was selected: ``score <- alpha * score + [hit]``,
+  1 when filled), empty slots first, ties in LRU order. Outputs stay exact.
+
+  Returns (ResolveOutputs, new score f[..., B]).
+  """
+  batch = slot_pos.shape[:-1]
+  num_slots = slot_pos.shape[-1]
+  flat = lambda x, n: x.reshape((-1, n))
+  row = functools.partial(_resolve_row, alpha=alpha)
+  out, new_score = jax.vmap(lambda a, b, c, d, e: row(a, b, c, d, score=e))(
+      flat(slot_pos, num_slots), flat(lru, num_slots), flat(selected, selected.shape[-1]),
+      newest.reshape((-1,)), flat(score, num_slots))
+  return (ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out)),
+          new_score.reshape(batch + (num_slots,)))
 
 
 @jax.jit
