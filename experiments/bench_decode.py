@@ -14,15 +14,12 @@ f32. ``--smoke`` runs in seconds. Results: results/bench_decode/<time>/.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 
 from experiments import common
-from kvtier_jax import decode, selectors
+from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
 
@@ -50,8 +47,8 @@ def measure(cfg: TierConfig, variant: str, context: int, kp, vp, q, kn) -> dict:
   lens = jnp.full((cfg.num_requests,), context, jnp.int32)
   select = selectors.churn_selector(context, cfg.top_k, cfg.num_units, FLAGS.churn)
   if variant == "full_kv":
-    holder = [decode.init_full_kv(cfg, kp, vp, lens)]
-    step = jax.jit(lambda s, q, kn: decode.full_kv_decode_step(cfg, s, q, kn, kn, select),
+    holder = [full_kv.init_full_kv(cfg, kp, vp, lens)]
+    step = jax.jit(lambda s, q, kn: full_kv.full_kv_decode_step(cfg, s, q, kn, kn, select),
                    donate_argnums=(0,))
 
     def run():

@@ -16,8 +16,6 @@ Command (~30 s on a 2-core CPU; the measured row loads SmolLM2 and prefills 2K):
 
 from __future__ import annotations
 
-import dataclasses
-
 from absl import app, flags
 import numpy as np
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtier_jax import decode, selectors
+from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
 from pallas_kernels import common
@@ -172,8 +172,8 @@ def check_decode_parity(fetch_impl, kernel_impl, interpret):
   vp = jnp.asarray(rng.standard_normal(shape), jnp.float32)
   dec = decode.TieredDecoder(cfg)
   st = dec.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp, lens)
-  full = decode.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
-  full_step = jax.jit(lambda f, q, k, v, a: decode.full_kv_decode_step(
+  full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
+  full_step = jax.jit(lambda f, q, k, v, a: full_kv.full_kv_decode_step(
       cfg, f, q, k, v, selectors.given_selection, a))
   worst = 0.0
   for _ in range(6):
@@ -231,8 +231,8 @@ def bench_decode(ctx, req, variants, smoke):
     t_build = time.perf_counter()
     miss = None
     if name == "full_kv":
-      holder = [decode.init_full_kv(cfg0, kp, vp, lens)]
-      step = jax.jit(lambda s, q, kn: decode.full_kv_decode_step(cfg0, s, q, kn, kn, select),
+      holder = [full_kv.init_full_kv(cfg0, kp, vp, lens)]
+      step = jax.jit(lambda s, q, kn: full_kv.full_kv_decode_step(cfg0, s, q, kn, kn, select),
                      donate_argnums=(0,))
       after_step = None
     else:
@@ -263,7 +263,7 @@ def bench_decode(ctx, req, variants, smoke):
       misses = after["misses"] - before["misses"]
       miss = misses / max(1, misses + after["hits"] - before["hits"])
       device_bytes = kv_state.array_bytes_by_memory_kind(holder[0]).get("device", 0)
-    del holder
+    holder[0] = None  # free the state before the next variant allocates
     results[name] = ms
     log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
         vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,

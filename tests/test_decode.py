@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvtier_jax import decode, selectors
+from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
 
@@ -53,8 +53,8 @@ class Harness:
     self.decoder = decode.TieredDecoder(cfg)
     self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
                                       prompt_lens)
-    self.full = decode.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
-    self.full_step = jax.jit(functools.partial(decode.full_kv_decode_step, cfg,
+    self.full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
+    self.full_step = jax.jit(functools.partial(full_kv.full_kv_decode_step, cfg,
                                                select=selectors.given_selection))
     self.prev = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvtier_jax import decode, selectors
+from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
 from kvtier_jax.selectors import (DSASelector, NSASelector, OracleSelector,
@@ -476,8 +476,8 @@ def test_selections_decode_exactly_through_the_tiered_cache(name):
 
   decoder = decode.TieredDecoder(cfg)
   tiered = decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp, DECODE_LENS)
-  full = decode.init_full_kv(cfg, kp, vp, lens, fill=np.nan)
-  full_step = jax.jit(functools.partial(decode.full_kv_decode_step, cfg,
+  full = full_kv.init_full_kv(cfg, kp, vp, lens, fill=np.nan)
+  full_step = jax.jit(functools.partial(full_kv.full_kv_decode_step, cfg,
                                         select=selectors.given_selection))
   sel_state = sel.init_state(NUM_LAYERS, len(DECODE_LENS), MAX_LEN)
   prefill = jax.jit(sel.prefill)  # traced layer index
@@ -501,7 +501,6 @@ def test_selections_decode_exactly_through_the_tiered_cache(name):
         layer_step, sel_state, (jnp.arange(NUM_LAYERS), x, q, k_new, params))
     return positions, sel_state
 
-  misses = 0
   for _ in range(16):
     newest = np.asarray(decoder.seq_len)
     q = jnp.asarray(rng.standard_normal((NUM_LAYERS, len(DECODE_LENS), HQ, D)),
