@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import median_ms
 from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
@@ -75,17 +76,6 @@ def guarded(fn):
       log(fn.__name__, error=f"{type(e).__name__}: {e}"[:2000],
           trace=traceback.format_exc()[-3000:])
   return run
-
-
-def median_ms(fn, warmup, iters):
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -259,22 +259,7 @@ class ModelConfig:
     FP8 indexer key of 128 B (+ its fp32 scale: 132 B, the figure §1.10 uses for
     the non-offloaded indexer). 64 query heads per public GLM-5.x configs.
     """
-    return cls(
-        name="glm_5_1",
-        num_layers=78,
-        num_q_heads=64,
-        num_kv_heads=1,
-        head_dim=512 + 64,
-        dtype="bfloat16",
-        attention="mla",
-        mla_latent_dim=512,
-        mla_rope_dim=64,
-        selector="dsa",
-        top_k=2048,
-        indexer_head_dim=128,
-        indexer_dtype="float8_e4m3fn",
-        indexer_scale_bytes=4,
-    ).replace(**override)
+    return cls._mla_dsa("glm_5_1", num_layers=78, num_q_heads=64).replace(**override)
 
   @classmethod
   def deepseek_v3_2(cls, **override: Any) -> "ModelConfig":
@@ -284,22 +269,18 @@ class ModelConfig:
     query heads sharing one MLA row of 512 latent + 64 RoPE dims (BF16 1152 B),
     indexer key 128-d FP8 with an fp32 scale per token (``k_scale_cache``), top-k 2048.
     """
-    return cls(
-        name="deepseek_v3_2",
-        num_layers=61,
-        num_q_heads=128,
-        num_kv_heads=1,
-        head_dim=512 + 64,
-        dtype="bfloat16",
-        attention="mla",
-        mla_latent_dim=512,
-        mla_rope_dim=64,
-        selector="dsa",
-        top_k=2048,
-        indexer_head_dim=128,
-        indexer_dtype="float8_e4m3fn",
-        indexer_scale_bytes=4,
-    ).replace(**override)
+    return cls._mla_dsa("deepseek_v3_2", num_layers=61, num_q_heads=128).replace(**override)
+
+  @classmethod
+  def _mla_dsa(cls, name: str, num_layers: int, num_q_heads: int) -> "ModelConfig":
+    """The DeepSeek-V3.2 attention family shared by DeepSeek-V3.2 and GLM-5.x: an
+    absorbed MLA row of 512 latent + 64 RoPE dims in BF16, DSA top-k 2048 with a
+    128-d FP8 indexer key and its fp32 scale per token."""
+    return cls(name=name, num_layers=num_layers, num_q_heads=num_q_heads,
+               num_kv_heads=1, head_dim=512 + 64, dtype="bfloat16", attention="mla",
+               mla_latent_dim=512, mla_rope_dim=64, selector="dsa", top_k=2048,
+               indexer_head_dim=128, indexer_dtype="float8_e4m3fn",
+               indexer_scale_bytes=4)
 
   @classmethod
   def qwen3_30b_a3b(cls, **override: Any) -> "ModelConfig":
