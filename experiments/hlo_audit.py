@@ -207,6 +207,9 @@ def audit_configs(smoke: bool):
 
 def main(argv):
   del argv
+  # Compile-only: never try to open a GPU (without a driver the CUDA plugin's
+  # initialisation fails); the H200 target comes from deviceless.py.
+  jax.config.update("jax_platforms", "cpu")
   if not deviceless.available():
     print("hlo_audit: no compile-only CUDA client (pip install -e .[audit])")
     sys.exit(2)
