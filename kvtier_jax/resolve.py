@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtier_jax.shapes import EMPTY
+from kvtier_jax.shapes import EMPTY, LruOrder, Newest, Selected, SlotPos
 from pallas_kernels import common
 from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
                                           cache_resolve_reference)
@@ -92,8 +92,8 @@ def selection_errors(selected, newest):
           | jnp.where(dup.any(-1), STATUS_DUPLICATE, 0)).astype(jnp.int32)
 
 
-def resolve(slot_pos, lru, selected, newest, *, impl: str = "xla",
-            interpret: bool | None = None) -> ResolveOutputs:
+def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest, *,
+            impl: str = "xla", interpret: bool | None = None) -> ResolveOutputs:
   """One RESOLVE step over any leading batch dims ``...``.
 
   Args:
@@ -127,7 +127,8 @@ def resolve(slot_pos, lru, selected, newest, *, impl: str = "xla",
   return cache_resolve_reference(*args)
 
 
-def resolve_freq(slot_pos, lru, score, selected, newest, *, alpha: float = 0.9):
+def resolve_freq(slot_pos: SlotPos, lru: LruOrder, score, selected: Selected,
+                 newest: Newest, *, alpha: float = 0.9):
   """RESOLVE with the frequency-aware victim order (policy ``"freq"``).
 
   Same contract and validation as ``resolve`` plus ``score`` f[..., B], the

@@ -18,30 +18,28 @@ jaxtyping aliases below:
 * ``k``   positions selected per (layer, request, unit) per decode step
           (the sparse-attention budget), ``B >= k``.
 * ``P``   prompt length (padded) at prefill.
+* ``Dm``  model (residual) width; selectors read the layer's normalised input [R, Dm].
+* ``NP`` / ``NB`` / ``NC``  Quest pages / NSA selection blocks / NSA compression
+          blocks per request; ``H_I``, ``d_I`` DSA index heads and index dim.
 
 A *row* is the KV of one position for one unit: ``[Hg, D]``. The host tier is
-``[L, R, T, U, Hg, D]`` (a position's rows for all units are contiguous), the
-hot cache ``[L, R, U, B + 1, Hg, D]``.
+``[L, R, T + 1, U, Hg, D]`` (a position's rows for all units are contiguous;
+position ``T`` is a scratch row that absorbs the writes of a refused step), the hot
+cache ``[L, R, U, B + 1, Hg, D]``.
 
 The single sentinel is ``-1`` (``EMPTY``): an empty slot in ``slot_pos``, a padding
 entry in ``selected``, "no slot" in resolve outputs.
 """
 
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 EMPTY = -1
 
-HostKV = Float[Array, "L R T U Hg D"]
+HostKV = Float[Array, "L R Tp1 U Hg D"]
 HotKV = Float[Array, "L R U Bp1 Hg D"]
 SlotPos = Int[Array, "*batch B"]
 LruOrder = Int[Array, "*batch B"]
 Selected = Int[Array, "*batch k"]
 Newest = Int[Array, "*batch"]
-SlotOut = Int[Array, "*batch k"]
-MissMask = Bool[Array, "*batch k"]
-SeqLen = Int[Array, "R"]
 
-__all__ = [
-    "EMPTY", "HostKV", "HotKV", "SlotPos", "LruOrder", "Selected", "Newest",
-    "SlotOut", "MissMask", "SeqLen",
-]
+__all__ = ["EMPTY", "HostKV", "HotKV", "SlotPos", "LruOrder", "Selected", "Newest"]

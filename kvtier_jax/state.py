@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvtier_jax.config import TierConfig
-from kvtier_jax.shapes import EMPTY
+from kvtier_jax.shapes import EMPTY, HostKV, HotKV
 
 
 @flax.struct.dataclass
@@ -26,10 +26,10 @@ class TieredKVState:
   ``dynamic_update_slice`` clamps instead of dropping. It is never read.
   """
 
-  host_k: jax.Array  # f[L, R, T+1, U, Hg, D]  memory_kind=pinned_host where supported
-  host_v: jax.Array  # f[L, R, T+1, U, Hg, D]
-  hot_k: jax.Array  # f[L, R, U, B+1, Hg, D]  slot B: the newest token
-  hot_v: jax.Array  # f[L, R, U, B+1, Hg, D]
+  host_k: HostKV  # f[L, R, T+1, U, Hg, D]  memory_kind=pinned_host where supported
+  host_v: HostKV  # f[L, R, T+1, U, Hg, D]
+  hot_k: HotKV  # f[L, R, U, B+1, Hg, D]  slot B: the newest token
+  hot_v: HotKV  # f[L, R, U, B+1, Hg, D]
   slot_pos: jax.Array  # i32[L, R, U, B]  position held by each slot, -1 empty
   lru: jax.Array  # i32[L, R, U, B]  slot ids, least recently used first
   slot_score: jax.Array  # f32[L, R, U, B]  selection frequency (policy "freq")
