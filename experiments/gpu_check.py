@@ -56,6 +56,8 @@ flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic st
 flags.DEFINE_list("sections", ["numerics", "kernels", "decode"], "What to run.")
 flags.DEFINE_list("numerics", ["resolve", "fetch"], "Optional numerics checks to add to "
                   "attention and decode parity.")
+flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
+                  "context:requests of the decode timings (all variants for the first).")
 
 ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 T0 = time.perf_counter()
@@ -380,9 +382,11 @@ def run_decode(smoke):
       ("tiered_hostexec_overlap", dict(xla_kernels, fetch_impl="xla",
                                        host_append="in_scan", overlap_hit_miss=True)),
   ]
-  shapes = [(512, 2), (1024, 2)] if smoke else [(32768, 8), (131072, 8), (32768, 32)]
+  shapes = ([(512, 2), (1024, 2)] if smoke else
+            [tuple(map(int, s.split(":"))) for s in FLAGS.decode_shapes])
+  later = [variants[0], variants[2], variants[3]]  # full KV and the two fastest tiered
   for i, (ctx, req) in enumerate(shapes):
-    bench_decode(ctx, req, variants if i == 0 else variants[:3], smoke)
+    bench_decode(ctx, req, variants if i == 0 and len(shapes) > 2 else later, smoke)
 
 
 if __name__ == "__main__":

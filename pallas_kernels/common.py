@@ -32,7 +32,7 @@ def on_gpu() -> bool:
 
 # What "auto" picks on a GPU, per op: the faster of kernel and XLA as measured on an
 # H200 by experiments/gpu_check.py (table and date in WORKSPACE_NOTES.md).
-GPU_AUTO = {"resolve": "xla", "attention": "xla", "fetch": "pallas"}
+GPU_AUTO = {"resolve": "xla", "attention": "pallas", "fetch": "pallas"}
 
 
 def use_kernel(impl: str, op: str) -> bool:

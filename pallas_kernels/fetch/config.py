@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-# Pointer offsets are 32-bit inside the kernel.
-MAX_ELEMENTS = 2**31 - 1
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """block_rows: missed rows copied per program (power of 2)."""
