@@ -31,6 +31,12 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or bool(share))
 
 
+def test_separate_append_writes_in_place():
+  _, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  copies, writes, aliased = hlo_audit.audit_separate_append(cfg)
+  assert copies == 0 and writes > 0 and aliased == 12
+
+
 def test_audit_detects_a_whole_tier_copy():
   """The negative control: the counter is not blind."""
   _, cfg = hlo_audit.audit_configs(smoke=True)[0]
