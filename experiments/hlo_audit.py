@@ -214,7 +214,8 @@ def audit_configs(smoke: bool):
   pallas = dict(resolve_impl="pallas", attention_impl="pallas")
   return [
       ("xla kernels, host-gather fetch", base.replace(**xla, fetch_impl="xla")),
-      ("xla kernels, zero-copy fetch (GPU default)", base.replace(**xla, fetch_impl="pallas")),
+      ("GPU default: xla resolve, pallas attention, zero-copy fetch",
+       base.replace(resolve_impl="xla", attention_impl="pallas", fetch_impl="pallas")),
       ("pallas kernels, zero-copy fetch", base.replace(**pallas, fetch_impl="pallas")),
       ("pallas kernels, host-gather fetch, per-KV-head units",
        base.replace(**pallas, fetch_impl="xla", per_kv_head=True)),
