@@ -53,11 +53,17 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps per variant.")
 flags.DEFINE_integer("iters", 10, "Timed steps per variant.")
 flags.DEFINE_float("budget_s", 420.0, "Stop starting new timings after this.")
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
-flags.DEFINE_list("sections", ["numerics", "kernels", "decode"], "What to run.")
+flags.DEFINE_list("sections", ["numerics", "kernels", "decode"],
+                  "What to run, in this order: numerics, lookups, lookup_decode, io, "
+                  "throughput, kernels, decode.")
 flags.DEFINE_list("numerics", ["resolve", "fetch"], "Optional numerics checks to add to "
-                  "attention and decode parity.")
+                  "attention and decode parity (resolve, fetch, fetch_over_4gib).")
 flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
                   "context:requests of the decode timings (all variants for the first).")
+flags.DEFINE_float("kv_budget_gb", 8.0, "throughput section: device bytes for KV "
+                   "(full KV or hot cache + metadata) per configuration.")
+flags.DEFINE_float("host_budget_gb", 24.0, "throughput section: pinned host bytes "
+                   "for the tiered configuration's host tier.")
 
 ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 T0 = time.perf_counter()
@@ -65,9 +71,17 @@ LOG: list[dict] = []
 
 
 def log(section, **row):
+  """Print a result row and append it to $OUT/gpu_check.jsonl at once (a run cut
+  short by the device time limit keeps every row it got to)."""
   row = {"section": section, **row}
   LOG.append(row)
-  print(json.dumps(row, default=str), flush=True)
+  line = json.dumps(row, default=str)
+  print(line, flush=True)
+  if FLAGS.out_dir:
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gpu_check.jsonl", "a") as f:
+      f.write(line + "\n")
 
 
 def guarded(fn):
@@ -145,6 +159,39 @@ def check_fetch(interpret):
       rows=count, exact=same, ok=same)
 
 
+@guarded
+def check_fetch_over_4gib(interpret, smoke):
+  """Zero-copy fetch from a pinned_host tier larger than 4 GiB (64-bit offsets)."""
+  R, T1, Hg, D = (2, 1025, 2, 8) if smoke else (3, 2**20 + 1, 4, 128)
+  shape = (1, R, T1, 1, Hg, D)
+  ident = lambda: (jnp.arange(R, dtype=jnp.float32)[:, None] * T1
+                   + jnp.arange(T1, dtype=jnp.float32)[None, :])  # exact below 2**24
+  make = jax.jit(lambda: jnp.broadcast_to(ident()[None, :, :, None, None, None], shape))
+  hs = kv_state.host_sharding()
+  hk = jax.device_put(make(), hs)
+  hv = jax.device_put(-make(), hs)
+  rng = np.random.default_rng(7)
+  N, S = 4096, 4097
+  r = rng.integers(0, R, N)
+  t = np.where(rng.random(N) < 0.8, rng.integers(T1 // 2, T1, N), rng.integers(0, T1, N))
+  src = np.stack([np.zeros(N), r, t, np.zeros(N)], -1).astype(np.int32)
+  dest = np.stack([np.zeros(N), np.zeros(N), np.zeros(N),
+                   rng.permutation(S)[:N]], -1).astype(np.int32)
+  hot = jnp.full((1, 1, 1, S, Hg, D), jnp.nan, jnp.float32)
+  got_k, got_v = fetch_rows(jnp.asarray(src), jnp.asarray(dest), N, hk, hv, hot,
+                            jnp.array(hot), interpret=interpret)
+  want = np.full((S,), np.nan, np.float32)
+  want[dest[:, 3]] = r * T1 + t
+  got_k, got_v = np.asarray(got_k[0, 0, 0]), np.asarray(got_v[0, 0, 0])
+  ok = (np.array_equal(got_k, np.broadcast_to(want[:, None, None], got_k.shape),
+                       equal_nan=True) and
+        np.array_equal(got_v, np.broadcast_to(-want[:, None, None], got_v.shape),
+                       equal_nan=True))
+  above = int(((r * T1 + t) * Hg * D * 4 >= 2**32).sum())
+  log("numerics/fetch_over_4gib", host_gib=round(hk.nbytes / 2**30, 2), rows=N,
+      rows_past_4gib=above, exact=bool(ok), ok=bool(ok))
+
+
 def tiny_cfg(**kw):
   base = dict(num_layers=3, num_requests=3, max_len=600, num_q_heads=8, num_kv_heads=2,
               head_dim=64, hot_slots=96, top_k=48, dtype=jnp.float32, fetch_chunk=32)
@@ -201,8 +248,23 @@ def bench_cfg(ctx, req, smoke):
                     dtype=jnp.bfloat16, fetch_chunk=4096)
 
 
+def _next_selection(select, num_layers):
+  """Lookahead predictor for the synthetic stream: its exact next-step selection
+  (an upper bound, like OasisKV's 98.7%-agreement EAGLE draft), newest dropped."""
+  def predict(state):
+    ctx = lambda l: decode.SelectContext(jnp.int32(l), state.seq_len + 1, None)
+    return jnp.stack([select(None, ctx(l))[..., :-1] for l in range(num_layers)])
+  return predict
+
+
 @guarded
-def bench_decode(ctx, req, variants, smoke):
+def bench_decode(ctx, req, variants, smoke, profile=()):
+  """Times decode-step variants on one shape; returns {variant: median ms}.
+
+  variants: (name, TierConfig overrides or None for full KV, step options) with
+  options ``share`` (index_share_every) and ``prefetch_cap`` (lookahead prefetch of
+  the exact next selection, at most this many rows per layer and unit).
+  """
   cfg0 = bench_cfg(ctx, req, smoke)
   key = jax.random.key(0)
   shape = (cfg0.num_layers, req, ctx, cfg0.num_kv_heads, cfg0.head_dim)
@@ -216,52 +278,110 @@ def bench_decode(ctx, req, variants, smoke):
   kn = jax.random.normal(jax.random.fold_in(key, 3),
                          (cfg0.num_layers, req, cfg0.num_kv_heads, cfg0.head_dim), cfg0.dtype)
   results = {}
-  for name, overrides in variants:
+  for variant in variants:
+    name = variant[0]
     if time.perf_counter() - T0 > FLAGS.budget_s:
       log("timing", ctx=ctx, R=req, variant=name, skipped="time budget")
       continue
-    t_build = time.perf_counter()
-    miss = None
-    if name == "full_kv":
-      holder = [full_kv.init_full_kv(cfg0, kp, vp, lens)]
-      step = jax.jit(lambda s, q, kn: full_kv.full_kv_decode_step(cfg0, s, q, kn, kn, select),
-                     donate_argnums=(0,))
-      after_step = None
-    else:
-      cfg = cfg0.replace(**overrides)
-      holder = [jax.jit(lambda s, kp, vp, lens: decode.prefill(cfg, s, kp, vp, lens),
-                        donate_argnums=(0,))(kv_state.init_state(cfg), kp, vp, lens)]
-      step = jax.jit(lambda s, q, kn: decode.decode_step(cfg, s, q, kn, kn, select),
-                     donate_argnums=(0,))
-      append = jax.jit(lambda s, c: decode.append_newest(cfg, s, c), donate_argnums=(0,))
-      after_step = None if cfg.append_in_scan else append
+    ms = guarded(_time_variant)(cfg0, ctx, req, variant, select, (kp, vp, lens, q, kn),
+                                results, profile)
+    if ms is not None:
+      results[name] = ms
+  return results
 
-    def run():
-      res = step(holder[0], q, kn)
-      out, holder[0] = res[0], res[1]
-      if after_step is not None:
-        holder[0] = after_step(holder[0], res[3])
-      return out
 
-    for _ in range(FLAGS.warmup):
+def _time_variant(cfg0, ctx, req, variant, select, arrays, results, profile):
+  name, overrides, opts = (tuple(variant) + ({},))[:3]
+  kp, vp, lens, q, kn = arrays
+  t_build = time.perf_counter()
+  miss = None
+  if overrides is None:
+    holder = [full_kv.init_full_kv(cfg0, kp, vp, lens)]
+    step = jax.jit(lambda s, q, kn: full_kv.full_kv_decode_step(cfg0, s, q, kn, kn, select),
+                   donate_argnums=(0,))
+    after_step = None
+  else:
+    cfg = cfg0.replace(**overrides)
+    holder = [jax.jit(lambda s, kp, vp, lens: decode.prefill(cfg, s, kp, vp, lens),
+                      donate_argnums=(0,))(kv_state.init_state(cfg), kp, vp, lens)]
+    predict = _next_selection(select, cfg.num_layers)
+    share, cap = opts.get("share", 1), opts.get("prefetch_cap")
+
+    def tiered(s, q, kn, cfg=cfg, share=share, cap=cap, predict=predict):
+      return decode.decode_step(
+          cfg, s, q, kn, kn, select, index_share_every=share,
+          prefetch=None if cap is None else predict(s), prefetch_cap=cap)
+    step = jax.jit(tiered, donate_argnums=(0,))
+    append = jax.jit(lambda s, c: decode.append_newest(cfg, s, c), donate_argnums=(0,))
+    after_step = None if cfg.append_in_scan else append
+
+  def run():
+    res = step(holder[0], q, kn)
+    out, holder[0] = res[0], res[1]
+    if after_step is not None:
+      holder[0] = after_step(holder[0], res[3])
+    return out
+
+  for _ in range(FLAGS.warmup):
+    jax.block_until_ready(run())
+  if overrides is not None:
+    before = kv_state.cache_stats(cfg, holder[0])
+  ms = median_ms(run, 0, FLAGS.iters)
+  extra = {}
+  if overrides is None:
+    device_bytes = holder[0].k.nbytes + holder[0].v.nbytes
+  else:
+    after = kv_state.cache_stats(cfg, holder[0])
+    misses = after["misses"] - before["misses"]
+    miss = misses / max(1, misses + after["hits"] - before["hits"])
+    fetched = int(np.asarray(holder[0].fetched_rows).sum()) - before.get("fetched_rows", 0)
+    extra = dict(rows_fetched_per_step=round(fetched / FLAGS.iters))
+    device_bytes = kv_state.array_bytes_by_memory_kind(holder[0]).get("device", 0)
+  if name in profile:
+    device_profile(f"{name}@{ctx}:{req}", run)
+  holder[0] = None  # free the state before the next variant allocates
+  log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
+      vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,
+      tokens_per_s=round(1e3 * req / ms), miss_rate=None if miss is None else round(miss, 4),
+      device_gb=round(device_bytes / 2**30, 3), **extra,
+      build_and_time_s=round(time.perf_counter() - t_build, 1))
+  return ms
+
+
+@guarded
+def device_profile(label, run, steps=5, top=14):
+  """Per-step device time by op/kernel name from a jax.profiler trace."""
+  import collections
+  import glob
+  import tempfile
+  from jax._src.lib import _profile_data
+  trace_dir = tempfile.mkdtemp()
+  jax.block_until_ready(run())
+  with jax.profiler.trace(trace_dir):
+    for _ in range(steps):
       jax.block_until_ready(run())
-    if name != "full_kv":
-      before = kv_state.cache_stats(cfg, holder[0])
-    ms = median_ms(run, 0, FLAGS.iters)
-    if name == "full_kv":
-      device_bytes = holder[0].k.nbytes + holder[0].v.nbytes
-    else:
-      after = kv_state.cache_stats(cfg, holder[0])
-      misses = after["misses"] - before["misses"]
-      miss = misses / max(1, misses + after["hits"] - before["hits"])
-      device_bytes = kv_state.array_bytes_by_memory_kind(holder[0]).get("device", 0)
-    holder[0] = None  # free the state before the next variant allocates
-    results[name] = ms
-    log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
-        vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,
-        miss_rate=None if miss is None else round(miss, 4),
-        device_gb=round(device_bytes / 2**30, 3),
-        build_and_time_s=round(time.perf_counter() - t_build, 1))
+  path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+  data = _profile_data.ProfileData.from_file(path)
+  planes = [pl for pl in data.planes if pl.name.startswith("/device:GPU")]
+  cpu = not planes
+  if cpu:  # smoke runs: XLA:CPU thunks on the host client threads
+    planes = [pl for pl in data.planes if pl.name == "/host:CPU"]
+  for plane in planes:
+    for line in plane.lines:
+      if cpu and not line.name.startswith("tf_XLA"):
+        continue
+      total = collections.Counter()
+      count = collections.Counter()
+      for ev in line.events:
+        total[ev.name] += ev.duration_ns
+        count[ev.name] += 1
+      if not total:
+        continue
+      log("profile", variant=label, plane=plane.name, line=line.name,
+          busy_us_per_step=round(sum(total.values()) / steps / 1e3, 1),
+          events_per_step=round(sum(count.values()) / steps, 1),
+          top=[(name[:80], round(ns / steps / 1e3, 1), round(count[name] / steps, 1))
+               for name, ns in total.most_common(top)])
 
 
 @guarded
@@ -321,6 +441,92 @@ def bench_kernels(smoke):
       zero_copy_gbps=round(nbytes / b / 1e6, 2))
 
 
+@guarded
+def bench_lookups(smoke):
+  """XLA RESOLVE membership lookups (and the kernel) at decode shapes, checked equal."""
+  rng = np.random.default_rng(5)
+  slots, sel = (128, 64) if smoke else (4096, 2048)
+  interp = common.interpret_mode()
+  for rows, ctx in ([(8, 1024)] if smoke else [(8, 32768), (32, 32768), (8, 131072)]):
+    slot_pos = jnp.asarray(np.stack([rng.permutation(ctx)[:slots]
+                                     for _ in range(rows)]).astype(np.int32))
+    lru = jnp.asarray(np.stack([rng.permutation(slots) for _ in range(rows)])
+                      .astype(np.int32))
+    # 87% of the selection resident (the paper's LRU hit rate at B=2k), rest new.
+    cand = np.stack([np.concatenate([rng.permutation(np.asarray(slot_pos[i]))[:sel * 87 // 100],
+                                     np.setdiff1d(rng.permutation(ctx), slot_pos[i])
+                                     [:sel - sel * 87 // 100]]) for i in range(rows)])
+    cand = jnp.asarray(cand.astype(np.int32))
+    newest = jnp.full((rows,), ctx, jnp.int32)
+    want = None
+    row = dict(rows=rows, B=slots, k=sel, positions=ctx + 1)
+    for lookup in ("scan", "unrolled", "sort", "map", "pallas"):
+      if lookup == "pallas":
+        fn = jax.jit(lambda *a: cache_resolve(*a, interpret=interp))
+      else:
+        fn = jax.jit(lambda *a, lookup=lookup: cache_resolve_reference(
+            *a, lookup=lookup, num_positions=ctx + 1))
+      got = fn(slot_pos, lru, cand, newest)
+      want = got if want is None else want
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(want, got))
+      row[f"{lookup}_ms"] = round(median_ms(lambda: fn(slot_pos, lru, cand, newest), 3, 30), 4)
+      row[f"{lookup}_exact"] = same
+    log("kernel_timing", op="resolve_lookups", **row)
+
+
+def run_io(smoke):
+  """Issue 7 on the device: TPOT of the IO-hiding options vs the synchronous step."""
+  ctx, req = (1024, 2) if smoke else (32768, 8)
+  cap = 64 if smoke else 512
+  variants = [("full_kv", None)]
+  for fetch_impl, tag in (("pallas", "zero_copy"), ("xla", "host_exec")):
+    base = dict(fetch_impl=fetch_impl)
+    variants += [
+        (f"{tag}_sync", base),
+        (f"{tag}_overlap_hit_miss", dict(base, overlap_hit_miss=True)),
+        *[(f"{tag}_index_share_{n}", base, dict(share=n)) for n in (2, 4)
+          if bench_cfg(ctx, req, smoke).num_layers % n == 0],
+        (f"{tag}_lookahead_cap{cap}", base, dict(prefetch_cap=cap)),
+    ]
+  bench_decode(ctx, req, variants, smoke)
+
+
+def run_lookup_decode(smoke):
+  """The decode step with each RESOLVE lookup, profiled (scan vs the default)."""
+  ctx, req = (1024, 2) if smoke else (32768, 8)
+  variants = [("full_kv", None)] + [
+      (f"tiered_{lk}", dict(resolve_lookup=lk, resolve_impl="xla"))
+      for lk in ("scan", "unrolled", "sort", "map")] + [
+      ("tiered_pallas_resolve", dict(resolve_impl="pallas"))]
+  bench_decode(ctx, req, variants, smoke, profile=("full_kv", "tiered_scan", "tiered_map"))
+
+
+def run_throughput(smoke):
+  """Issue 6 table 6 measured: requests that fit a fixed device KV budget, full KV
+  vs tiered (host tier capped by pinned host memory), and decode tokens/s of the
+  attention + cache step (the model's weights and MLPs are not part of it)."""
+  budget, host_budget = FLAGS.kv_budget_gb * 2**30, FLAGS.host_budget_gb * 2**30
+  if smoke:
+    budget, host_budget = 16 * 2**20, 64 * 2**20
+  for ctx in ([1024] if smoke else [32768, 131072]):
+    cfg = bench_cfg(ctx, 1, smoke)
+    full_req = 2 * cfg.num_layers * ctx * cfg.num_kv_heads * cfg.head_dim * \
+        jnp.dtype(cfg.dtype).itemsize
+    r_full = int(budget // full_req)
+    r_tier = int(min(budget // cfg.device_bytes_per_request(),
+                     host_budget // cfg.host_bytes_per_request(), 256))
+    log("throughput_plan", ctx=ctx, full_kv_requests=r_full, tiered_requests=r_tier,
+        full_bytes_per_request=full_req, tiered_device_bytes_per_request=
+        cfg.device_bytes_per_request(), host_bytes_per_request=cfg.host_bytes_per_request())
+    full = bench_decode(ctx, r_full, [("full_kv", None)], smoke) or {}
+    tier = bench_decode(ctx, r_tier, [("tiered", {})], smoke) or {}
+    if "full_kv" in full and "tiered" in tier:
+      tput_full, tput_tier = r_full / full["full_kv"], r_tier / tier["tiered"]
+      log("throughput", ctx=ctx, full_kv_requests=r_full, tiered_requests=r_tier,
+          full_kv_tokens_per_s=round(1e3 * tput_full), tiered_tokens_per_s=round(1e3 * tput_tier),
+          tiered_over_full=round(tput_tier / tput_full, 3))
+
+
 def main(argv):
   del argv
   dev = jax.devices()[0]
@@ -338,16 +544,20 @@ def main(argv):
 
   interpret = common.interpret_mode()
   smoke = FLAGS.smoke
-  if "numerics" in FLAGS.sections:
-    run_numerics(smoke, interpret, FLAGS.numerics)
-  if "kernels" in FLAGS.sections:
-    bench_kernels(smoke)
-  if "decode" in FLAGS.sections:
-    run_decode(smoke)
-  if out:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.jsonl").write_text("\n".join(json.dumps(r, default=str)
-                                                   for r in LOG) + "\n")
+  sections = {
+      "numerics": lambda: run_numerics(smoke, interpret, FLAGS.numerics),
+      "lookups": lambda: bench_lookups(smoke),
+      "lookup_decode": lambda: run_lookup_decode(smoke),
+      "io": lambda: run_io(smoke),
+      "throughput": lambda: run_throughput(smoke),
+      "kernels": lambda: bench_kernels(smoke),
+      "decode": lambda: run_decode(smoke),
+  }
+  unknown = set(FLAGS.sections) - set(sections)
+  if unknown:
+    raise app.UsageError(f"unknown --sections {sorted(unknown)}; known: {list(sections)}")
+  for name in FLAGS.sections:  # in the order given: the most wanted first
+    sections[name]()
   print(f"gpu_check done in {time.perf_counter() - T0:.0f}s")
 
 
@@ -358,6 +568,8 @@ def run_numerics(smoke, interpret, checks):
   check_attention(jnp.bfloat16, interpret)
   if "fetch" in checks:
     check_fetch(interpret)
+  if "fetch_over_4gib" in checks:
+    check_fetch_over_4gib(interpret, smoke)
   for fetch_impl in ("xla", "pallas"):
     check_decode_parity(fetch_impl, "pallas", interpret)
   check_decode_parity("xla", "xla", interpret)

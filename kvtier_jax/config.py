@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.cache_resolve.reference import LOOKUPS
 
 WARM_STARTS = ("first", "head_tail", "empty")
 HOST_APPENDS = ("auto", "in_scan", "separate")
@@ -37,6 +38,9 @@ class TierConfig:
     resolve_impl / attention_impl / fetch_impl: "xla", "pallas" or "auto" (on GPU
       the faster one as measured there, XLA elsewhere; pallas_kernels/common.py).
       fetch "xla" is the host gather (compute_on), "pallas" the zero-copy kernel.
+    resolve_lookup: membership lookup of the XLA RESOLVE: "auto" (per backend,
+      pallas_kernels/common.py), "scan", "unrolled", "sort" or "map" (a dense
+      position -> slot map of max_len + 1 entries per row, no sort). Same results.
     interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
     host_append: where the newest token's KV is written to the host tier:
       ``"separate"`` (the ``"auto"`` choice) in its own donated jit after the step,
@@ -66,6 +70,7 @@ class TierConfig:
   resolve_impl: str = "auto"
   attention_impl: str = "auto"
   fetch_impl: str = "auto"
+  resolve_lookup: str = "auto"
   interpret: bool | None = None
   host_append: str = "auto"
   overlap_hit_miss: bool = False
@@ -95,6 +100,8 @@ class TierConfig:
       raise ValueError("the freq policy has no Pallas RESOLVE kernel: resolve_impl='xla'")
     if not 0.0 < self.freq_alpha < 1.0:
       raise ValueError(f"{self.freq_alpha=} must be in (0, 1)")
+    if self.resolve_lookup not in ("auto",) + LOOKUPS:
+      raise ValueError(f"{self.resolve_lookup=} must be 'auto' or one of {LOOKUPS}")
     if self.fetch_chunk < 0:
       raise ValueError(f"{self.fetch_chunk=} must be >= 0")
     for name in ("resolve_impl", "attention_impl", "fetch_impl"):

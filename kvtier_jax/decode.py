@@ -84,10 +84,13 @@ def _newest_dest(cfg: TierConfig, layer, target, ok):
 
 def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest):
   """RESOLVE under ``cfg.policy``: (ResolveOutputs, new per-slot score)."""
+  # Positions are < max_len + 1 (the scratch row): the bound of the "map" lookup.
+  lookup = dict(lookup=cfg.resolve_lookup, num_positions=cfg.max_len + 1)
   if cfg.policy == "freq":
-    return resolve_freq(slot_pos, lru, score, selected, newest, alpha=cfg.freq_alpha)
+    return resolve_freq(slot_pos, lru, score, selected, newest, alpha=cfg.freq_alpha,
+                        **lookup)
   return resolve(slot_pos, lru, selected, newest, impl=cfg.resolve_impl,
-                 interpret=cfg.interpret), score
+                 interpret=cfg.interpret, **lookup), score
 
 
 def _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok):

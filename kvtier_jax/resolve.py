@@ -93,7 +93,8 @@ def selection_errors(selected, newest):
 
 
 def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest, *,
-            impl: str = "xla", interpret: bool | None = None) -> ResolveOutputs:
+            impl: str = "xla", interpret: bool | None = None, lookup: str = "auto",
+            num_positions: int | None = None) -> ResolveOutputs:
   """One RESOLVE step over any leading batch dims ``...``.
 
   Args:
@@ -103,6 +104,10 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
     newest: i32[...] the newest position; it is always served by reserved slot B.
     impl: "xla" (jnp), "pallas" (the fused kernel; interpreted off GPU) or "auto".
     interpret: override Pallas interpret mode.
+    lookup: membership lookup of the XLA path ("auto", "scan", "unrolled", "sort"
+      or "map"; pallas_kernels/cache_resolve/reference.py); results are identical.
+    num_positions: a bound on every position (``"map"`` allocates this many
+      entries per row), e.g. the host tier length.
 
   Returns:
     ``ResolveOutputs(slot_pos, lru, slot, is_miss)``: updated metadata, the slot that
@@ -124,14 +129,18 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
     from pallas_kernels.cache_resolve.kernel import cache_resolve
     interp = common.interpret_mode() if interpret is None else interpret
     return cache_resolve(*args, interpret=interp)
-  return cache_resolve_reference(*args)
+  rows = int(np.prod(slot_pos.shape[:-1]))
+  return cache_resolve_reference(
+      *args, lookup=common.xla_lookup(lookup, num_positions, rows),
+      num_positions=num_positions)
 
 
 def resolve_freq(slot_pos: SlotPos, lru: LruOrder, score, selected: Selected,
-                 newest: Newest, *, alpha: float = 0.9):
+                 newest: Newest, *, alpha: float = 0.9, lookup: str = "auto",
+                 num_positions: int | None = None):
   """RESOLVE with the frequency-aware victim order (policy ``"freq"``).
 
-  Same contract and validation as ``resolve`` plus ``score`` f[..., B], the
+  Same contract, validation and ``lookup`` as ``resolve`` plus ``score`` f[..., B], the
   per-slot selection frequency (start from zeros); only the victims differ: the
   evictable slots with the lowest score, empty ones first, ties in LRU order
   (exactly ``cache_sim.replay(..., "freq", alpha=alpha)``).
@@ -148,7 +157,11 @@ def resolve_freq(slot_pos: SlotPos, lru: LruOrder, score, selected: Selected,
     _check_metadata(slot_pos, lru)
   args = tuple(x.astype(jnp.int32) for x in (slot_pos, lru))
   return cache_resolve_freq_reference(*args, score, selected.astype(jnp.int32),
-                                      newest.astype(jnp.int32), alpha=alpha)
+                                      newest.astype(jnp.int32), alpha=alpha,
+                                      lookup=common.xla_lookup(
+                                          lookup, num_positions,
+                                          int(np.prod(slot_pos.shape[:-1]))),
+                                      num_positions=num_positions)
 
 
 def install_newest(slot_pos, lru, newest):

@@ -107,6 +107,22 @@ def test_kernel_paths_match_reference(impl, overlap):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("lookup", ["map", "unrolled"])
+def test_resolve_lookup_changes_nothing_in_the_step(lookup):
+  """The map/unrolled lookups give the scan lookup's metadata, exactly."""
+  seed = int(np.random.default_rng().integers(2**31))
+  harnesses = [Harness(make_cfg(resolve_impl="xla", resolve_lookup=lk), [40, 100, 7],
+                       seed=seed) for lk in ("scan", lookup)]
+  for _ in range(20):
+    (out_a, ref_a), (out_b, _) = (h.step() for h in harnesses)
+    np.testing.assert_allclose(out_b, ref_a, atol=1e-5, rtol=1e-6)
+    np.testing.assert_array_equal(out_a, out_b)
+  a, b = (h.state for h in harnesses)
+  for name in ("slot_pos", "lru", "hits", "misses"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+  assert int(np.asarray(a.misses).sum()) > 0
+
+
 def test_short_context_never_fetches():
   cfg = make_cfg(hot_slots=64, top_k=16)
   h = Harness(cfg, [5, 20, 30], seed=1)

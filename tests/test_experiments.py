@@ -61,3 +61,19 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   run("experiments.report", f"--results={tmp_path}")
   report = (tmp_path / "REPORT.md").read_text()
   assert "Table 2" in report and "| toy |" in report
+
+
+def test_gpu_check_smoke_runs_clean(tmp_path):
+  """The device script's smoke path (kernels interpreted): every check passes and no
+  section errors, so a rare GPU loan is not spent on a harness bug."""
+  run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
+      "--sections=numerics,lookups,io", "--numerics=resolve,fetch_over_4gib",
+      "--warmup=1", "--iters=2")
+  rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+  assert not [r for r in rows if "error" in r]
+  assert all(r["ok"] for r in rows if "ok" in r)
+  lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
+  assert all(v for k, v in lookups.items() if k.endswith("_exact"))
+  timed = {r["variant"] for r in rows if r["section"] == "timing"}
+  assert {"full_kv", "zero_copy_sync", "host_exec_index_share_2",
+          "host_exec_lookahead_cap64"} <= timed

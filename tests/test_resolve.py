@@ -9,6 +9,9 @@ from kvtier_jax.resolve import install_newest, resolve
 from tests.oracles import resolve_oracle
 
 IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
+# XLA membership lookups (identical results by contract); "map" with a position bound.
+LOOKUPS = [dict(lookup="unrolled"), dict(lookup="sort"),
+           dict(lookup="map", num_positions=6 * 40)]
 
 
 def random_selection(rng, batch, num_sel, newest, pad_prob=0.1, local=True):
@@ -75,9 +78,33 @@ def test_resolve_matches_oracle_over_many_steps(impl, batch, num_slots, num_sel,
   assert (slot_pos >= 0).any()
 
 
+@pytest.mark.parametrize("lookup", LOOKUPS, ids=lambda d: d["lookup"])
+def test_resolve_lookups_match_oracle(lookup):
+  rng = np.random.default_rng()  # fresh draws each run
+  batch, num_slots, num_sel = (2, 3), 40, 33
+  slot_pos = np.full(batch + (num_slots,), -1, np.int32)
+  lru = np.broadcast_to(np.arange(num_slots, dtype=np.int32), slot_pos.shape).copy()
+  for step in range(20):
+    newest = rng.integers(3 * num_slots, 6 * num_slots - 1, size=batch).astype(np.int32)
+    sel = random_selection(rng, batch, num_sel, newest, local=step % 3 != 0)
+    want = resolve_oracle(slot_pos, lru, sel, newest)
+    got = resolve(slot_pos, lru, sel, newest, impl="xla", **lookup)
+    for name, w, g in zip(("slot_pos", "lru", "slot", "is_miss"), want, got):
+      np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name}, step {step}")
+    slot_pos, lru = want[0], want[1]
+  assert (slot_pos >= 0).any()
+
+
+def test_map_lookup_needs_a_position_bound():
+  with pytest.raises(ValueError, match="num_positions"):
+    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup="map")
+  with pytest.raises(ValueError, match="lookup"):
+    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup="hash")
+
+
 @given(st.sampled_from([1, 5, 12]), st.sampled_from([0, 3, 20]),
-       st.integers(0, 2**31 - 1))
-def test_resolve_property(num_sel, extra_slots, seed):
+       st.integers(0, 2**31 - 1), st.sampled_from(["scan", "unrolled", "map"]))
+def test_resolve_property(num_sel, extra_slots, seed, lookup):
   rng = np.random.default_rng(seed)
   num_slots = num_sel + extra_slots
   slot_pos = np.full((2, num_slots), -1, np.int32)
@@ -89,7 +116,7 @@ def test_resolve_property(num_sel, extra_slots, seed):
   newest = rng.integers(0, 60, size=2).astype(np.int32)
   sel = random_selection(rng, (2,), num_sel, newest, local=False)
   want = resolve_oracle(slot_pos, lru, sel, newest)
-  got = resolve(slot_pos, lru, sel, newest)
+  got = resolve(slot_pos, lru, sel, newest, lookup=lookup, num_positions=60)
   for w, g in zip(want, got):
     np.testing.assert_array_equal(np.asarray(g), w)
   check_invariants(slot_pos, got, sel, newest)

@@ -10,8 +10,18 @@ Semantics (SGLang HiSparse ``load_cache_to_device_buffer`` order, SPECS.md §1.5
 * new LRU order = [evictables not taken, old order] ++ [victims, miss order]
   ++ [hits, old relative order].
 
-Everything is vectorised: one sort of the ``k`` selected positions, a binary search
-per slot and a few cumsums and scatters per row; no loop over slots.
+Everything is vectorised: a membership lookup (below), a few cumsums and scatters
+per row; no loop over slots.
+
+Membership lookups (``lookup``; same results, different cost per backend):
+
+* ``"scan"``: sort the ``k`` selected positions, then a binary search per slot
+  (``jnp.searchsorted``'s rolled loop: cheapest on CPU);
+* ``"unrolled"``: the same binary search unrolled (no while loop on GPU);
+* ``"sort"``: the same, with ``searchsorted(method="sort")``;
+* ``"map"``: scatter the slots into a dense position -> slot map of
+  ``num_positions`` entries per row, then gather the selected positions: no sort
+  at all, O(num_positions) scratch per row.
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+LOOKUPS = ("scan", "unrolled", "sort", "map")
+_SEARCH_METHOD = {"scan": "scan", "unrolled": "scan_unrolled", "sort": "sort"}
+
+
 class ResolveOutputs(NamedTuple):
   slot_pos: jax.Array  # i32[..., B]  position held by each regular slot, -1 empty
   lru: jax.Array  # i32[..., B]  slot ids, least recently used first
@@ -29,28 +43,59 @@ class ResolveOutputs(NamedTuple):
   is_miss: jax.Array  # bool[..., k]
 
 
-def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None):
+def _check_lookup(lookup, num_positions):
+  if lookup not in LOOKUPS:
+    raise ValueError(f"{lookup=} must be one of {LOOKUPS}")
+  if lookup == "map" and (num_positions is None or num_positions < 1):
+    raise ValueError("lookup='map' needs num_positions, a bound on every position")
+
+
+def _lookup(slot_pos, selected, wanted, slot_ids, lookup, num_positions):
+  """Which slot holds each wanted selected entry (-1: none), and each slot's hit flag.
+
+  slot_pos: i32[B]; selected: i32[k]; wanted: bool[k]. Positions are distinct on
+  both sides, so every match is one-to-one.
+  """
+  num_slots, num_sel = slot_pos.shape[0], selected.shape[0]
+  if lookup == "map":
+    # Dense position -> slot map; positions >= num_positions (caller's bound) and
+    # empty slots drop out of the scatter.
+    keys = jnp.where((slot_pos >= 0) & (slot_pos < num_positions), slot_pos,
+                     num_positions)
+    pos_map = jnp.full((num_positions,), -1, jnp.int32).at[keys].set(
+        slot_ids, mode="drop", unique_indices=True)
+    found = pos_map[jnp.clip(selected, 0, num_positions - 1)]
+    hit_slot = jnp.where(wanted & (selected < num_positions), found, -1)
+    is_hit_slot = jnp.zeros((num_slots,), bool).at[
+        jnp.where(hit_slot >= 0, hit_slot, num_slots)].set(True, mode="drop")
+    return hit_slot, is_hit_slot
+  # One sort of the k selected positions (cheaper than sorting the B slots); each
+  # slot looks its position up.
+  masked = jnp.where(wanted, selected, jnp.iinfo(jnp.int32).max)
+  order = jnp.argsort(masked)
+  sel_sorted = masked[order]
+  at = jnp.minimum(jnp.searchsorted(sel_sorted, slot_pos,
+                                    method=_SEARCH_METHOD[lookup]), num_sel - 1)  # [B]
+  is_hit_slot = (slot_pos >= 0) & (sel_sorted[at] == slot_pos)
+  held_sorted = jnp.full((num_sel,), -1, jnp.int32).at[
+      jnp.where(is_hit_slot, at, num_sel)].set(slot_ids, mode="drop")
+  hit_slot = jnp.zeros((num_sel,), jnp.int32).at[order].set(held_sorted)
+  return jnp.where(wanted, hit_slot, -1), is_hit_slot
+
+
+def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
+                 lookup="scan", num_positions=None):
   # slot_pos: i32[B], lru: i32[B], selected: i32[k], newest: i32[]
   # score: f[B] per-slot selection frequency (EMA) for the "freq" policy, or None
   num_slots = slot_pos.shape[0]
   valid = selected >= 0
   is_newest = valid & (selected == newest)
   wanted = valid & ~is_newest  # entries that must come from a regular slot
-
-  # Membership by one sort of the k selected positions (cheaper than sorting the B
-  # slots): each slot looks its position up; positions are distinct on both sides.
-  num_sel = selected.shape[0]
-  masked = jnp.where(wanted, selected, jnp.iinfo(jnp.int32).max)
-  order = jnp.argsort(masked)
-  sel_sorted = masked[order]
-  at = jnp.minimum(jnp.searchsorted(sel_sorted, slot_pos), num_sel - 1)  # [B]
-  is_hit_slot = (slot_pos >= 0) & (sel_sorted[at] == slot_pos)
-  hit_lru = is_hit_slot[lru]  # bool[B]
   slot_ids = jnp.arange(num_slots, dtype=jnp.int32)
-  held_sorted = jnp.full((num_sel,), -1, jnp.int32).at[
-      jnp.where(is_hit_slot, at, num_sel)].set(slot_ids, mode="drop")
-  hit_slot = jnp.zeros((num_sel,), jnp.int32).at[order].set(held_sorted)
+  hit_slot, is_hit_slot = _lookup(slot_pos, selected, wanted, slot_ids, lookup,
+                                  num_positions)
   held = wanted & (hit_slot >= 0)
+  hit_lru = is_hit_slot[lru]  # bool[B]
 
   miss = wanted & ~held  # bool[k]
   num_miss = miss.sum(dtype=jnp.int32)
@@ -97,8 +142,9 @@ def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None):
   return out, new_score
 
 
-@functools.partial(jax.jit, static_argnames=("alpha",))
-def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alpha: float):
+@functools.partial(jax.jit, static_argnames=("alpha", "lookup", "num_positions"))
+def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alpha: float,
+                                 lookup: str = "scan", num_positions: int | None = None):
   """RESOLVE with the frequency-aware victim order (``cache_sim`` policy "freq").
 
   Hits, misses, served slots and the LRU rule are RESOLVE's; only victims differ:
@@ -108,10 +154,12 @@ def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alph
 
   Returns (ResolveOutputs, new score f[..., B]).
   """
+  _check_lookup(lookup, num_positions)
   batch = slot_pos.shape[:-1]
   num_slots = slot_pos.shape[-1]
   flat = lambda x, n: x.reshape((-1, n))
-  row = functools.partial(_resolve_row, alpha=alpha)
+  row = functools.partial(_resolve_row, alpha=alpha, lookup=lookup,
+                          num_positions=num_positions)
   out, new_score = jax.vmap(lambda a, b, c, d, e: row(a, b, c, d, score=e))(
       flat(slot_pos, num_slots), flat(lru, num_slots), flat(selected, selected.shape[-1]),
       newest.reshape((-1,)), flat(score, num_slots))
@@ -119,8 +167,9 @@ def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alph
           new_score.reshape(batch + (num_slots,)))
 
 
-@jax.jit
-def cache_resolve_reference(slot_pos, lru, selected, newest) -> ResolveOutputs:
+@functools.partial(jax.jit, static_argnames=("lookup", "num_positions"))
+def cache_resolve_reference(slot_pos, lru, selected, newest, *, lookup: str = "scan",
+                            num_positions: int | None = None) -> ResolveOutputs:
   """RESOLVE over any leading batch dims; see the module docstring.
 
   Args:
@@ -128,10 +177,14 @@ def cache_resolve_reference(slot_pos, lru, selected, newest) -> ResolveOutputs:
     lru: i32[..., B] permutation of slot ids, least recently used first.
     selected: i32[..., k] distinct positions wanted this step, -1 = padding.
     newest: i32[...] the newest position (served by reserved slot ``B``).
+    lookup: membership lookup (module docstring); ``"map"`` needs
+      ``num_positions`` > every position in ``slot_pos`` and ``selected``.
   """
+  _check_lookup(lookup, num_positions)
   batch = slot_pos.shape[:-1]
   flat = lambda x, n: x.reshape((-1, n))
-  out = jax.vmap(_resolve_row)(
+  row = functools.partial(_resolve_row, lookup=lookup, num_positions=num_positions)
+  out = jax.vmap(row)(
       flat(slot_pos, slot_pos.shape[-1]), flat(lru, lru.shape[-1]),
       flat(selected, selected.shape[-1]), newest.reshape((-1,)))
   return ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out))
