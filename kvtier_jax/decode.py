@@ -37,6 +37,7 @@ from kvtier_jax.shapes import EMPTY
 from kvtier_jax.selectors.synthetic import given_selection
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
+from pallas_kernels.cache_resolve.reference import SEARCH_METHOD
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
@@ -134,7 +135,7 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
   selected = selected.astype(jnp.int32)
 
-  status = _or_reduce(selection_errors(selected, newest_u))
+  status = _or_reduce(selection_errors(selected, newest_u, cfg.max_len + 1))
   status |= jnp.where((newest >= cfg.max_len).any(), STATUS_CAPACITY, 0)
   ok = ok & (status == 0)
 
@@ -247,11 +248,22 @@ def tiered_shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   return out, lse, state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v)
 
 
-def resident_mask(slot_pos, positions):
+def resident_mask(slot_pos, positions, num_positions: int | None = None):
   """bool[..., k]: which ``positions`` (i32[..., k]) some slot of ``slot_pos``
-  (i32[..., B]) holds."""
+  (i32[..., B]) holds. ``num_positions`` bounds positions: then a dense position
+  map replaces the sort where it fits (``common.xla_lookup``)."""
+  rows = int(np.prod(slot_pos.shape[:-1]))
+  lookup = common.xla_lookup("auto", num_positions, rows)
+  if lookup == "map":
+    held_at = slot_pos.reshape(rows, -1)
+    pos = positions.reshape(rows, -1)
+    row = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    col = jnp.where((held_at >= 0) & (held_at < num_positions), held_at, num_positions)
+    held = jnp.zeros((rows, num_positions), bool).at[row, col].set(True, mode="drop")
+    found = held[row, jnp.clip(pos, 0, num_positions - 1)]
+    return ((pos >= 0) & (pos < num_positions) & found).reshape(positions.shape)
   held = jnp.sort(slot_pos, axis=-1)
-  search = jnp.searchsorted
+  search = functools.partial(jnp.searchsorted, method=SEARCH_METHOD[lookup])
   for _ in range(held.ndim - 1):
     search = jax.vmap(search)
   at = jnp.minimum(search(held, positions), held.shape[-1] - 1)
@@ -265,7 +277,8 @@ def cap_misses(state: TieredKVState, layer, selected, cap: int):
   fetches at most ``cap`` rows per unit, so the traffic it adds is bounded.
   """
   newest = state.seq_len[:, None, None]
-  resident = resident_mask(state.slot_pos[layer], selected) | (selected == newest)
+  resident = (resident_mask(state.slot_pos[layer], selected, state.host_k.shape[2])
+              | (selected == newest))
   fetch_it = (selected >= 0) & ~resident
   fetch_it &= jnp.cumsum(fetch_it, axis=-1) <= cap
   return jnp.where(resident | fetch_it, selected, EMPTY)
@@ -297,7 +310,7 @@ def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
   num_pred = predicted.shape[-1]
   if num_pred > cfg.hot_slots:
     raise ValueError(f"{num_pred} predicted positions exceed B={cfg.hot_slots}")
-  resident = resident_mask(slot_pos, predicted)
+  resident = resident_mask(slot_pos, predicted, cfg.max_len + 1)
   usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
   wanted = usable & ~resident
   if cap is not None:

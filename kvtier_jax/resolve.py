@@ -82,12 +82,30 @@ def _check_metadata(slot_pos, lru) -> None:
     raise ValueError("a position is held by two slots of the same row")
 
 
-def selection_errors(selected, newest):
-  """In-jit counterpart of ``check_selection``: status bits per row, i32[...]."""
+def selection_errors(selected, newest, num_positions: int | None = None):
+  """In-jit counterpart of ``check_selection``: status bits per row, i32[...].
+
+  With ``num_positions`` (a bound on valid positions) and room under
+  ``common.MAP_SCRATCH_BYTES``, duplicates are found by scattering each entry's
+  lane into a position map and reading it back (a lane that reads another lane's
+  index shares its position), instead of sorting the selection.
+  """
   bad_range = (selected < EMPTY) | ((newest[..., None] >= 0) &
                                      (selected > newest[..., None]))
-  srt = jnp.sort(selected, axis=-1)
-  dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+  rows = int(np.prod(selected.shape[:-1]))
+  if common.xla_lookup("auto", num_positions, rows) == "map":
+    flat = selected.reshape(rows, -1)
+    lane = jnp.broadcast_to(jnp.arange(flat.shape[1], dtype=jnp.int32), flat.shape)
+    row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], flat.shape)
+    live = (flat >= 0) & (flat < num_positions)
+    col = jnp.where(live, flat, num_positions)
+    owner = jnp.full((rows, num_positions), -1, jnp.int32).at[row, col].set(
+        lane, mode="drop")
+    dup = (live & (owner[row, jnp.minimum(col, num_positions - 1)] != lane)
+           ).reshape(selected.shape)
+  else:
+    srt = jnp.sort(selected, axis=-1)
+    dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
   return (jnp.where(bad_range.any(-1), STATUS_OUT_OF_RANGE, 0)
           | jnp.where(dup.any(-1), STATUS_DUPLICATE, 0)).astype(jnp.int32)
 
@@ -179,8 +197,10 @@ def install_newest(slot_pos, lru, newest):
   has_empty = empty.any(-1)
   target = jnp.where(has_empty, jnp.argmax(empty, axis=-1), EMPTY).astype(jnp.int32)
   is_target = lru == target[..., None]  # no match when target == -1
-  dest = jnp.where(is_target, num_slots - 1,
-                   jnp.cumsum(~is_target, axis=-1, dtype=jnp.int32) - 1)
+  # The target moves to the back; entries after it shift forward by one.
+  index = jnp.arange(num_slots, dtype=jnp.int32)
+  after = index > jnp.argmax(is_target, axis=-1)[..., None]
+  dest = jnp.where(is_target, num_slots - 1, index - after)
   moved = jnp.put_along_axis(jnp.zeros_like(lru), dest, lru, axis=-1, inplace=False)
   new_lru = jnp.where(has_empty[..., None], moved, lru)
   new_slot_pos = jnp.where(

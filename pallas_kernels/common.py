@@ -41,7 +41,7 @@ GPU_AUTO = {"resolve": "xla", "attention": "pallas", "fetch": "pallas"}
 # (no sort: 3.6x faster than "scan" on CPU at 8 rows, B=4096, k=2048, 32K
 # positions), else the per-backend binary search.
 MAP_SCRATCH_BYTES = 256 * 2**20
-SEARCH_AUTO = {"gpu": "scan"}
+SEARCH_AUTO = {"gpu": "unrolled"}  # H200: 0.16 vs 0.46 ms for "scan" (8 rows)
 
 
 def xla_lookup(lookup: str, num_positions: int | None, rows: int = 1) -> str:

@@ -1,6 +1,7 @@
 """RESOLVE (XLA reference and Pallas kernel) against the numpy oracle, invariants,
 hand-worked cases and bad input."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -198,3 +199,42 @@ def test_freq_policy_matches_cache_sim_replay():
       slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
   np.testing.assert_array_equal(np.stack(got, 1), want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
+
+
+@pytest.mark.parametrize("num_positions", [None, 64])  # sort path, map path
+def test_selection_errors_flags_duplicates_and_range(num_positions):
+  from kvtier_jax.resolve import (STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
+                                  selection_errors)
+  rng = np.random.default_rng()
+  rows, k = 40, 9
+  newest = rng.integers(10, 60, rows).astype(np.int32)
+  sel = np.stack([rng.choice(n + 1, k, replace=False) for n in newest]).astype(np.int32)
+  sel[rng.random(sel.shape) < 0.2] = -1
+  dup_rows = rng.random(rows) < 0.3
+  for r in np.flatnonzero(dup_rows):  # copy one live entry over another
+    live = np.flatnonzero(sel[r] >= 0)
+    if len(live) >= 2:
+      sel[r, live[1]] = sel[r, live[0]]
+    else:
+      dup_rows[r] = False
+  far_rows = rng.random(rows) < 0.2
+  sel[far_rows, 0] = newest[far_rows] + 1
+  want = np.where(far_rows, STATUS_OUT_OF_RANGE, 0) | np.where(
+      [len(set(r[r >= 0].tolist())) < (r >= 0).sum() for r in sel], STATUS_DUPLICATE, 0)
+  got = np.asarray(selection_errors(sel, newest, num_positions))
+  np.testing.assert_array_equal(got, want)
+  assert (want & STATUS_DUPLICATE).any() and (want & STATUS_OUT_OF_RANGE).any()
+
+
+@pytest.mark.parametrize("num_positions", [None, 200])
+def test_resident_mask_matches_membership(num_positions):
+  from kvtier_jax.decode import resident_mask
+  rng = np.random.default_rng()
+  slot_pos = np.stack([rng.choice(200, 16, replace=False) for _ in range(6)])
+  slot_pos[rng.random(slot_pos.shape) < 0.25] = -1
+  positions = rng.integers(-1, 200, (6, 12))
+  want = np.array([[p >= 0 and p in set(s) for p in ps]
+                   for s, ps in zip(slot_pos, positions)])
+  got = resident_mask(jnp.asarray(slot_pos.reshape(2, 3, 16), jnp.int32),
+                      jnp.asarray(positions.reshape(2, 3, 12), jnp.int32), num_positions)
+  np.testing.assert_array_equal(np.asarray(got).reshape(6, 12), want)

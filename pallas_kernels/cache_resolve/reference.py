@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 LOOKUPS = ("scan", "unrolled", "sort", "map")
-_SEARCH_METHOD = {"scan": "scan", "unrolled": "scan_unrolled", "sort": "sort"}
+SEARCH_METHOD = {"scan": "scan", "unrolled": "scan_unrolled", "sort": "sort"}
 
 
 class ResolveOutputs(NamedTuple):
@@ -75,7 +75,7 @@ def _lookup(slot_pos, selected, wanted, slot_ids, lookup, num_positions):
   order = jnp.argsort(masked)
   sel_sorted = masked[order]
   at = jnp.minimum(jnp.searchsorted(sel_sorted, slot_pos,
-                                    method=_SEARCH_METHOD[lookup]), num_sel - 1)  # [B]
+                                    method=SEARCH_METHOD[lookup]), num_sel - 1)  # [B]
   is_hit_slot = (slot_pos >= 0) & (sel_sorted[at] == slot_pos)
   held_sorted = jnp.full((num_sel,), -1, jnp.int32).at[
       jnp.where(is_hit_slot, at, num_sel)].set(slot_ids, mode="drop")
@@ -101,8 +101,9 @@ def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
   num_miss = miss.sum(dtype=jnp.int32)
   miss_rank = jnp.cumsum(miss, dtype=jnp.int32) - 1
 
-  hit_rank = jnp.cumsum(hit_lru, dtype=jnp.int32) - 1
-  evict_rank = jnp.cumsum(~hit_lru, dtype=jnp.int32) - 1
+  hit_count = jnp.cumsum(hit_lru, dtype=jnp.int32)  # hits at or before each LRU index
+  hit_rank = hit_count - 1
+  evict_rank = slot_ids - hit_count  # = cumsum(~hit_lru) - 1, without a second scan
   num_evict = num_slots - hit_lru.sum(dtype=jnp.int32)
 
   if score is None:
