@@ -99,6 +99,11 @@ def latest_trace() -> pathlib.Path:
   return full[-1]
 
 
+def trace_names(data) -> list[str]:
+  """Selector traces in a traces.npz (i16[T, L, U, k]; not their ``_ranks``)."""
+  return [n for n in data.files if data[n].ndim == 4 and not n.endswith("_ranks")]
+
+
 def trace_streams(trace: np.ndarray) -> np.ndarray:
   """[T, L, U, k] -> [L*U, T, k] independent (layer, unit) streams."""
   steps, layers, units, k = trace.shape

@@ -48,7 +48,7 @@ def main(argv):
   del argv
   path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace()
   data = np.load(path)
-  names = FLAGS.selectors or [n for n in data.files if data[n].ndim == 4]
+  names = FLAGS.selectors or common.trace_names(data)
   out = common.start_run("miss_rate", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []

@@ -7,7 +7,9 @@ traces; the best one is also selectable in the jitted RESOLVE
 (``TierConfig.policy``).
 
 Gap closed = (LRU - policy) / (LRU - Belady), pooled over layers, units and steps of
-every selector's trace (cold start included).
+every selector's trace (cold start included). The rank-aware policy reads each
+selector's top-m ranking recorded beside its trace (``<name>_ranks``; NSA has none,
+so there it ranks by row order only).
 
 Command (~3 min on a 2-core CPU):
   python -m experiments.policies          # newest full results/trace run
@@ -36,12 +38,15 @@ def main(argv):
   del argv
   path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace()
   data = np.load(path)
-  names = [n for n in data.files if data[n].ndim == 4]
+  names = common.trace_names(data)
   out = common.start_run("policies", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []
   for name in names:
-    for row in cache_sim.compare_policies([common.trace_streams(data[name])],
+    ranked = f"{name}_ranks"  # without it "rank" falls back to the row order
+    ranks = common.trace_streams(data[ranked]) if ranked in data.files else None
+    trace = (common.trace_streams(data[name]), None, ranks)
+    for row in cache_sim.compare_policies([trace],
                                           [float(m) for m in FLAGS.slots_per_k],
                                           ["lru", "belady", *ONLINE]):
       row = dict(selector=name, B_over_k=row.pop("capacity"), **row)

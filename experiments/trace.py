@@ -13,7 +13,10 @@ Command (~8-10 min on a 2-core CPU; needs results/indexer/smollm2 for DSA, from
 experiments/distill_indexer.py):
   python -m experiments.trace
 Output: results/trace/<time>/traces.npz with one i16[T, L, U, k] array per
-selector (positions, -1 padding; row order = the selector's preference order) and
+selector (positions, -1 padding; row order = the selector's preference order), for
+best-first selectors also ``<name>_ranks`` i16[T, L, U, m] (their top-m ranking,
+m = ``--rank_depth``, whose first k entries are the selection: the input of the
+rank-aware replacement policy), and
 ``recall`` f32[T, selectors, L] (the share of the model's head-averaged attention
 mass each selection covers, at equal token budget), config.json, rows.jsonl
 (per-selector recall, churn and size), table.md.
@@ -38,7 +41,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 512, "Teacher-forced decode steps.")
 flags.DEFINE_list("selectors", ["quest", "quest_kv", "dsa", "nsa", "oracle"],
                   "Selectors to trace.")
+flags.DEFINE_integer("rank_depth", 1024, "Also record each best-first selector's "
+                     "top-m ranking (m = this; 0: off) for the rank-aware policy.")
 flags.DEFINE_bool("smoke", False, "Short prompt, few steps (tests).")
+
+# Selectors whose rows are best first, so a top-m row starts with the top-k one.
+RANKED = ("quest", "quest_kv", "dsa", "oracle")
 flags.DEFINE_string("out_root", None, "Results root.")
 
 
@@ -65,7 +73,11 @@ def main(argv):
   model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
                                                     FLAGS.offset)
   cfg = model.cfg
-  built = [model_setup.build_selector(name, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
+  depth = {name: max(FLAGS.top_k, FLAGS.rank_depth if name in RANKED else 0)
+           for name in FLAGS.selectors}
+  if FLAGS.smoke:
+    depth = {name: min(d, 2 * FLAGS.top_k) for name, d in depth.items()}
+  built = [model_setup.build_selector(name, cfg, depth[name], FLAGS.indexer_ckpt)
            for name in FLAGS.selectors]
   selectors = tuple(s for s, _ in built)
   params = tuple(p for _, p in built)
@@ -87,11 +99,14 @@ def main(argv):
   recall0 = jnp.zeros((len(selectors), cfg.num_layers, 1), jnp.float32)
   carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks, recall0)
   traces = [np.empty((steps, cfg.num_layers, s.num_units, s.top_k), np.int16)
-            for s in selectors]
+            for s in selectors]  # ranked rows; the first k picks are the selection
+  select_k = tuple(s.top_k * FLAGS.top_k // depth[n]
+                   for n, s in zip(FLAGS.selectors, selectors))
   recall = np.zeros((steps, len(selectors), cfg.num_layers), np.float32)
   start = time.perf_counter()
   for t in range(steps):
-    carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry)
+    carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry,
+                       select_k)
     newest = prompt + t
     picks_t, recall_t = jax.device_get((carry.picks, carry.recall))
     for trace, pick in zip(traces, picks_t):
@@ -100,17 +115,24 @@ def main(argv):
     rate = (t + 1) / (time.perf_counter() - start)
     print(f"\rstep {t + 1}/{steps} ({rate:.2f} steps/s)", end="", flush=True)
   print()
-  np.savez_compressed(out / "traces.npz", **dict(zip(FLAGS.selectors, traces)),
-                      recall=recall, prompt_tokens=prompt, steps=steps)
+  arrays = {}
+  for name, trace, k in zip(FLAGS.selectors, traces, select_k):
+    arrays[name] = trace[..., :k]
+    if trace.shape[-1] > k:
+      arrays[f"{name}_ranks"] = trace
+  np.savez_compressed(out / "traces.npz", **arrays, recall=recall,
+                      prompt_tokens=prompt, steps=steps)
+  traces = [arrays[name] for name in FLAGS.selectors]
   rows = []
   for i, (name, sel, trace) in enumerate(zip(FLAGS.selectors, selectors, traces)):
-    rows.append(dict(selector=name, k=sel.top_k, units=sel.num_units,
+    rows.append(dict(selector=name, k=trace.shape[-1], units=sel.num_units,
+                     rank_depth=depth[name] if depth[name] > FLAGS.top_k else 0,
                      recall=float(recall[:, i].mean()),
                      recall_min_layer=float(recall[:, i].mean(0).min()),
                      churn=churn(trace[:, :, :1] if trace.shape[2] > 1 else trace),
                      mean_valid=float((trace >= 0).sum(-1).mean())))
     common.append_row(out, rows[-1])
-  table = common.markdown_table(rows, ["selector", "k", "units", "recall",
+  table = common.markdown_table(rows, ["selector", "k", "rank_depth", "units", "recall",
                                        "recall_min_layer", "churn", "mean_valid"])
   (out / "table.md").write_text(table + "\n")
   print(table)

@@ -24,7 +24,7 @@ __all__ = ["POLICIES", "OFFLINE_POLICIES", "replay", "compare_policies",
            "synthetic_trace"]
 
 POLICIES = ("lru", "fifo", "random", "belady", "clock", "sieve", "2q", "arc", "lru2",
-            "freq", "score")
+            "freq", "score", "rank")
 OFFLINE_POLICIES = ("belady",)  # these read the future of the trace
 
 _PAD = -1
@@ -82,6 +82,22 @@ def _validate_scores(scores, sel) -> np.ndarray:
     raise ValueError("scores of valid entries must be finite and >= 0 (e.g. "
                      "attention probabilities); higher = more important")
   return scores
+
+
+def _validate_ranks(ranks, sel) -> np.ndarray:
+  """i64[..., T, m]: the selector's preference order at each step (m may exceed k)."""
+  ranks = np.asarray(ranks)
+  if not np.issubdtype(ranks.dtype, np.integer):
+    raise ValueError(f"ranks must be an integer array, got dtype {ranks.dtype}")
+  if ranks.ndim != sel.ndim or ranks.shape[:-1] != sel.shape[:-1]:
+    raise ValueError(f"ranks {ranks.shape} must be [..., T, m] with the leading "
+                     f"dims of selections {sel.shape}")
+  if (ranks < _PAD).any():
+    raise ValueError("ranks entries must be positions >= 0 or -1 (padding)")
+  srt = np.sort(ranks, axis=-1)
+  if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any():
+    raise ValueError("a position appears twice in a ranks row")
+  return ranks
 
 
 def _dense_ids(sel: np.ndarray) -> tuple[np.ndarray, int]:
@@ -464,18 +480,38 @@ class _Ranked(_Policy):  # lru2 / freq / score: evict the smallest (key, LRU sta
     self.key[at] = np.where(st.hit, self.key[at] + gain, gain)
 
 
+class _Rank(_Policy):
+  """Evict the entry the selector ranks worst this step (absent = worst), ties LRU."""
+
+  def __init__(self, c):
+    self.c = c
+    self.rec = np.zeros((c.S, c.B + 1), np.int64)
+
+  def pick(self, st):
+    c = self.c
+    ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
+    rank_of = np.full((c.S, c.num_pos + 1), ranked.shape[1], np.int64)
+    rank_of[st.rows, ranked] = np.arange(ranked.shape[1])
+    rank_of[:, c.num_pos] = ranked.shape[1]  # padding ranks nothing
+    rank = rank_of[st.rows, np.where(st.empty, c.num_pos, st.held_pos)]
+    return _lex_pick(st, -rank, self.rec[:, :-1])
+
+  def commit(self, st):
+    _touch(self.rec, st)
+
+
 def _make_policy(c):
   if c.policy in ("lru", "fifo"):
     return _Queue(c, c.policy == "lru")
   if c.policy in ("lru2", "freq", "score"):
     return _Ranked(c, c.policy)
   return {"random": _Random, "belady": _Belady, "clock": _Clock, "sieve": _Sieve,
-          "2q": _TwoQ, "arc": _Arc}[c.policy](c)
+          "2q": _TwoQ, "arc": _Arc, "rank": _Rank}[c.policy](c)
 
 
 def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None,
-           alpha: float = 0.9, score_alpha: float = 0.8, twoq_in: float = 0.25,
-           twoq_out: float = 0.5) -> np.ndarray:
+           ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
+           twoq_in: float = 0.25, twoq_out: float = 0.5) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -524,6 +560,10 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     entries start at 1; no ghost history, so one float per slot); evict min f.
   * ``"score"``: ``e <- score_alpha * e + score`` (0 when not requested; new entries
     start at their score); evict min e.
+  * ``"rank"``: evict the entry the selector ranks worst *now*: its position's index
+    in this step's ``ranks`` row (absent = after all of them), ties by LRU. The
+    selector scored every position to pick its top k, so the ranking of the
+    resident ones is known at selection time (causal).
 
   Args:
     selections: int[..., T, k] positions requested at each step, distinct within a
@@ -531,6 +571,9 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     capacity: hot slots per stream, >= k.
     policy: one of ``POLICIES``.
     seed: seeds the ``"random"`` policy; ignored otherwise.
+    ranks: ``"rank"`` only: int[..., T, m] the selector's preference order at each
+      step, best first, -1 padding; m may exceed k (e.g. a top-4k ranking whose
+      first k entries are the selection). None: the selections' own row order.
     scores: ``"score"`` only: f[..., T, k] selector scores aligned with
       ``selections``, finite and >= 0 for valid entries (e.g. attention
       probabilities), higher = more important. None: rank r in the row -> 1 - r/k,
@@ -560,7 +603,15 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   if num_steps == 0 or k == 0 or num_streams == 0:
     return np.moveaxis(out, 0, -1).reshape(batch + (num_steps,))
   sel = np.moveaxis(sel.reshape(num_streams, num_steps, k).astype(np.int64), 1, 0)
-  sel, num_pos = _dense_ids(sel)  # i64[T, S, k], padding = num_pos
+  ranked = None
+  if policy == "rank":
+    ranked = sel if ranks is None else np.moveaxis(
+        _validate_ranks(ranks, np.asarray(selections)).reshape(
+            num_streams, num_steps, -1).astype(np.int64), 1, 0)
+    both, num_pos = _dense_ids(np.concatenate([sel, ranked], axis=-1))  # one labeling
+    sel, ranked = both[..., :k], both[..., k:]
+  else:
+    sel, num_pos = _dense_ids(sel)  # i64[T, S, k], padding = num_pos
   if score is not None:
     score = np.moveaxis(score.reshape(num_streams, num_steps, k), 1, 0)  # [T, S, k]
 
@@ -570,7 +621,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   slot_of = np.full((num_streams, num_pos + 1), _PAD, np.int64)  # position -> slot
   pol = _make_policy(SimpleNamespace(
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
-      sel=sel, seed=seed, slot_ids=slot_ids, **params))
+      sel=sel, ranks=ranked, seed=seed, slot_ids=slot_ids, **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]
@@ -585,6 +636,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     st = SimpleNamespace(t=t, rows=rows, slot_ids=slot_ids, scratch=num_slots,
                          cur=cur, hit=hit, miss=miss, num_miss=num_miss,
                          pinned=pinned[:, :num_slots], empty=slot_pos < 0,
+                         held_pos=slot_pos,
                          score=None if score is None else score[t])
     pick, start = pol.pick(st)  # the j-th miss takes pick[start + j]
     rank = np.cumsum(miss, axis=1) - 1 + np.reshape(start, (-1, 1))  # i64[S, k]
@@ -612,8 +664,9 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
   """Pooled miss rate of each (policy, capacity) and its share of the LRU gap.
 
   Args:
-    traces: sequence of int[..., T, k] selections, or (selections, scores) pairs
-      (scores feed ``"score"``; see ``replay``).
+    traces: sequence of int[..., T, k] selections, or (selections, scores) or
+      (selections, scores, ranks) tuples (scores feed ``"score"``, ranks
+      ``"rank"``; None for the defaults; see ``replay``).
     capacities: slots per stream; an int is a slot count, a float a multiple of
       each trace's k (rounded).
     policies: names from ``POLICIES``; ``"lru"`` and ``"belady"`` are replayed too.
@@ -625,16 +678,18 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
     ``(lru - rate) / (lru - belady)`` (nan when LRU is already optimal), and the
     replay ``seconds``.
   """
-  traces = [t if isinstance(t, tuple) else (t, None) for t in traces]
-  valid = sum(int((np.asarray(s) >= 0).sum()) for s, _ in traces)
+  traces = [(tuple(t) if isinstance(t, tuple) else (t,)) + (None, None) for t in traces]
+  traces = [t[:3] for t in traces]
+  valid = sum(int((np.asarray(s) >= 0).sum()) for s, _, _ in traces)
   rows = []
   for cap in capacities:
     rates, secs = {}, {}
     for policy in dict.fromkeys(("lru", "belady", *policies)):
       start, misses = time.perf_counter(), 0
-      for sel, score in traces:
+      for sel, score, ranks in traces:
         size = round(cap * np.shape(sel)[-1]) if isinstance(cap, float) else cap
-        args = dict(kw, scores=score) if policy == "score" else kw
+        args = dict(kw, scores=score) if policy == "score" else (
+            dict(kw, ranks=ranks) if policy == "rank" else kw)
         misses += int(replay(sel, size, policy, **args).sum())
       rates[policy], secs[policy] = misses / max(valid, 1), time.perf_counter() - start
     gap = rates["lru"] - rates["belady"]

@@ -12,7 +12,7 @@ from pallas_kernels.cache_resolve.reference import LOOKUPS
 
 WARM_STARTS = ("first", "head_tail", "empty")
 HOST_APPENDS = ("auto", "in_scan", "separate")
-POLICIES = ("lru", "freq")
+POLICIES = ("lru", "freq", "rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,11 @@ class TierConfig:
       (lowest exponential moving average of selections, ``freq_alpha`` decay; the
       best online policy on our traces, experiments/policies.py). Outputs are the
       same either way; only which slots get evicted differs.
+      ``"rank"``: evict the slots whose positions the selector ranks worst at this
+      step; the selector then returns ``rank_depth`` best-first positions per row,
+      the first ``top_k`` of which are the selection.
+    rank_depth: m, positions per row of the selector's ranking under ``"rank"``
+      (0 or <= top_k: the selection itself).
   """
 
   num_layers: int
@@ -76,6 +81,7 @@ class TierConfig:
   overlap_hit_miss: bool = False
   policy: str = "lru"
   freq_alpha: float = 0.9
+  rank_depth: int = 0
 
   def __post_init__(self):
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
@@ -96,8 +102,11 @@ class TierConfig:
       raise ValueError(f"{self.host_append=} must be one of {HOST_APPENDS}")
     if self.policy not in POLICIES:
       raise ValueError(f"{self.policy=} must be one of {POLICIES}")
-    if self.policy == "freq" and self.resolve_impl == "pallas":
-      raise ValueError("the freq policy has no Pallas RESOLVE kernel: resolve_impl='xla'")
+    if self.policy != "lru" and self.resolve_impl == "pallas":
+      raise ValueError(f"the {self.policy} policy has no Pallas RESOLVE kernel: "
+                       "resolve_impl='xla'")
+    if self.rank_depth < 0 or (self.rank_depth and self.policy != "rank"):
+      raise ValueError(f"rank_depth={self.rank_depth} needs policy='rank' (and >= 0)")
     if not 0.0 < self.freq_alpha < 1.0:
       raise ValueError(f"{self.freq_alpha=} must be in (0, 1)")
     if self.resolve_lookup not in ("auto",) + LOOKUPS:
@@ -119,6 +128,11 @@ class TierConfig:
   @property
   def q_per_kv(self) -> int:  # G
     return self.num_q_heads // self.num_kv_heads
+
+  @property
+  def select_width(self) -> int:
+    """Positions per row a selector returns: the selection, or the ranking."""
+    return max(self.top_k, self.rank_depth)
 
   @property
   def row_bytes(self) -> int:

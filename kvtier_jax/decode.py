@@ -31,6 +31,7 @@ import numpy as np
 from kvtier_jax import attention, fetch
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
+                                resolve_ranked,
                                 check_selection, install_newest, resolve, resolve_freq,
                                 selection_errors)
 from kvtier_jax.shapes import EMPTY
@@ -83,10 +84,13 @@ def _newest_dest(cfg: TierConfig, layer, target, ok):
   return jnp.concatenate([to_b.reshape(-1, 4), to_target.reshape(-1, 4)])
 
 
-def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest):
+def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None):
   """RESOLVE under ``cfg.policy``: (ResolveOutputs, new per-slot score)."""
   # Positions are < max_len + 1 (the scratch row): the bound of the "map" lookup.
   lookup = dict(lookup=cfg.resolve_lookup, num_positions=cfg.max_len + 1)
+  if cfg.policy == "rank":
+    return resolve_ranked(slot_pos, lru, selected if ranks is None else ranks,
+                          selected, newest, **lookup), score
   if cfg.policy == "freq":
     return resolve_freq(slot_pos, lru, score, selected, newest, alpha=cfg.freq_alpha,
                         **lookup)
@@ -103,7 +107,7 @@ def _append_newest_in_scan(cfg, state, layer, k_rows, v_rows, ok):
 
 def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
                  selected, ok=True, *, share: int = 1, prefetch=None,
-                 prefetch_cap: int | None = None):
+                 prefetch_cap: int | None = None, ranks=None):
   """Sparse attention of one layer through the tiered cache.
 
   Args:
@@ -122,6 +126,8 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       kp <= B): after attention, up to ``prefetch_cap`` of them (default all) that
       are not resident are fetched now, so the next RESOLVE finds them resident.
       A wrong prediction costs bandwidth only.
+    ranks: i32[R, U, m] the selector's current best-first ranking (policy
+      ``"rank"``; None: the selection's own order).
 
   Returns:
     (out [R, Hq, D], lse f32[R, Hq], state, status i32[], plan LayerPlan).
@@ -148,7 +154,7 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   slot_pos = state.slot_pos[layer]
   slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
   res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
-                            selected, newest_u)
+                            selected, newest_u, ranks)
   is_miss = res.is_miss & ok
 
   # 3. Keep the newest token resident while the unit has an empty slot (after
@@ -196,7 +202,7 @@ def tiered_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   if prefetch is not None:
     new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched = _prefetch(
         cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, new_score,
-        prefetch, newest_u, ok, prefetch_cap)
+        prefetch, newest_u, ok, prefetch_cap, ranks)
     moved += pf_moved
 
   valid = selected >= 0
@@ -297,7 +303,7 @@ def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
 
 
 def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
-              predicted, newest, ok, cap):
+              predicted, newest, ok, cap, ranks=None):
   """Fetch predicted, not-yet-resident positions into LRU victims (capped).
 
   A RESOLVE over the prediction: predicted positions already resident are hits
@@ -317,7 +323,7 @@ def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
     wanted &= jnp.cumsum(wanted, axis=-1) <= cap
   res, score = _resolve(cfg, slot_pos, lru, score,
                         jnp.where(wanted | (usable & resident), predicted, EMPTY),
-                        jnp.full_like(newest, EMPTY))
+                        jnp.full_like(newest, EMPTY), ranks)
   hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer,
                                          predicted, res.slot, res.is_miss)
   return (res.slot_pos, res.lru, score, hot_k, hot_v, moved,
@@ -362,7 +368,9 @@ def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,
 
   Args:
     q: [L, R, Hq, D]; k_new, v_new: [L, R, Hkv, D] (the newest token, every layer).
-    select: selector ``select(q_layer, SelectContext) -> i32[R, U, k]``.
+    select: selector ``select(q_layer, SelectContext) -> i32[R, U, k]`` (under
+      policy ``"rank"``: i32[R, U, cfg.select_width], best first; the first k
+      positions are the selection, the whole row ranks the resident ones).
     select_aux: pytree whose leaves have a leading L axis, sliced per layer into
       ``ctx.aux`` (e.g. precomputed selections [L, R, U, k]).
     index_share_every: N > 1 selects only on anchor layers (0, N, 2N, ...); the
@@ -385,10 +393,16 @@ def decode_step(cfg: TierConfig, state: TieredKVState, q, k_new, v_new,
     state, ok, status = carry
     anchor, q_g, k_g, v_g, aux_g, pf_g = xs
     pick = lambda tree, j: jax.tree.map(lambda a: a[j], tree)
-    selected = select(q_g[0], SelectContext(anchor, state.seq_len, pick(aux_g, 0)))
+    picked = select(q_g[0], SelectContext(anchor, state.seq_len, pick(aux_g, 0)))
+    if picked.shape[-1] != cfg.select_width:
+      raise ValueError(f"selector returned {picked.shape}, expected rows of "
+                       f"{cfg.select_width} (top_k={cfg.top_k}, "
+                       f"rank_depth={cfg.rank_depth})")
+    selected = picked[..., :cfg.top_k]
     out0, _, state, layer_status, plan = tiered_layer(
         cfg, state, anchor, q_g[0], k_g[0], v_g[0], selected, ok, share=share,
-        prefetch=None if pf_g is None else pf_g[0], prefetch_cap=prefetch_cap)
+        prefetch=None if pf_g is None else pf_g[0], prefetch_cap=prefetch_cap,
+        ranks=picked if cfg.policy == "rank" else None)
     ok = ok & (layer_status == 0)
     outs = [out0]
     for j in range(1, share):
@@ -538,8 +552,10 @@ class TieredDecoder:
                        f": seq_len={self.seq_len.tolist()}, max_len={self.cfg.max_len}")
     if self.select is given_selection and not isinstance(select_aux, jax.core.Tracer):
       sel = np.asarray(select_aux)
-      if sel.shape[1:] != (self.cfg.num_requests, self.cfg.num_units, self.cfg.top_k):
-        raise ValueError(f"selections {sel.shape} must be [L, R, U, k]")
+      width = self.cfg.select_width
+      if sel.shape[1:] != (self.cfg.num_requests, self.cfg.num_units, width):
+        raise ValueError(f"selections {sel.shape} must be [L, R, U, {width}] (rows of "
+                         f"top_k={self.cfg.top_k}, rank_depth={self.cfg.rank_depth})")
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
     out, state, status, committed = self._step(state, q, k_new, v_new,
                                                select_aux=select_aux, prefetch=prefetch)

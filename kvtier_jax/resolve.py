@@ -15,9 +15,12 @@ import numpy as np
 from kvtier_jax.shapes import EMPTY, LruOrder, Newest, Selected, SlotPos
 from pallas_kernels import common
 from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
+                                          cache_resolve_keyed_reference,
                                           cache_resolve_reference)
+from pallas_kernels.cache_resolve.reference import SEARCH_METHOD
 
-__all__ = ["ResolveOutputs", "resolve", "resolve_freq", "install_newest",
+__all__ = ["ResolveOutputs", "resolve", "resolve_freq", "resolve_ranked", "rank_of",
+           "install_newest",
            "selection_errors", "check_selection"]
 
 # Bits of the status word a decode step returns.
@@ -180,6 +183,67 @@ def resolve_freq(slot_pos: SlotPos, lru: LruOrder, score, selected: Selected,
                                           lookup, num_positions,
                                           int(np.prod(slot_pos.shape[:-1]))),
                                       num_positions=num_positions)
+
+
+def rank_of(slot_pos, ranks, num_positions: int | None = None):
+  """i32[..., B]: each slot's position's index in ``ranks`` i32[..., m] (best
+  first, -1 padding); m for empty slots and positions not ranked.
+
+  A dense position map where it fits (``num_positions`` bounds positions), else one
+  sort of the ranking and a binary search per slot.
+  """
+  num_ranked = ranks.shape[-1]
+  rows = int(np.prod(slot_pos.shape[:-1]))
+  lookup = common.xla_lookup("auto", num_positions, rows)
+  flat_pos, flat_ranks = slot_pos.reshape(rows, -1), ranks.reshape(rows, -1)
+  order = jnp.broadcast_to(jnp.arange(num_ranked, dtype=jnp.int32), flat_ranks.shape)
+  row = jnp.arange(rows, dtype=jnp.int32)[:, None]
+  if lookup == "map":
+    col = jnp.where((flat_ranks >= 0) & (flat_ranks < num_positions), flat_ranks,
+                    num_positions)
+    table = jnp.full((rows, num_positions), num_ranked, jnp.int32).at[row, col].set(
+        order, mode="drop")
+    found = table[row, jnp.clip(flat_pos, 0, num_positions - 1)]
+    ok = (flat_pos >= 0) & (flat_pos < num_positions)
+    return jnp.where(ok, found, num_ranked).reshape(slot_pos.shape)
+  masked = jnp.where(flat_ranks >= 0, flat_ranks, jnp.iinfo(jnp.int32).max)
+  srt_at = jnp.argsort(masked, axis=-1)
+  srt = jnp.take_along_axis(masked, srt_at, axis=-1)
+  search = jax.vmap(lambda a, v: jnp.searchsorted(a, v, method=SEARCH_METHOD[lookup]))
+  at = jnp.minimum(search(srt, flat_pos), num_ranked - 1)
+  hit = (flat_pos >= 0) & (jnp.take_along_axis(srt, at, axis=-1) == flat_pos)
+  found = jnp.take_along_axis(srt_at, at, axis=-1).astype(jnp.int32)
+  return jnp.where(hit, found, num_ranked).reshape(slot_pos.shape)
+
+
+def resolve_ranked(slot_pos: SlotPos, lru: LruOrder, ranks, selected: Selected,
+                   newest: Newest, *, lookup: str = "auto",
+                   num_positions: int | None = None) -> ResolveOutputs:
+  """RESOLVE with the rank-aware victim order (policy ``"rank"``).
+
+  Same contract, validation and ``lookup`` as ``resolve`` plus ``ranks``
+  i32[..., m]: the selector's current preference order (best first, -1 padding,
+  m >= 0; a top-m ranking whose first k entries are ``selected``, for instance).
+  Only the victims differ: empty slots first, then the slots whose positions rank
+  worst now (not ranked = worst), ties in LRU order (exactly
+  ``cache_sim.replay(..., "rank", ranks=...)``).
+  """
+  slot_pos, lru, selected, newest, ranks = map(
+      jnp.asarray, (slot_pos, lru, selected, newest, ranks))
+  _check_shapes(slot_pos, lru, selected, newest)
+  if ranks.ndim != slot_pos.ndim or ranks.shape[:-1] != slot_pos.shape[:-1]:
+    raise ValueError(f"ranks {ranks.shape} must be [..., m] with the batch dims of "
+                     f"slot_pos {slot_pos.shape}")
+  if _is_concrete(slot_pos, lru, selected, newest, ranks):
+    check_selection(selected, newest)
+    _check_metadata(slot_pos, lru)
+  rows = int(np.prod(slot_pos.shape[:-1]))
+  key = -rank_of(slot_pos, ranks.astype(jnp.int32), num_positions).astype(jnp.float32)
+  out, _ = cache_resolve_keyed_reference(
+      slot_pos.astype(jnp.int32), lru.astype(jnp.int32), key,
+      selected.astype(jnp.int32), newest.astype(jnp.int32),
+      lookup=common.xla_lookup(lookup, num_positions, rows), num_positions=num_positions)
+  return out
 
 
 def install_newest(slot_pos, lru, newest):

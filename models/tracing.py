@@ -49,8 +49,12 @@ def covered_mass(mass, positions):
 
 
 @functools.cache
-def trace_attend(selectors: tuple):
-  """Dense attention; every selector also absorbs the token and picks positions."""
+def trace_attend(selectors: tuple, select_k: tuple | None = None):
+  """Dense attention; every selector also absorbs the token and picks positions.
+
+  ``select_k``: per selector, how many leading picks form the selection (the rest
+  of a longer, best-first row is its ranking); recall counts those only.
+  """
 
   def attend(layer, q, k_new, v_new, carry: TraceCarry, x):
     out, kv = cache_lib.dense_attend(layer, q, k_new, v_new, carry.kv)
@@ -63,18 +67,19 @@ def trace_attend(selectors: tuple):
       positions, state = sel.select(state, layer, inputs, p)
       states.append(state)
       picks.append(buf.at[layer].set(positions))
-      recall = recall.at[i, layer].set(covered_mass(mass, positions))
+      chosen = positions if select_k is None else positions[..., :select_k[i]]
+      recall = recall.at[i, layer].set(covered_mass(mass, chosen))
     return out, carry.replace(kv=kv, states=tuple(states), picks=tuple(picks),
                               recall=recall)
 
   return attend
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "selectors"),
+@functools.partial(jax.jit, static_argnames=("cfg", "selectors", "select_k"),
                    donate_argnames=("carry",))
-def trace_step(cfg, selectors, weights, tokens, carry: TraceCarry):
+def trace_step(cfg, selectors, weights, tokens, carry: TraceCarry, select_k=None):
   _, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
-                          trace_attend(selectors))
+                          trace_attend(selectors, select_k))
   return carry.replace(kv=cache_lib.advance(carry.kv))
 
 

@@ -286,6 +286,34 @@ def ranked_oracle(stream, capacity, kind, alpha=0.9, scores=None):
   return out
 
 
+def rank_oracle(stream, ranks, capacity):
+  """rank: evict the resident, unrequested entry ranked worst in this step's
+  ``ranks`` row (absent = worst), ties by LRU position."""
+  order, out = [], []
+  for row, ranked in zip(stream, ranks):
+    want = [int(p) for p in row if p >= 0]
+    at = {int(p): r for r, p in enumerate(ranked) if p >= 0}
+    wset, resident = set(want), set(order)
+    misses = [p for p in want if p not in resident]
+    for _ in range(max(0, len(order) + len(misses) - capacity)):
+      cand = [p for p in order if p not in wset]
+      order.remove(min(cand, key=lambda p: (-at.get(p, len(ranked)), order.index(p))))
+    order = lru_order(order, want, resident)
+    out.append(len(misses))
+  return out
+
+
+def make_ranks(sel, seed, extra=10, num_pos=64):
+  """Rows that start with the selection (shuffled) and go on with other positions."""
+  rng = np.random.default_rng(seed)
+  ranks = np.full(sel.shape[:-1] + (sel.shape[-1] + extra,), -1, np.int64)
+  for idx in np.ndindex(*sel.shape[:-1]):
+    row = sel[idx][sel[idx] >= 0]
+    rest = rng.permutation(np.setdiff1d(np.arange(num_pos), row))[:extra]
+    ranks[idx][:row.size + rest.size] = np.concatenate([rng.permutation(row), rest])
+  return ranks
+
+
 # ------------------------------------------------------------------- tests --
 
 
@@ -470,6 +498,35 @@ def test_2q_sizes_match_oracle(kin, kout):
   want = [twoq_oracle(s, 18, kin, kout) for s in sel]
   np.testing.assert_array_equal(replay(sel, 18, "2q", twoq_in=kin, twoq_out=kout),
                                 want)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("capacity", [12, 18, 24])
+def test_rank_matches_oracle(seed, capacity):
+  sel = make_trace(seed + 150, k=12, num_pos=64)
+  ranks = make_ranks(sel, seed)
+  want = [rank_oracle(s, r, capacity) for s, r in zip(sel, ranks)]
+  np.testing.assert_array_equal(replay(sel, capacity, "rank", ranks=ranks), want)
+  # Default ranks: the selection's own row order.
+  np.testing.assert_array_equal(replay(sel, capacity, "rank"),
+                                [rank_oracle(s, s, capacity) for s in sel])
+
+
+def test_rank_is_causal_in_its_ranks():
+  sel = make_trace(160, batch=(3,), k=12)
+  ranks = make_ranks(sel, 1)
+  other = ranks.copy()
+  other[:, 25:] = ranks[:, 25:, ::-1]
+  np.testing.assert_array_equal(replay(sel, 16, "rank", ranks=ranks)[:, :25],
+                                replay(sel, 16, "rank", ranks=other)[:, :25])
+
+
+def test_rank_bad_ranks_raise():
+  sel = make_trace(170, batch=(2,), steps=5, k=4)
+  with pytest.raises(ValueError, match="leading"):
+    replay(sel, 8, "rank", ranks=np.zeros((2, 4, 6), np.int64))
+  with pytest.raises(ValueError, match="twice"):
+    replay(sel, 8, "rank", ranks=np.zeros((2, 5, 6), np.int64))
 
 
 def test_score_causal_with_explicit_scores():

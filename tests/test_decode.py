@@ -318,3 +318,39 @@ def test_replacement_policy_changes_victims_not_outputs(policy):
   else:
     assert (scores == 0).all()
   assert misses > 0
+
+
+def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
+  """policy="rank": the selector returns rank_depth best-first positions; the first
+  top_k are attended, the rest only steer victims. Outputs equal full KV."""
+  lru_cfg = make_cfg(hot_slots=24, top_k=16, resolve_impl="xla")
+  rank_cfg = lru_cfg.replace(policy="rank", rank_depth=40)
+  lens = [200, 260, 300]
+  runs = {name: Harness(c, lens, seed=12) for name, c in
+          (("lru", lru_cfg), ("rank", rank_cfg))}
+  rng = np.random.default_rng()
+  L, R, Hq, Hkv, D = (lru_cfg.num_layers, lru_cfg.num_requests, lru_cfg.num_q_heads,
+                      lru_cfg.num_kv_heads, lru_cfg.head_dim)
+  prev = np.full((L, R, 1, 16), -1)
+  for _ in range(40):
+    seq_len = runs["lru"].decoder.seq_len
+    sel = draw_selection(rng, lru_cfg, seq_len, prev)
+    prev = sel
+    ranked = np.full(sel.shape[:-1] + (40,), -1, np.int32)
+    ranked[..., :16] = sel
+    for l, r, u in np.ndindex(*sel.shape[:3]):
+      rest = np.setdiff1d(np.arange(seq_len[r]), sel[l, r, u])
+      ranked[l, r, u, 16:] = rng.permutation(rest)[:24]
+    for name, h in runs.items():
+      q = jnp.asarray(rng.standard_normal((L, R, Hq, D)), jnp.float32)
+      kn = jnp.asarray(rng.standard_normal((L, R, Hkv, D)), jnp.float32)
+      out, h.state = h.decoder.step(h.state, q, kn, -kn,
+                                    ranked if name == "rank" else sel)
+      ref, h.full = h.full_step(h.full, q, kn, -kn, select_aux=sel)
+      np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+  misses = {n: kv_state.cache_stats(h.cfg, h.state)["misses"] for n, h in runs.items()}
+  assert misses["rank"] != misses["lru"]  # victims differ, outputs do not
+  with pytest.raises(ValueError, match="select_width|rows of"):
+    runs["rank"].decoder.step(runs["rank"].state, q, kn, -kn, sel)
+  with pytest.raises(ValueError, match="rank_depth"):
+    make_cfg(rank_depth=8)

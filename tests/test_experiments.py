@@ -77,3 +77,17 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   timed = {r["variant"] for r in rows if r["section"] == "timing"}
   assert {"full_kv", "zero_copy_sync", "host_exec_index_share_2",
           "host_exec_lookahead_cap64"} <= timed
+
+
+def test_trace_smoke_records_rankings(tmp_path):
+  """Best-first selectors also store a top-m ranking that starts with the selection."""
+  run("experiments.trace", "--smoke", "--selectors=quest,oracle,nsa",
+      f"--out_root={tmp_path}")
+  run_dir, rows = only_run(tmp_path, "trace")
+  data = np.load(run_dir / "traces.npz")
+  for name in ("quest", "oracle"):
+    sel, ranks = data[name], data[f"{name}_ranks"]
+    assert ranks.shape[-1] > sel.shape[-1] == 256
+    np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
+  assert "nsa_ranks" not in data.files
+  assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}

@@ -238,3 +238,47 @@ def test_resident_mask_matches_membership(num_positions):
   got = resident_mask(jnp.asarray(slot_pos.reshape(2, 3, 16), jnp.int32),
                       jnp.asarray(positions.reshape(2, 3, 12), jnp.int32), num_positions)
   np.testing.assert_array_equal(np.asarray(got).reshape(6, 12), want)
+
+
+@pytest.mark.parametrize("num_positions", [None, 128])  # sort path, map path
+def test_rank_policy_matches_cache_sim_replay(num_positions):
+  """The jitted rank-aware RESOLVE evicts exactly as cache_sim's "rank"."""
+  from kvtier_jax import cache_sim
+  from kvtier_jax.resolve import resolve_ranked
+  rng = np.random.default_rng()
+  streams, steps, num_sel, slots, extra = 5, 50, 10, 16, 12
+  sel = np.full((streams, steps, num_sel), -1, np.int64)
+  ranks = np.full((streams, steps, num_sel + extra), -1, np.int64)
+  for s, t in np.ndindex(streams, steps):
+    pool = rng.permutation(np.arange(t, t + 40))
+    row = pool[:num_sel].copy()
+    row[rng.random(num_sel) < 0.1] = -1
+    sel[s, t] = row
+    ranks[s, t] = np.concatenate([row, pool[num_sel:num_sel + extra]])
+  want = cache_sim.replay(sel, slots, "rank", ranks=ranks)
+  slot_pos = np.full((streams, slots), -1, np.int32)
+  lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
+  got = []
+  for t in range(steps):
+    out = resolve_ranked(slot_pos, lru, ranks[:, t].astype(np.int32),
+                         sel[:, t].astype(np.int32), np.full(streams, 10**6, np.int32)
+                         if num_positions is None else np.full(streams, 127, np.int32),
+                         num_positions=num_positions)
+    got.append(np.asarray(out.is_miss).sum(-1))
+    slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
+  np.testing.assert_array_equal(np.stack(got, 1), want)
+  assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
+
+
+def test_rank_of_both_paths_agree():
+  from kvtier_jax.resolve import rank_of
+  rng = np.random.default_rng()
+  slot_pos = np.stack([rng.choice(100, 20, replace=False) for _ in range(4)])
+  slot_pos[rng.random(slot_pos.shape) < 0.2] = -1
+  ranks = np.stack([rng.choice(100, 30, replace=False) for _ in range(4)])
+  ranks[:, -3:] = -1
+  want = np.array([[list(r).index(p) if p >= 0 and p in r else 30 for p in s]
+                   for s, r in zip(slot_pos, ranks)])
+  for bound in (None, 100):
+    got = rank_of(jnp.asarray(slot_pos, jnp.int32), jnp.asarray(ranks, jnp.int32), bound)
+    np.testing.assert_array_equal(np.asarray(got), want)

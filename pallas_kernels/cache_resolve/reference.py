@@ -83,10 +83,11 @@ def _lookup(slot_pos, selected, wanted, slot_ids, lookup, num_positions):
   return jnp.where(wanted, hit_slot, -1), is_hit_slot
 
 
-def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
-                 lookup="scan", num_positions=None):
+def _resolve_row(slot_pos, lru, selected, newest, key=None, *, lookup="scan",
+                 num_positions=None):
   # slot_pos: i32[B], lru: i32[B], selected: i32[k], newest: i32[]
-  # score: f[B] per-slot selection frequency (EMA) for the "freq" policy, or None
+  # key: f[B] per-slot retention key (victims: lowest first), or None for LRU
+  # returns (ResolveOutputs, is_hit_slot bool[B])
   num_slots = slot_pos.shape[0]
   valid = selected >= 0
   is_newest = valid & (selected == newest)
@@ -106,7 +107,7 @@ def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
   evict_rank = slot_ids - hit_count  # = cumsum(~hit_lru) - 1, without a second scan
   num_evict = num_slots - hit_lru.sum(dtype=jnp.int32)
 
-  if score is None:
+  if key is None:
     # LRU: the j-th miss takes the evictable of rank j; destination of every old
     # LRU entry in the new order.
     new_index = jnp.where(
@@ -117,9 +118,9 @@ def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
         jnp.where(hit_lru, num_slots, evict_rank)].set(lru, mode="drop")
     victim = evict_by_rank[jnp.where(miss, miss_rank, 0)]
   else:
-    # "freq": victims are the evictables with the lowest frequency (empty slots
-    # first), ties in LRU order; the LRU list keeps its rule.
-    key = jnp.where(slot_pos < 0, -1.0, score).astype(score.dtype)
+    # Keyed: victims are the evictables with the lowest key (empty slots first),
+    # ties in LRU order; the LRU list keeps its rule.
+    key = jnp.where(slot_pos < 0, -jnp.inf, key)
     key_lru = jnp.where(hit_lru, jnp.inf, key[lru])
     order = jnp.argsort(key_lru, stable=True)  # evictables by (key, LRU)
     rank = jnp.zeros_like(lru).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
@@ -134,13 +135,34 @@ def _resolve_row(slot_pos, lru, selected, newest, score=None, alpha=None, *,
                    jnp.where(held, hit_slot, jnp.where(is_newest, num_slots, -1)))
   new_slot_pos = slot_pos.at[jnp.where(miss, victim, num_slots)].set(
       selected, mode="drop")
-  out = ResolveOutputs(new_slot_pos, new_lru, slot.astype(jnp.int32), miss)
-  if score is None:
-    return out
-  # Frequency update after the victims are chosen: decay, +1 per hit, 1 when filled.
-  new_score = jnp.where(is_hit_slot, alpha * score + 1, alpha * score)
-  new_score = new_score.at[jnp.where(miss, victim, num_slots)].set(1, mode="drop")
-  return out, new_score
+  return ResolveOutputs(new_slot_pos, new_lru, slot.astype(jnp.int32), miss), is_hit_slot
+
+
+@functools.partial(jax.jit, static_argnames=("lookup", "num_positions"))
+def cache_resolve_keyed_reference(slot_pos, lru, key, selected, newest, *,
+                                  lookup: str = "scan", num_positions: int | None = None):
+  """RESOLVE whose victims are the evictable slots with the lowest ``key``.
+
+  Hits, misses, served slots and the LRU rule are RESOLVE's; only the victims
+  differ: empty slots first, then the lowest ``key`` f[..., B], ties in LRU
+  order. Outputs stay exact. The policies built on it: "freq" (key = an EMA of
+  selections, below) and "rank" (key = minus the selector's current rank of the
+  slot's position; kvtier_jax.resolve.resolve_ranked).
+
+  Returns (ResolveOutputs, is_hit_slot bool[..., B]).
+  """
+  _check_lookup(lookup, num_positions)
+  return _keyed(slot_pos, lru, key, selected, newest, lookup, num_positions)
+
+
+def _keyed(slot_pos, lru, key, selected, newest, lookup, num_positions):
+  batch = slot_pos.shape[:-1]
+  flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
+  row = functools.partial(_resolve_row, lookup=lookup, num_positions=num_positions)
+  out, hit = jax.vmap(lambda a, b, c, d, e: row(a, b, c, d, key=e))(
+      flat(slot_pos), flat(lru), flat(selected), flat(newest), flat(key))
+  unflat = lambda x: x.reshape(batch + x.shape[1:])
+  return ResolveOutputs(*map(unflat, out)), unflat(hit)
 
 
 @functools.partial(jax.jit, static_argnames=("alpha", "lookup", "num_positions"))
@@ -148,24 +170,22 @@ def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alph
                                  lookup: str = "scan", num_positions: int | None = None):
   """RESOLVE with the frequency-aware victim order (``cache_sim`` policy "freq").
 
-  Hits, misses, served slots and the LRU rule are RESOLVE's; only victims differ:
-  the evictable slots with the lowest ``score`` (an exponential moving average of
-  how often the slot's position was selected: ``score <- alpha * score + [hit]``,
-  1 when filled), empty slots first, ties in LRU order. Outputs stay exact.
+  Victims: the evictable slots with the lowest ``score`` (an exponential moving
+  average of how often the slot's position was selected: ``score <- alpha * score
+  + [hit]``, 1 when filled), empty slots first, ties in LRU order.
 
   Returns (ResolveOutputs, new score f[..., B]).
   """
   _check_lookup(lookup, num_positions)
-  batch = slot_pos.shape[:-1]
+  out, is_hit_slot = _keyed(slot_pos, lru, score, selected, newest, lookup,
+                            num_positions)
+  # Update after the victims are chosen: decay, +1 per hit, 1 when filled.
+  new_score = jnp.where(is_hit_slot, alpha * score + 1, alpha * score)
   num_slots = slot_pos.shape[-1]
-  flat = lambda x, n: x.reshape((-1, n))
-  row = functools.partial(_resolve_row, alpha=alpha, lookup=lookup,
-                          num_positions=num_positions)
-  out, new_score = jax.vmap(lambda a, b, c, d, e: row(a, b, c, d, score=e))(
-      flat(slot_pos, num_slots), flat(lru, num_slots), flat(selected, selected.shape[-1]),
-      newest.reshape((-1,)), flat(score, num_slots))
-  return (ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out)),
-          new_score.reshape(batch + (num_slots,)))
+  victim = jnp.where(out.is_miss, out.slot, num_slots)  # B: not a victim (dropped)
+  fill = jax.vmap(lambda s, v: s.at[v].set(1, mode="drop"))
+  new_score = fill(new_score.reshape(-1, num_slots), victim.reshape(-1, victim.shape[-1]))
+  return out, new_score.reshape(score.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("lookup", "num_positions"))
@@ -183,9 +203,7 @@ def cache_resolve_reference(slot_pos, lru, selected, newest, *, lookup: str = "s
   """
   _check_lookup(lookup, num_positions)
   batch = slot_pos.shape[:-1]
-  flat = lambda x, n: x.reshape((-1, n))
+  flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
   row = functools.partial(_resolve_row, lookup=lookup, num_positions=num_positions)
-  out = jax.vmap(row)(
-      flat(slot_pos, slot_pos.shape[-1]), flat(lru, lru.shape[-1]),
-      flat(selected, selected.shape[-1]), newest.reshape((-1,)))
+  out, _ = jax.vmap(row)(flat(slot_pos), flat(lru), flat(selected), flat(newest))
   return ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out))
