@@ -582,23 +582,19 @@ def _run_resolve_checks(smoke, interpret):
 
 
 def run_decode(smoke):
-  xla_kernels = dict(resolve_impl="xla", attention_impl="xla")
+  """The default step against full KV per shape, plus the in-scan append and the
+  keyed-victim policies (their RESOLVE cost; outputs are identical)."""
   variants = [
       ("full_kv", None),
-      ("tiered_zero_copy", dict(xla_kernels, fetch_impl="pallas", host_append="in_scan")),
-      ("tiered_zero_copy_sep_append", dict(xla_kernels, fetch_impl="pallas",
-                                           host_append="separate")),
-      ("tiered_zero_copy_pallas_attn", dict(xla_kernels, fetch_impl="pallas",
-                                            attention_impl="pallas", host_append="in_scan")),
-      ("tiered_hostexec", dict(xla_kernels, fetch_impl="xla", host_append="in_scan")),
-      ("tiered_hostexec_overlap", dict(xla_kernels, fetch_impl="xla",
-                                       host_append="in_scan", overlap_hit_miss=True)),
+      ("tiered", {}),
+      ("tiered_in_scan_append", dict(host_append="in_scan")),
+      ("tiered_policy_freq", dict(policy="freq", resolve_impl="xla")),
+      ("tiered_policy_rank", dict(policy="rank", resolve_impl="xla")),
   ]
   shapes = ([(512, 2), (1024, 2)] if smoke else
             [tuple(map(int, s.split(":"))) for s in FLAGS.decode_shapes])
-  later = [variants[0], variants[2], variants[3]]  # full KV and the two fastest tiered
-  for i, (ctx, req) in enumerate(shapes):
-    bench_decode(ctx, req, variants if i == 0 and len(shapes) > 2 else later, smoke)
+  for ctx, req in shapes:
+    bench_decode(ctx, req, variants, smoke)
 
 
 if __name__ == "__main__":
