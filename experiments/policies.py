@@ -11,7 +11,7 @@ every selector's trace (cold start included). The rank-aware policy reads each
 selector's top-m ranking recorded beside its trace (``<name>_ranks``; NSA has none,
 so there it ranks by row order only).
 
-Command (~3 min on a 2-core CPU):
+Command (~8 min on a 2-core CPU):
   python -m experiments.policies          # newest full results/trace run
 """
 

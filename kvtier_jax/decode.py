@@ -38,7 +38,8 @@ from kvtier_jax.shapes import EMPTY
 from kvtier_jax.selectors.synthetic import given_selection
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
-from pallas_kernels.cache_resolve.reference import SEARCH_METHOD
+from pallas_kernels.cache_resolve.reference import (SEARCH_METHOD, position_table,
+                                                   table_lookup)
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
@@ -261,13 +262,8 @@ def resident_mask(slot_pos, positions, num_positions: int | None = None):
   rows = int(np.prod(slot_pos.shape[:-1]))
   lookup = common.xla_lookup("auto", num_positions, rows)
   if lookup == "map":
-    held_at = slot_pos.reshape(rows, -1)
-    pos = positions.reshape(rows, -1)
-    row = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    col = jnp.where((held_at >= 0) & (held_at < num_positions), held_at, num_positions)
-    held = jnp.zeros((rows, num_positions), bool).at[row, col].set(True, mode="drop")
-    found = held[row, jnp.clip(pos, 0, num_positions - 1)]
-    return ((pos >= 0) & (pos < num_positions) & found).reshape(positions.shape)
+    table = position_table(slot_pos, jnp.ones_like(slot_pos), num_positions, 0)
+    return table_lookup(table, positions, 0) > 0
   held = jnp.sort(slot_pos, axis=-1)
   search = functools.partial(jnp.searchsorted, method=SEARCH_METHOD[lookup])
   for _ in range(held.ndim - 1):

@@ -17,7 +17,8 @@ from pallas_kernels import common
 from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
                                           cache_resolve_keyed_reference,
                                           cache_resolve_reference)
-from pallas_kernels.cache_resolve.reference import SEARCH_METHOD
+from pallas_kernels.cache_resolve.reference import (SEARCH_METHOD, position_table,
+                                                   table_lookup)
 
 __all__ = ["ResolveOutputs", "resolve", "resolve_freq", "resolve_ranked", "rank_of",
            "install_newest",
@@ -97,15 +98,10 @@ def selection_errors(selected, newest, num_positions: int | None = None):
                                      (selected > newest[..., None]))
   rows = int(np.prod(selected.shape[:-1]))
   if common.xla_lookup("auto", num_positions, rows) == "map":
-    flat = selected.reshape(rows, -1)
-    lane = jnp.broadcast_to(jnp.arange(flat.shape[1], dtype=jnp.int32), flat.shape)
-    row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], flat.shape)
-    live = (flat >= 0) & (flat < num_positions)
-    col = jnp.where(live, flat, num_positions)
-    owner = jnp.full((rows, num_positions), -1, jnp.int32).at[row, col].set(
-        lane, mode="drop")
-    dup = (live & (owner[row, jnp.minimum(col, num_positions - 1)] != lane)
-           ).reshape(selected.shape)
+    lane = jnp.broadcast_to(jnp.arange(selected.shape[-1], dtype=jnp.int32),
+                            selected.shape)
+    owner = table_lookup(position_table(selected, lane, num_positions, -1), selected, -1)
+    dup = (owner >= 0) & (owner != lane)
   else:
     srt = jnp.sort(selected, axis=-1)
     dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
@@ -195,17 +191,11 @@ def rank_of(slot_pos, ranks, num_positions: int | None = None):
   num_ranked = ranks.shape[-1]
   rows = int(np.prod(slot_pos.shape[:-1]))
   lookup = common.xla_lookup("auto", num_positions, rows)
-  flat_pos, flat_ranks = slot_pos.reshape(rows, -1), ranks.reshape(rows, -1)
-  order = jnp.broadcast_to(jnp.arange(num_ranked, dtype=jnp.int32), flat_ranks.shape)
-  row = jnp.arange(rows, dtype=jnp.int32)[:, None]
   if lookup == "map":
-    col = jnp.where((flat_ranks >= 0) & (flat_ranks < num_positions), flat_ranks,
-                    num_positions)
-    table = jnp.full((rows, num_positions), num_ranked, jnp.int32).at[row, col].set(
-        order, mode="drop")
-    found = table[row, jnp.clip(flat_pos, 0, num_positions - 1)]
-    ok = (flat_pos >= 0) & (flat_pos < num_positions)
-    return jnp.where(ok, found, num_ranked).reshape(slot_pos.shape)
+    order = jnp.broadcast_to(jnp.arange(num_ranked, dtype=jnp.int32), ranks.shape)
+    table = position_table(ranks, order, num_positions, num_ranked)
+    return table_lookup(table, slot_pos, num_ranked)
+  flat_pos, flat_ranks = slot_pos.reshape(rows, -1), ranks.reshape(rows, -1)
   masked = jnp.where(flat_ranks >= 0, flat_ranks, jnp.iinfo(jnp.int32).max)
   srt_at = jnp.argsort(masked, axis=-1)
   srt = jnp.take_along_axis(masked, srt_at, axis=-1)
@@ -223,7 +213,7 @@ def resolve_ranked(slot_pos: SlotPos, lru: LruOrder, ranks, selected: Selected,
 
   Same contract, validation and ``lookup`` as ``resolve`` plus ``ranks``
   i32[..., m]: the selector's current preference order (best first, -1 padding,
-  m >= 0; a top-m ranking whose first k entries are ``selected``, for instance).
+  m >= 1; a top-m ranking whose first k entries are ``selected``, for instance).
   Only the victims differ: empty slots first, then the slots whose positions rank
   worst now (not ranked = worst), ties in LRU order (exactly
   ``cache_sim.replay(..., "rank", ranks=...)``).

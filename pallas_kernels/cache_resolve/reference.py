@@ -50,6 +50,30 @@ def _check_lookup(lookup, num_positions):
     raise ValueError("lookup='map' needs num_positions, a bound on every position")
 
 
+def position_table(keys, values, num_positions: int, fill: int):
+  """i32[..., P]: ``table[..., keys[..., j]] = values[..., j]`` per row, ``fill``
+  elsewhere; keys outside ``[0, P)`` (-1 padding) are dropped. Duplicate keys
+  keep one of their values."""
+  rows = keys.shape[:-1]
+  flat_keys = keys.reshape(-1, keys.shape[-1])
+  row = jnp.arange(flat_keys.shape[0], dtype=jnp.int32)[:, None]
+  col = jnp.where((flat_keys >= 0) & (flat_keys < num_positions), flat_keys,
+                  num_positions)
+  table = jnp.full((flat_keys.shape[0], num_positions), fill, jnp.int32).at[row, col].set(
+      values.reshape(flat_keys.shape).astype(jnp.int32), mode="drop")
+  return table.reshape(rows + (num_positions,))
+
+
+def table_lookup(table, keys, fill: int):
+  """i32[..., n]: ``table[..., keys]`` per row, ``fill`` for keys outside the table."""
+  num_positions = table.shape[-1]
+  flat_keys = keys.reshape(-1, keys.shape[-1])
+  row = jnp.arange(flat_keys.shape[0], dtype=jnp.int32)[:, None]
+  got = table.reshape(-1, num_positions)[row, jnp.clip(flat_keys, 0, num_positions - 1)]
+  inside = (flat_keys >= 0) & (flat_keys < num_positions)
+  return jnp.where(inside, got, fill).reshape(keys.shape)
+
+
 def _lookup(slot_pos, selected, wanted, slot_ids, lookup, num_positions):
   """Which slot holds each wanted selected entry (-1: none), and each slot's hit flag.
 
@@ -60,12 +84,8 @@ def _lookup(slot_pos, selected, wanted, slot_ids, lookup, num_positions):
   if lookup == "map":
     # Dense position -> slot map; positions >= num_positions (caller's bound) and
     # empty slots drop out of the scatter.
-    keys = jnp.where((slot_pos >= 0) & (slot_pos < num_positions), slot_pos,
-                     num_positions)
-    pos_map = jnp.full((num_positions,), -1, jnp.int32).at[keys].set(
-        slot_ids, mode="drop", unique_indices=True)
-    found = pos_map[jnp.clip(selected, 0, num_positions - 1)]
-    hit_slot = jnp.where(wanted & (selected < num_positions), found, -1)
+    pos_map = position_table(slot_pos, slot_ids, num_positions, -1)
+    hit_slot = jnp.where(wanted, table_lookup(pos_map, selected, -1), -1)
     is_hit_slot = jnp.zeros((num_slots,), bool).at[
         jnp.where(hit_slot >= 0, hit_slot, num_slots)].set(True, mode="drop")
     return hit_slot, is_hit_slot
