@@ -1,19 +1,24 @@
-r"""Device check on one CUDA GPU: kernel numerics vs reference, then decode timings.
+r"""Device check on one CUDA GPU: numerics vs reference, then timings and a profile.
 
 Paper reference: HiSparse (arXiv 2608.07009) decode-step cost of the tiered cache
-vs full-KV sparse attention (their throughput table; §1.9 of SPECS.md).
+vs full-KV sparse attention and its throughput table (SPECS.md §1.9).
 
-Command (from the repo root, on the GPU machine; ~4 min on one H200):
-  python -m experiments.gpu_check --out_dir=$OUT
-Smoke run on CPU (kernels interpreted, tiny shapes, seconds):
-  python -m experiments.gpu_check --smoke
+Command (from the repo root, on the GPU machine; 2-5 min on one H200 depending on
+``--sections``; rows are appended to $OUT/gpu_check.jsonl as they come):
+  python -m experiments.gpu_check --out_dir=$OUT \
+      --sections=numerics,lookups,lookup_decode,io,throughput --numerics=fetch_over_4gib
+Smoke run on CPU (kernels interpreted, tiny shapes, about a minute):
+  python -m experiments.gpu_check --smoke --sections=numerics,lookups,io
 
-Numerics: cache_resolve kernel == reference (exact, multi-step), sparse attention
-kernel vs reference (f32 / bf16 tolerance table), zero-copy fetch from pinned_host
-== reference (exact), and a few tiered decode steps vs full-KV sparse attention.
-Timings: wall clock around ``block_until_ready`` of single decode steps, median of
-``--iters`` after ``--warmup`` (jax has no public device-event API; at these step
-times the launch gap is small and identical for every variant). Variants are
+Sections, run in the order given: ``numerics`` (kernels vs references, exact for
+integers, tolerance table for floats; zero-copy fetch, also from a >4 GiB host
+tier; tiered decode vs full KV), ``lookups`` (RESOLVE membership lookups and the
+kernel, checked equal), ``lookup_decode`` (the step per lookup, with a device
+profile), ``io`` (TPOT of the IO-hiding options), ``throughput`` (requests that fit
+a device KV budget, full vs tiered, and tokens/s), ``kernels``, ``decode`` (the
+default step per shape). Timings: wall clock around ``block_until_ready`` of single
+decode steps, median of ``--iters`` after ``--warmup`` (jax has no public
+device-event API; the profile section gives device-side kernel times). Variants are
 compared as ratios measured in the same run.
 """
 
