@@ -8,6 +8,8 @@ on the sparse run's greedy tokens; every step's logits are compared.
 Command (~2-3 min on a 2-core CPU at the defaults):
   python -m experiments.parity --prompt_tokens=4096 --steps=128 --selector=quest \
       --hot_slots=512
+``--policy=rank --rank_depth=1024`` runs the tiered side with the rank-aware
+victims (the selector ranks 1024 positions; the first --top_k are attended).
 Last line: ``parity: TOKENS_MATCHED/TOKENS_TOTAL tokens, max_abs_logit_diff=X``;
 exit status 1 unless every token matches and X <= 1e-4.
 """
@@ -28,6 +30,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 128, "Decode steps.")
 flags.DEFINE_integer("hot_slots", None, "B (default 2k).")
 flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Tiered kernels.")
+flags.DEFINE_enum("policy", "lru", ["lru", "freq", "rank"], "Tiered replacement policy.")
+flags.DEFINE_integer("rank_depth", 1024, "policy=rank: positions the selector ranks "
+                     "(it is built at this top_k; the first --top_k are attended).")
 TOLERANCE = 1e-4
 
 
@@ -40,16 +45,23 @@ def main(argv):
   hot_slots = FLAGS.hot_slots or 2 * selector.top_k
   max_len = FLAGS.prompt_tokens + FLAGS.steps + 1
   tokens, lens = np.asarray(ids, np.int32)[None], np.array([FLAGS.prompt_tokens])
-  impls = dict(resolve_impl=FLAGS.impl, attention_impl=FLAGS.impl, fetch_impl=FLAGS.impl)
+  impls = dict(resolve_impl="xla" if FLAGS.policy != "lru" else FLAGS.impl,
+               attention_impl=FLAGS.impl, fetch_impl=FLAGS.impl, policy=FLAGS.policy)
+  tiered_selector = selector
+  if FLAGS.policy == "rank":  # the same selector, ranking rank_depth positions
+    tiered_selector, _ = model_setup.build_selector(FLAGS.selector, model.cfg,
+                                                    FLAGS.rank_depth, FLAGS.indexer_ckpt)
+    impls.update(top_k=selector.top_k, rank_depth=FLAGS.rank_depth)
   sparse = backends.Runner(model, "sparse", max_len, selector=selector,
                            selector_params=params)
-  tiered = backends.Runner(model, "tiered", max_len, selector=selector,
+  tiered = backends.Runner(model, "tiered", max_len, selector=tiered_selector,
                            selector_params=params, hot_slots=hot_slots, **impls)
   start = time.perf_counter()
   ref = sparse.prefill(tokens, lens)
   got = tiered.prefill(tokens, lens)
   print(f"prefill {FLAGS.prompt_tokens} tokens x2: {time.perf_counter() - start:.1f} s; "
-        f"selector={FLAGS.selector} k={selector.top_k} B={hot_slots}", flush=True)
+        f"selector={FLAGS.selector} k={selector.top_k} B={hot_slots} "
+        f"policy={FLAGS.policy}", flush=True)
   matched, worst = 0, float(jnp.max(jnp.abs(ref - got)))
   for step in range(FLAGS.steps):
     token = jnp.argmax(ref, axis=-1)  # the sparse run's greedy token, fed to both

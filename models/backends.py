@@ -104,10 +104,14 @@ def tiered_attend(cfg: TierConfig, selector, share: int = 1,
     sel_old = layer_slice(carry.sel, layer)
     positions, sel = selector.select(carry.sel, layer,
                                      StepInputs(x, q, k_new, tier.seq_len), params)
+    # Policy "rank": the selector ranks cfg.select_width positions, best first; the
+    # first top_k are attended, the whole row steers victims.
+    ranks = positions if cfg.policy == "rank" else None
+    positions = positions[..., :cfg.top_k]
     if draft_cap is not None:
       positions = kv_decode.cap_misses(tier, layer, positions, draft_cap)
     out, _, tier, status, plan = kv_decode.tiered_layer(
-        cfg, tier, layer, q, k_new, v_new, positions, carry.ok, share=share)
+        cfg, tier, layer, q, k_new, v_new, positions, carry.ok, share=share, ranks=ranks)
     ok = carry.ok & (status == 0)
     sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
                                                 layer_slice(sel, layer), sel_old))
@@ -206,13 +210,25 @@ def _tier_prefill(tier_cfg: TierConfig, tier, k, v, lens):
 
 def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
                 hot_slots: int, **overrides) -> TierConfig:
-  """The TierConfig that serves ``selector`` on ``cfg`` (every layer tiered)."""
+  """The TierConfig that serves ``selector`` on ``cfg`` (every layer tiered).
+
+  Under ``policy="rank"`` the selector is built at ``top_k = rank_depth`` (its
+  best-first ranking) and ``overrides`` name the attended ``top_k``; otherwise
+  ``top_k`` is the selector's.
+  """
   per_kv_head = selector.num_units == cfg.num_kv_heads and cfg.num_kv_heads > 1
-  return TierConfig(num_layers=cfg.num_layers, num_requests=num_requests,
-                    max_len=max_len, num_q_heads=cfg.num_q_heads,
-                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    hot_slots=hot_slots, top_k=selector.top_k, per_kv_head=per_kv_head,
-                    dtype=jnp.dtype(cfg.dtype), **overrides)
+  overrides = dict(overrides)
+  top_k = overrides.pop("top_k", selector.top_k)
+  tier_cfg = TierConfig(num_layers=cfg.num_layers, num_requests=num_requests,
+                        max_len=max_len, num_q_heads=cfg.num_q_heads,
+                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                        hot_slots=hot_slots, top_k=top_k, per_kv_head=per_kv_head,
+                        dtype=jnp.dtype(cfg.dtype), **overrides)
+  if tier_cfg.select_width != selector.top_k:
+    raise ValueError(f"the selector returns {selector.top_k} positions per row; "
+                     f"top_k={tier_cfg.top_k}, policy={tier_cfg.policy!r} and "
+                     f"rank_depth={tier_cfg.rank_depth} need {tier_cfg.select_width}")
+  return tier_cfg
 
 
 class Runner:
@@ -230,7 +246,10 @@ class Runner:
     lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
       a prompt-lookup draft token prefetches up to ``prefetch_cap`` rows per layer
       and unit for the next step.
-    tier_overrides: extra TierConfig fields (impls, warm start, fetch chunk...).
+    tier_overrides: extra TierConfig fields (impls, warm start, fetch chunk,
+      policy...). For ``policy="rank"`` build the selector at ``top_k = m`` and pass
+      ``top_k=k, rank_depth=m``: RESOLVE attends the first k of its ranking and
+      evicts the positions it ranks worst.
   """
 
   def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
@@ -280,6 +299,7 @@ class Runner:
                                     self.hot_slots, **self.tier_overrides)
         tier = _tier_prefill(self.tier_cfg, kv_state.init_state(self.tier_cfg), k, v,
                              lens)
+        shape = shape[:2] + (self.tier_cfg.top_k,)
         plan = kv_decode.LayerPlan(jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, bool),
                                    jnp.zeros(shape, bool), jnp.full(shape[:2], -1, jnp.int32))
         self.carry = TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0), plan)

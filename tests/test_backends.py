@@ -133,3 +133,29 @@ def test_index_sharing_and_draft_lookahead_keep_parity(model_and_prompt):
   slot_pos = np.asarray(ahead.carry.tier.slot_pos)
   np.testing.assert_array_equal(slot_pos[1], slot_pos[0])
   np.testing.assert_array_equal(slot_pos[5], slot_pos[3])
+
+
+def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
+  """policy="rank": the oracle selector built at top-96 ranks, the tiered cache
+  attends its first 48 (= the top-48 selection) and evicts by rank; logits equal
+  the sparse top-48 run's bit for bit."""
+  model, ids = model_and_prompt
+  heads = dict(num_kv_heads=model.cfg.num_kv_heads,
+               q_per_kv=model.cfg.num_q_heads // model.cfg.num_kv_heads,
+               head_dim=model.cfg.head_dim)
+  top48, top96 = (sel_lib.OracleSelector(top_k=k, **heads) for k in (48, 96))
+  steps, tokens, lens = 6, ids[None], [len(ids)]
+  max_len = len(ids) + steps + 1
+  sparse = backends.Runner(model, "sparse", max_len, selector=top48)
+  ranked = backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
+                           policy="rank", top_k=48, rank_depth=96, resolve_impl="xla")
+  ref = sparse.prefill(tokens, lens)
+  np.testing.assert_array_equal(ranked.prefill(tokens, lens), ref)
+  for _ in range(steps):
+    token = jnp.argmax(ref, -1)
+    ref = sparse.step(token)
+    np.testing.assert_array_equal(np.asarray(ranked.step(token)), np.asarray(ref))
+  assert ranked.cache_stats()["misses"] > 0
+  with pytest.raises(ValueError, match="rank_depth"):
+    backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
+                    policy="rank", top_k=48, rank_depth=80).prefill(tokens, lens)
