@@ -480,24 +480,24 @@ class _Ranked(_Policy):  # lru2 / freq / score: evict the smallest (key, LRU sta
     self.key[at] = np.where(st.hit, self.key[at] + gain, gain)
 
 
-class _Rank(_Policy):
-  """Evict the entry the selector ranks worst this step (absent = worst), ties LRU."""
+class _Rank(_Ranked):
+  """Evict the lowest ``(1 - rank / m) + rank_freq * f``: the selector's current rank
+  of the entry (absent = m, the worst) plus ``rank_freq`` times its "freq" EMA f
+  (kept by ``_Ranked``); ties by LRU."""
 
   def __init__(self, c):
-    self.c = c
-    self.rec = np.zeros((c.S, c.B + 1), np.int64)
+    super().__init__(c, "freq")
 
   def pick(self, st):
     c = self.c
     ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
-    rank_of = np.full((c.S, c.num_pos + 1), ranked.shape[1], np.int64)
-    rank_of[st.rows, ranked] = np.arange(ranked.shape[1])
-    rank_of[:, c.num_pos] = ranked.shape[1]  # padding ranks nothing
+    num_ranked = ranked.shape[1]
+    rank_of = np.full((c.S, c.num_pos + 1), num_ranked, np.int64)
+    rank_of[st.rows, ranked] = np.arange(num_ranked)
+    rank_of[:, c.num_pos] = num_ranked  # padding ranks nothing
     rank = rank_of[st.rows, np.where(st.empty, c.num_pos, st.held_pos)]
-    return _lex_pick(st, -rank, self.rec[:, :-1])
-
-  def commit(self, st):
-    _touch(self.rec, st)
+    key = (1.0 - rank / num_ranked) + c.rank_freq * self.key[:, :-1]
+    return _lex_pick(st, key, self.rec[:, :-1])
 
 
 def _make_policy(c):
@@ -511,7 +511,8 @@ def _make_policy(c):
 
 def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None,
            ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
-           twoq_in: float = 0.25, twoq_out: float = 0.5) -> np.ndarray:
+           twoq_in: float = 0.25, twoq_out: float = 0.5,
+           rank_freq: float = 0.3) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -560,10 +561,12 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     entries start at 1; no ghost history, so one float per slot); evict min f.
   * ``"score"``: ``e <- score_alpha * e + score`` (0 when not requested; new entries
     start at their score); evict min e.
-  * ``"rank"``: evict the entry the selector ranks worst *now*: its position's index
-    in this step's ``ranks`` row (absent = after all of them), ties by LRU. The
-    selector scored every position to pick its top k, so the ranking of the
-    resident ones is known at selection time (causal).
+  * ``"rank"``: evict the entry the selector ranks worst *now*, softened by how often
+    it was requested: the smallest ``(1 - r / m) + rank_freq * f``, r = its
+    position's index in this step's ``ranks`` row (m, the row length, if absent)
+    and f the ``"freq"`` EMA (``alpha``); ties by LRU. The selector scored every
+    position to pick its top k, so the ranking of the resident ones is known at
+    selection time (causal). ``rank_freq=0``: the rank alone.
 
   Args:
     selections: int[..., T, k] positions requested at each step, distinct within a
@@ -582,6 +585,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     score_alpha: ``"score"`` decay per step in [0, 1].
     twoq_in, twoq_out: ``"2q"`` Kin and Kout as fractions of capacity, in (0, 1]
       (the paper's 25% and 50%).
+    rank_freq: ``"rank"`` weight of the frequency EMA, >= 0.
   Defaults were tuned at B = 2k on ``synthetic_trace`` (better decays grow with
   B / k; see ``compare_policies``).
 
@@ -596,6 +600,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   params = dict(alpha=alpha, score_alpha=score_alpha, twoq_in=twoq_in,
                 twoq_out=twoq_out)
   _validate_params(params)
+  if not (np.isfinite(rank_freq) and rank_freq >= 0):
+    raise ValueError(f"rank_freq={rank_freq} must be finite and >= 0")
   score = _validate_scores(scores, sel) if policy == "score" else None
   batch, (num_steps, k) = sel.shape[:-2], sel.shape[-2:]
   num_streams, num_slots = int(np.prod(batch, dtype=np.int64)), int(capacity)
@@ -621,7 +627,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   slot_of = np.full((num_streams, num_pos + 1), _PAD, np.int64)  # position -> slot
   pol = _make_policy(SimpleNamespace(
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
-      sel=sel, ranks=ranked, seed=seed, slot_ids=slot_ids, **params))
+      sel=sel, ranks=ranked, rank_freq=rank_freq, seed=seed, slot_ids=slot_ids,
+      **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]

@@ -54,10 +54,12 @@ class TierConfig:
       best online policy on our traces, experiments/policies.py). Outputs are the
       same either way; only which slots get evicted differs.
       ``"rank"``: evict the slots whose positions the selector ranks worst at this
-      step; the selector then returns ``rank_depth`` best-first positions per row,
-      the first ``top_k`` of which are the selection.
+      step, softened by the ``freq`` EMA (``rank_freq`` weight; the best online
+      policy on our traces); the selector then returns ``rank_depth`` best-first
+      positions per row, the first ``top_k`` of which are the selection.
     rank_depth: m, positions per row of the selector's ranking under ``"rank"``
       (0 or <= top_k: the selection itself).
+    rank_freq: weight of the frequency EMA in the ``"rank"`` key, >= 0.
   """
 
   num_layers: int
@@ -82,6 +84,7 @@ class TierConfig:
   policy: str = "lru"
   freq_alpha: float = 0.9
   rank_depth: int = 0
+  rank_freq: float = 0.3
 
   def __post_init__(self):
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
@@ -105,6 +108,8 @@ class TierConfig:
     if self.policy != "lru" and self.resolve_impl == "pallas":
       raise ValueError(f"the {self.policy} policy has no Pallas RESOLVE kernel: "
                        "resolve_impl='xla'")
+    if not self.rank_freq >= 0:
+      raise ValueError(f"{self.rank_freq=} must be >= 0")
     if self.rank_depth < 0 or (self.rank_depth and self.policy != "rank"):
       raise ValueError(f"rank_depth={self.rank_depth} needs policy='rank' (and >= 0)")
     if not 0.0 < self.freq_alpha < 1.0:

@@ -90,8 +90,9 @@ def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None
   # Positions are < max_len + 1 (the scratch row): the bound of the "map" lookup.
   lookup = dict(lookup=cfg.resolve_lookup, num_positions=cfg.max_len + 1)
   if cfg.policy == "rank":
-    return resolve_ranked(slot_pos, lru, selected if ranks is None else ranks,
-                          selected, newest, **lookup), score
+    return resolve_ranked(slot_pos, lru, score, selected if ranks is None else ranks,
+                          selected, newest, alpha=cfg.freq_alpha,
+                          rank_freq=cfg.rank_freq, **lookup)
   if cfg.policy == "freq":
     return resolve_freq(slot_pos, lru, score, selected, newest, alpha=cfg.freq_alpha,
                         **lookup)

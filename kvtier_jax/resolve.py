@@ -17,8 +17,8 @@ from pallas_kernels import common
 from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
                                           cache_resolve_keyed_reference,
                                           cache_resolve_reference)
-from pallas_kernels.cache_resolve.reference import (SEARCH_METHOD, position_table,
-                                                   table_lookup)
+from pallas_kernels.cache_resolve.reference import (SEARCH_METHOD, freq_update,
+                                                   position_table, table_lookup)
 
 __all__ = ["ResolveOutputs", "resolve", "resolve_freq", "resolve_ranked", "rank_of",
            "install_newest",
@@ -206,34 +206,42 @@ def rank_of(slot_pos, ranks, num_positions: int | None = None):
   return jnp.where(hit, found, num_ranked).reshape(slot_pos.shape)
 
 
-def resolve_ranked(slot_pos: SlotPos, lru: LruOrder, ranks, selected: Selected,
-                   newest: Newest, *, lookup: str = "auto",
-                   num_positions: int | None = None) -> ResolveOutputs:
+def resolve_ranked(slot_pos: SlotPos, lru: LruOrder, score, ranks, selected: Selected,
+                   newest: Newest, *, alpha: float = 0.9, rank_freq: float = 0.3,
+                   lookup: str = "auto", num_positions: int | None = None):
   """RESOLVE with the rank-aware victim order (policy ``"rank"``).
 
-  Same contract, validation and ``lookup`` as ``resolve`` plus ``ranks``
-  i32[..., m]: the selector's current preference order (best first, -1 padding,
-  m >= 1; a top-m ranking whose first k entries are ``selected``, for instance).
-  Only the victims differ: empty slots first, then the slots whose positions rank
-  worst now (not ranked = worst), ties in LRU order (exactly
-  ``cache_sim.replay(..., "rank", ranks=...)``).
+  Same contract, validation and ``lookup`` as ``resolve``, plus ``score`` f[..., B]
+  (the "freq" EMA of each slot, as in ``resolve_freq``; start from zeros) and
+  ``ranks`` i32[..., m]: the selector's current preference order (best first, -1
+  padding, m >= 1; a top-m ranking whose first k entries are ``selected``, for
+  instance). Only the victims differ: empty slots first, then the lowest
+  ``(1 - r / m) + rank_freq * score``, r the slot position's index in ``ranks`` (m
+  if absent), ties in LRU order (exactly ``cache_sim.replay(..., "rank",
+  ranks=..., rank_freq=..., alpha=...)``).
+
+  Returns (ResolveOutputs, new score).
   """
-  slot_pos, lru, selected, newest, ranks = map(
-      jnp.asarray, (slot_pos, lru, selected, newest, ranks))
+  slot_pos, lru, selected, newest, ranks, score = map(
+      jnp.asarray, (slot_pos, lru, selected, newest, ranks, score))
   _check_shapes(slot_pos, lru, selected, newest)
   if ranks.ndim != slot_pos.ndim or ranks.shape[:-1] != slot_pos.shape[:-1]:
     raise ValueError(f"ranks {ranks.shape} must be [..., m] with the batch dims of "
                      f"slot_pos {slot_pos.shape}")
+  if score.shape != slot_pos.shape:
+    raise ValueError(f"score {score.shape} must match slot_pos {slot_pos.shape}")
   if _is_concrete(slot_pos, lru, selected, newest, ranks):
     check_selection(selected, newest)
     _check_metadata(slot_pos, lru)
   rows = int(np.prod(slot_pos.shape[:-1]))
-  key = -rank_of(slot_pos, ranks.astype(jnp.int32), num_positions).astype(jnp.float32)
-  out, _ = cache_resolve_keyed_reference(
+  num_ranked = ranks.shape[-1]
+  rank = rank_of(slot_pos, ranks.astype(jnp.int32), num_positions)
+  key = (1.0 - rank.astype(score.dtype) / num_ranked) + rank_freq * score
+  out, is_hit_slot = cache_resolve_keyed_reference(
       slot_pos.astype(jnp.int32), lru.astype(jnp.int32), key,
       selected.astype(jnp.int32), newest.astype(jnp.int32),
       lookup=common.xla_lookup(lookup, num_positions, rows), num_positions=num_positions)
-  return out
+  return out, freq_update(score, is_hit_slot, out, alpha)
 
 
 def install_newest(slot_pos, lru, newest):

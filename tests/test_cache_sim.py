@@ -286,18 +286,25 @@ def ranked_oracle(stream, capacity, kind, alpha=0.9, scores=None):
   return out
 
 
-def rank_oracle(stream, ranks, capacity):
-  """rank: evict the resident, unrequested entry ranked worst in this step's
-  ``ranks`` row (absent = worst), ties by LRU position."""
-  order, out = [], []
+def rank_oracle(stream, ranks, capacity, rank_freq=0.0, alpha=0.9):
+  """rank: evict the resident, unrequested entry with the smallest
+  (1 - r/m) + rank_freq * f, r its index in this step's ``ranks`` row (m if absent),
+  f <- alpha*f + [requested] (1 when fetched); ties by LRU position."""
+  order, freq, out = [], {}, []
   for row, ranked in zip(stream, ranks):
     want = [int(p) for p in row if p >= 0]
+    m = len(ranked)
     at = {int(p): r for r, p in enumerate(ranked) if p >= 0}
     wset, resident = set(want), set(order)
     misses = [p for p in want if p not in resident]
     for _ in range(max(0, len(order) + len(misses) - capacity)):
       cand = [p for p in order if p not in wset]
-      order.remove(min(cand, key=lambda p: (-at.get(p, len(ranked)), order.index(p))))
+      order.remove(min(cand, key=lambda p: ((1 - at.get(p, m) / m) + rank_freq * freq[p],
+                                            order.index(p))))
+    for p in order:
+      freq[p] = alpha * freq[p] + (1.0 if p in wset else 0.0)
+    for p in misses:
+      freq[p] = 1.0
     order = lru_order(order, want, resident)
     out.append(len(misses))
   return out
@@ -505,11 +512,14 @@ def test_2q_sizes_match_oracle(kin, kout):
 def test_rank_matches_oracle(seed, capacity):
   sel = make_trace(seed + 150, k=12, num_pos=64)
   ranks = make_ranks(sel, seed)
-  want = [rank_oracle(s, r, capacity) for s, r in zip(sel, ranks)]
-  np.testing.assert_array_equal(replay(sel, capacity, "rank", ranks=ranks), want)
+  for rank_freq in (0.0, 0.3, 2.0):
+    want = [rank_oracle(s, r, capacity, rank_freq, 0.85) for s, r in zip(sel, ranks)]
+    np.testing.assert_array_equal(
+        replay(sel, capacity, "rank", ranks=ranks, rank_freq=rank_freq, alpha=0.85),
+        want, f"rank_freq={rank_freq}")
   # Default ranks: the selection's own row order.
   np.testing.assert_array_equal(replay(sel, capacity, "rank"),
-                                [rank_oracle(s, s, capacity) for s in sel])
+                                [rank_oracle(s, s, capacity, 0.3) for s in sel])
 
 
 def test_rank_is_causal_in_its_ranks():
@@ -527,6 +537,8 @@ def test_rank_bad_ranks_raise():
     replay(sel, 8, "rank", ranks=np.zeros((2, 4, 6), np.int64))
   with pytest.raises(ValueError, match="twice"):
     replay(sel, 8, "rank", ranks=np.zeros((2, 5, 6), np.int64))
+  with pytest.raises(ValueError, match="rank_freq"):
+    replay(sel, 8, "rank", rank_freq=-1.0)
 
 
 def test_score_causal_with_explicit_scores():

@@ -255,17 +255,20 @@ def test_rank_policy_matches_cache_sim_replay(num_positions):
     row[rng.random(num_sel) < 0.1] = -1
     sel[s, t] = row
     ranks[s, t] = np.concatenate([row, pool[num_sel:num_sel + extra]])
-  want = cache_sim.replay(sel, slots, "rank", ranks=ranks)
-  slot_pos = np.full((streams, slots), -1, np.int32)
-  lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
-  got = []
-  for t in range(steps):
-    out = resolve_ranked(slot_pos, lru, ranks[:, t].astype(np.int32),
-                         sel[:, t].astype(np.int32), np.full(streams, 10**6, np.int32)
-                         if num_positions is None else np.full(streams, 127, np.int32),
-                         num_positions=num_positions)
-    got.append(np.asarray(out.is_miss).sum(-1))
-    slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
+  import jax
+  want = cache_sim.replay(sel, slots, "rank", ranks=ranks, rank_freq=0.3, alpha=0.9)
+  newest = np.full(streams, 10**6 if num_positions is None else 127, np.int32)
+  with jax.enable_x64(True):  # float64 keys on both sides: identical tie-breaks
+    slot_pos = np.full((streams, slots), -1, np.int32)
+    lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
+    score = np.zeros((streams, slots), np.float64)
+    got = []
+    for t in range(steps):
+      out, score = resolve_ranked(slot_pos, lru, score, ranks[:, t].astype(np.int32),
+                                  sel[:, t].astype(np.int32), newest, alpha=0.9,
+                                  rank_freq=0.3, num_positions=num_positions)
+      got.append(np.asarray(out.is_miss).sum(-1))
+      slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
   np.testing.assert_array_equal(np.stack(got, 1), want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
 

@@ -203,13 +203,17 @@ def cache_resolve_freq_reference(slot_pos, lru, score, selected, newest, *, alph
   _check_lookup(lookup, num_positions)
   out, is_hit_slot = _keyed(slot_pos, lru, score, selected, newest, lookup,
                             num_positions)
-  # Update after the victims are chosen: decay, +1 per hit, 1 when filled.
+  return out, freq_update(score, is_hit_slot, out, alpha)
+
+
+def freq_update(score, is_hit_slot, out: ResolveOutputs, alpha: float):
+  """The "freq" EMA after a RESOLVE: decay, +1 per hit, 1 for a filled victim."""
   new_score = jnp.where(is_hit_slot, alpha * score + 1, alpha * score)
-  num_slots = slot_pos.shape[-1]
+  num_slots = score.shape[-1]
   victim = jnp.where(out.is_miss, out.slot, num_slots)  # B: not a victim (dropped)
   fill = jax.vmap(lambda s, v: s.at[v].set(1, mode="drop"))
   new_score = fill(new_score.reshape(-1, num_slots), victim.reshape(-1, victim.shape[-1]))
-  return out, new_score.reshape(score.shape)
+  return new_score.reshape(score.shape).astype(score.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("lookup", "num_positions"))
