@@ -128,17 +128,34 @@ def ops_overlapping_host_fetch(hlo: str) -> int:
   return best
 
 
-def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> Audit:
-  """Lower + compile one decode step for an H200 and read its HLO."""
+def _shardings():
+  """(host, device) shardings of a one-device mesh, for abstract H200 inputs."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
-                                    memory_kind="pinned_host")
-  dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  spec = jax.sharding.PartitionSpec()
+  return (jax.sharding.NamedSharding(mesh, spec, memory_kind="pinned_host"),
+          jax.sharding.NamedSharding(mesh, spec))
+
+
+def _abstract_state(cfg: TierConfig):
+  """(state leaves as arrays, the same as ShapeDtypeStructs placed like the real
+  state: host tier in pinned_host, the rest on the device)."""
+  host, dev = _shardings()
   abstract = jax.eval_shape(lambda: kv_state.init_state(cfg))
   state = jax.tree_util.tree_map_with_path(
       lambda path, x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=host if "host" in jax.tree_util.keystr(path) else dev),
       abstract)
+  return abstract, state
+
+
+def _hlo_dtype(cfg: TierConfig) -> str:
+  return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
+
+
+def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> Audit:
+  """Lower + compile one decode step for an H200 and read its HLO."""
+  _, dev = _shardings()
+  abstract, state = _abstract_state(cfg)
   sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
   L, R = cfg.num_layers, cfg.num_requests
   select = selectors.churn_selector(cfg.max_len // 2, cfg.top_k, cfg.num_units, 0.134)
@@ -149,8 +166,7 @@ def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> A
       step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
       sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
   hlo = deviceless.compile_for_h200(lowered)
-  dtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
-  copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), dtype)
+  copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg))
   gathers = host_execute_rows_bytes(hlo)
   if gathers:
     per_miss = max(nbytes / rows for rows, nbytes in gathers)
@@ -168,35 +184,24 @@ def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> A
 def audit_separate_append(cfg: TierConfig) -> tuple[int, int, int]:
   """The separate-jit host append (the default): (whole-tier copies, async host
   writes, aliased state buffers)."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
-                                    memory_kind="pinned_host")
-  dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  abstract = jax.eval_shape(lambda: kv_state.init_state(cfg))
-  state = jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=host if "host" in jax.tree_util.keystr(path) else dev),
-      abstract)
+  _, dev = _shardings()
+  _, state = _abstract_state(cfg)
   append = jax.jit(functools.partial(decode.append_newest, cfg), donate_argnums=(0,))
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
       append, state, jax.ShapeDtypeStruct((), bool, sharding=dev)))
-  dtype = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(cfg.dtype).name]
-  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), dtype),
+  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg)),
           hlo.count("dynamic-update-slice-start"), len(aliased_parameters(hlo)))
 
 
 def audit_config_bad_pattern(cfg: TierConfig) -> int:
   """Negative control: move the whole host tier to device, then gather (must be > 0)."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
-                                    memory_kind="pinned_host")
+  host, _ = _shardings()
   shape = kv_state.host_tier_shape(cfg)
   tier = jax.ShapeDtypeStruct(shape, cfg.dtype, sharding=host)
   idx = jax.ShapeDtypeStruct((16,), jnp.int32)
   bad = lambda h, i: jax.device_put(h, jax.memory.Space.Device)[0, 0, i]
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(bad, tier, idx))
-  dtype = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(cfg.dtype).name]
-  return count_whole_host_copies(hlo, shape, dtype)
+  return count_whole_host_copies(hlo, shape, _hlo_dtype(cfg))
 
 
 def audit_configs(smoke: bool):
