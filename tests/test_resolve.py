@@ -173,10 +173,25 @@ def test_resolve_rejects_bad_input(bad, match):
             np.asarray(args["selected"]), np.asarray(args["newest"]))
 
 
-def test_freq_policy_matches_cache_sim_replay():
-  """The jitted frequency-aware RESOLVE evicts exactly as cache_sim's "freq"
-  (float64 scores, so both sides round alike)."""
+def misses_of_keyed_resolve(step, streams, steps, slots):
+  """Steps a jitted keyed RESOLVE from an empty cache in float64 (so its keys round
+  like cache_sim's); ``step(slot_pos, lru, score, t) -> (out, score)``. Returns the
+  misses per stream and step, i64[streams, steps]."""
   import jax
+  with jax.enable_x64(True):
+    slot_pos = np.full((streams, slots), -1, np.int32)
+    lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
+    score = np.zeros((streams, slots), np.float64)
+    got = []
+    for t in range(steps):
+      out, score = step(slot_pos, lru, score, t)
+      got.append(np.asarray(out.is_miss).sum(-1))
+      slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
+  return np.stack(got, 1)
+
+
+def test_freq_policy_matches_cache_sim_replay():
+  """The jitted frequency-aware RESOLVE evicts exactly as cache_sim's "freq"."""
   from kvtier_jax import cache_sim
   from kvtier_jax.resolve import resolve_freq
   rng = np.random.default_rng(5)
@@ -187,17 +202,11 @@ def test_freq_policy_matches_cache_sim_replay():
     row[rng.random(num_sel) < 0.1] = -1
     sel[s, t] = row
   want = cache_sim.replay(sel, slots, "freq", alpha=0.9)
-  with jax.enable_x64(True):
-    slot_pos = np.full((streams, slots), -1, np.int32)
-    lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
-    score = np.zeros((streams, slots), np.float64)
-    got = []
-    for t in range(steps):
-      out, score = resolve_freq(slot_pos, lru, score, sel[:, t].astype(np.int32),
-                                np.full(streams, 10**6, np.int32), alpha=0.9)
-      got.append(np.asarray(out.is_miss).sum(-1))
-      slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
-  np.testing.assert_array_equal(np.stack(got, 1), want)
+  step = lambda slot_pos, lru, score, t: resolve_freq(
+      slot_pos, lru, score, sel[:, t].astype(np.int32),
+      np.full(streams, 10**6, np.int32), alpha=0.9)
+  np.testing.assert_array_equal(misses_of_keyed_resolve(step, streams, steps, slots),
+                                want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
 
 
@@ -255,21 +264,13 @@ def test_rank_policy_matches_cache_sim_replay(num_positions):
     row[rng.random(num_sel) < 0.1] = -1
     sel[s, t] = row
     ranks[s, t] = np.concatenate([row, pool[num_sel:num_sel + extra]])
-  import jax
   want = cache_sim.replay(sel, slots, "rank", ranks=ranks, rank_freq=0.3, alpha=0.9)
   newest = np.full(streams, 10**6 if num_positions is None else 127, np.int32)
-  with jax.enable_x64(True):  # float64 keys on both sides: identical tie-breaks
-    slot_pos = np.full((streams, slots), -1, np.int32)
-    lru = np.tile(np.arange(slots, dtype=np.int32), (streams, 1))
-    score = np.zeros((streams, slots), np.float64)
-    got = []
-    for t in range(steps):
-      out, score = resolve_ranked(slot_pos, lru, score, ranks[:, t].astype(np.int32),
-                                  sel[:, t].astype(np.int32), newest, alpha=0.9,
-                                  rank_freq=0.3, num_positions=num_positions)
-      got.append(np.asarray(out.is_miss).sum(-1))
-      slot_pos, lru = np.asarray(out.slot_pos), np.asarray(out.lru)
-  np.testing.assert_array_equal(np.stack(got, 1), want)
+  step = lambda slot_pos, lru, score, t: resolve_ranked(
+      slot_pos, lru, score, ranks[:, t].astype(np.int32), sel[:, t].astype(np.int32),
+      newest, alpha=0.9, rank_freq=0.3, num_positions=num_positions)
+  np.testing.assert_array_equal(misses_of_keyed_resolve(step, streams, steps, slots),
+                                want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
 
 
