@@ -31,9 +31,8 @@ import numpy as np
 from kvtier_jax import attention, fetch
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
-                                resolve_ranked,
                                 check_selection, install_newest, resolve, resolve_freq,
-                                selection_errors)
+                                resolve_ranked, selection_errors)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.selectors.synthetic import given_selection
 from kvtier_jax.state import TieredKVState
