@@ -72,14 +72,12 @@ flags.DEFINE_float("host_budget_gb", 24.0, "throughput section: pinned host byte
 
 ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 T0 = time.perf_counter()
-LOG: list[dict] = []
 
 
 def log(section, **row):
   """Print a result row and append it to $OUT/gpu_check.jsonl at once (a run cut
   short by the device time limit keeps every row it got to)."""
   row = {"section": section, **row}
-  LOG.append(row)
   line = json.dumps(row, default=str)
   print(line, flush=True)
   if FLAGS.out_dir:
