@@ -1,6 +1,6 @@
 r"""Capacity and throughput at a fixed device budget: full KV vs the tiered cache.
 
-Paper tables (HiSparse, SPECS.md §1.9-1.10): GLM-5.1 at 128K needs 13.09 GB of KV
+Paper tables (HiSparse; docs/DESIGN.md, "The problem"): GLM-5.1 at 128K needs 13.09 GB of KV
 per request vs ~0.4 GB of hot cache at B=4096 (but the DSA indexer keys, 1.35 GB,
 stay on the device: ~7.6x, not 30x); concurrency ~60 at 32K and ~15 at 128K on
 8xH200; throughput 3.1-4.7x at long context.
@@ -90,11 +90,11 @@ def throughput_rows():
 def measured_row():
   """SmolLM2 + Quest, tiered, after a 2K prefill: arrays by memory kind vs formula."""
   import jax
-  from experiments import model_setup
+  from models import setup
   from kvtier_jax import state as kv_state
   from models import backends
-  model, _, ids = model_setup.load_model_and_prompt(None, 2048)
-  selector, _ = model_setup.build_selector("quest", model.cfg, 256)
+  model, _, ids = setup.load_model_and_prompt(None, 2048)
+  selector, _ = setup.build_selector("quest", model.cfg, 256)
   runner = backends.Runner(model, "tiered", 2048 + 1, selector=selector, hot_slots=512)
   runner.prefill(np.asarray(ids, np.int32)[None], [2048])
   tier = runner.carry.tier

@@ -10,10 +10,8 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
-import statistics
 import subprocess
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -45,23 +43,6 @@ def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -
 def append_row(out: pathlib.Path, row: dict) -> None:
   with open(out / "rows.jsonl", "a") as f:
     f.write(json.dumps(row, default=float) + "\n")
-
-
-def read_rows(out: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()
-          if line.strip()]
-
-
-def median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
-  """Median wall time of ``fn`` (blocked until ready) after ``warmup`` calls."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return 1e3 * statistics.median(times)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:

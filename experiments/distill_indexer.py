@@ -1,6 +1,6 @@
 r"""Distil a DSA lightning indexer for frozen SmolLM2-135M (DeepSeek's dense warm-up).
 
-What it reproduces: DeepSeek-V3.2's dense warm-up stage (SPECS.md §2.3), which
+What it reproduces: DeepSeek-V3.2's dense warm-up stage, which
 trains only the lightning indexer, by KL to the frozen model's own attention
 distribution (summed over heads, L1-normalised), so that a dense model can run
 ``DSASelector``. Here on a few thousand tokens of the stdlib pydoc text, every

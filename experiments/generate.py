@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import model_setup
-from models import backends
+from experiments import model_setup  # noqa: F401 (shared flags)
+from models import backends, setup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("cache", "tiered", list(backends.BACKENDS), "Cache backend.")
@@ -29,12 +29,12 @@ flags.DEFINE_integer("hot_slots", None, "B for the tiered cache (default 2k).")
 
 def main(argv):
   del argv
-  model, tokenizer, ids = model_setup.load_model_and_prompt(
+  model, tokenizer, ids = setup.load_model_and_prompt(
       FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset)
   selector = params = None
   kwargs = {}
   if FLAGS.cache != "dense":
-    selector, params = model_setup.build_selector(FLAGS.selector, model.cfg,
+    selector, params = setup.build_selector(FLAGS.selector, model.cfg,
                                                   FLAGS.top_k, FLAGS.indexer_ckpt)
     kwargs = dict(selector=selector, selector_params=params)
     if FLAGS.cache == "tiered":

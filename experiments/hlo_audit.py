@@ -1,8 +1,9 @@
 r"""Deviceless H200 audit of the jitted tiered decode step (no GPU needed).
 
-Compiles the whole decode step for an H200 target on this CPU machine
+Compiles the tiered decode step (the one ``tiered_attend`` path, via
+``decode.decode_step``) for an H200 target on this CPU machine
 (experiments/deviceless.py) and reads the optimized XLA:GPU HLO for what CPU runs
-cannot show (JAX_HOST_OFFLOAD_NOTES.md §1: on CPU memory kinds are annotations):
+cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
 
 * whole-host-tier copies (must be 0): any copy of a host-tier-shaped array, or any
   host-tier-shaped value materialised in device memory;
@@ -32,7 +33,7 @@ import numpy as np
 from experiments import deviceless
 from kvtier_jax import decode, selectors
 from kvtier_jax import state as kv_state
-from kvtier_jax.config import TierConfig
+from kvtier_jax.config import ImplConfig, TierConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
@@ -136,11 +137,12 @@ def _shardings():
           jax.sharding.NamedSharding(mesh, spec))
 
 
-def _abstract_state(cfg: TierConfig):
-  """(state leaves as arrays, the same as ShapeDtypeStructs placed like the real
-  state: host tier in pinned_host, the rest on the device)."""
+def _abstract_state(cfg: TierConfig, carry: bool = True):
+  """(the step's carry (or the bare cache) as arrays, the same as ShapeDtypeStructs
+  placed like the real state: host tier in pinned_host, the rest on the device)."""
   host, dev = _shardings()
-  abstract = jax.eval_shape(lambda: kv_state.init_state(cfg))
+  abstract = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg))
+                            if carry else kv_state.init_state(cfg))
   state = jax.tree_util.tree_map_with_path(
       lambda path, x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=host if "host" in jax.tree_util.keystr(path) else dev),
@@ -152,16 +154,14 @@ def _hlo_dtype(cfg: TierConfig) -> str:
   return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
 
 
-def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> Audit:
+def audit_config(cfg: TierConfig, variant: str) -> Audit:
   """Lower + compile one decode step for an H200 and read its HLO."""
   _, dev = _shardings()
   abstract, state = _abstract_state(cfg)
   sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
   L, R = cfg.num_layers, cfg.num_requests
-  select = selectors.churn_selector(cfg.max_len // 2, cfg.top_k, cfg.num_units, 0.134)
-  step = jax.jit(functools.partial(decode.decode_step, cfg, select=select,
-                                   index_share_every=index_share_every),
-                 donate_argnums=(0,))
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+  step = jax.jit(functools.partial(decode.decode_step, cfg, selector), donate_argnums=(0,))
   lowered = deviceless.lower_for_cuda(
       step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
       sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
@@ -174,7 +174,8 @@ def audit_config(cfg: TierConfig, variant: str, index_share_every: int = 1) -> A
     per_miss = 2 * cfg.row_bytes if "fetch_rows" in hlo else 0.0
   triton = [l for l in hlo.splitlines() if "__gpu$xla.gpu.triton" in l]
   kernels = tuple(sorted({n for l in triton for n in KERNEL_NAMES if n in l}))
-  num_state = len(jax.tree.leaves(abstract))
+  # The cache's buffers lead the carry's leaves; each must be updated in place.
+  num_state = len(jax.tree.leaves(abstract.tier))
   aliased = aliased_parameters(hlo) & set(range(num_state))
   return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
                len(gathers), hlo.count("dynamic-update-slice-start"),
@@ -185,7 +186,7 @@ def audit_separate_append(cfg: TierConfig) -> tuple[int, int, int]:
   """The separate-jit host append (the default): (whole-tier copies, async host
   writes, aliased state buffers)."""
   _, dev = _shardings()
-  _, state = _abstract_state(cfg)
+  _, state = _abstract_state(cfg, carry=False)
   append = jax.jit(functools.partial(decode.append_newest, cfg), donate_argnums=(0,))
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
       append, state, jax.ShapeDtypeStruct((), bool, sharding=dev)))
@@ -205,29 +206,27 @@ def audit_config_bad_pattern(cfg: TierConfig) -> int:
 
 
 def audit_configs(smoke: bool):
-  if smoke:
-    base = TierConfig(num_layers=2, num_requests=2, max_len=1024, num_q_heads=4,
-                      num_kv_heads=2, head_dim=64, hot_slots=128, top_k=64,
-                      dtype=jnp.bfloat16, fetch_chunk=64, interpret=False,
-                      host_append="in_scan")
-  else:
-    base = TierConfig(num_layers=4, num_requests=4, max_len=32768, num_q_heads=8,
-                      num_kv_heads=2, head_dim=128, hot_slots=2048, top_k=512,
-                      dtype=jnp.bfloat16, fetch_chunk=512, interpret=False,
-                      host_append="in_scan")
-  xla = dict(resolve_impl="xla", attention_impl="xla")
-  pallas = dict(resolve_impl="pallas", attention_impl="pallas")
+  """(variant, TierConfig) pairs: the GPU default first, then the alternatives."""
+  shape = (dict(num_layers=2, num_requests=2, max_len=1024, num_q_heads=4, num_kv_heads=2,
+                head_dim=64, hot_slots=128, top_k=64) if smoke else
+           dict(num_layers=4, num_requests=4, max_len=32768, num_q_heads=8,
+                num_kv_heads=2, head_dim=128, hot_slots=2048, top_k=512))
+  impl = lambda resolve, attention, fetch: ImplConfig(
+      resolve=resolve, attention=attention, fetch=fetch, interpret=False,
+      fetch_chunk=shape["top_k"])
+  base = TierConfig(**shape, dtype=jnp.bfloat16, impl=impl("xla", "xla", "xla"))
   return [
-      ("xla kernels, host-gather fetch", base.replace(**xla, fetch_impl="xla")),
       ("GPU default: xla resolve, pallas attention, zero-copy fetch",
-       base.replace(resolve_impl="xla", attention_impl="pallas", fetch_impl="pallas")),
-      ("pallas kernels, zero-copy fetch", base.replace(**pallas, fetch_impl="pallas")),
+       base.replace(impl=impl("xla", "pallas", "pallas"))),
+      ("xla kernels, host-gather fetch", base),
+      ("pallas kernels, zero-copy fetch", base.replace(impl=impl("pallas", "pallas",
+                                                                  "pallas"))),
       ("pallas kernels, host-gather fetch, per-KV-head units",
-       base.replace(**pallas, fetch_impl="xla", per_kv_head=True)),
+       base.replace(impl=impl("pallas", "pallas", "xla"), per_kv_head=True)),
       ("xla kernels, host-gather fetch, overlapped hit/miss attention",
-       base.replace(**xla, fetch_impl="xla", overlap_hit_miss=True)),
+       base.replace(overlap_hit_miss=True)),
       ("xla kernels, host-gather fetch, index shared by 2 layers",
-       base.replace(**xla, fetch_impl="xla"), 2),
+       base.replace(index_share=2)),
   ]
 
 
@@ -240,7 +239,7 @@ def main(argv):
     print("hlo_audit: no compile-only CUDA client (pip install -e .[audit])")
     sys.exit(2)
   configs = audit_configs(FLAGS.smoke)
-  rows = [audit_config(cfg, name, *share) for name, cfg, *share in configs]
+  rows = [audit_config(cfg, name) for name, cfg in configs]
   control = audit_config_bad_pattern(configs[0][1])
   app_copies, app_writes, app_aliased = audit_separate_append(configs[0][1])
   print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
@@ -257,7 +256,7 @@ def main(argv):
   copies = sum(a.whole_host_copies for a in rows) + app_copies
   per_miss = max(a.host_to_device_bytes_per_miss for a in rows)
   unaliased = sum(a.state_params - a.aliased_params for a in rows)
-  chunk = configs[0][1].fetch_rows_per_chunk
+  chunk = configs[1][1].fetch_rows_per_chunk
   print(f"host->device bytes per layer per step: host-gather fetch "
         f"ceil(misses/{chunk})*{chunk}*{configs[0][1].row_bytes * 2} (+{chunk}*16 index "
         f"bytes device->host per gather); zero-copy fetch misses*{per_miss:.0f}")

@@ -1,13 +1,13 @@
 r"""Hot-cache miss rate by replacement policy, cache size and selector, on real traces.
 
-Paper table (HiSparse, SPECS.md §1.9 / §5.4): GLM-5.1, k=2048, one 100K-token
+Paper table (HiSparse): GLM-5.1, k=2048, one 100K-token
 LongBenchV2 request, 78 layers, first 1000 steps: B=k keeps 30% misses; at B=2k
 LRU 13.4%, FIFO 17.2%, random 16.1%, Belady 8.2%; at B=4k LRU 6.7%.
 
 Miss rate here = misses / selected entries (the newest position excluded: it has a
 reserved slot), summed over layers, units and steps; ``cold`` counts every step from
 an empty cache, ``warm`` only steps >= ``--warm_after`` (the paper's definition is
-not public; SPECS.md §1.11 reads it as misses/k averaged over steps and layers).
+not public; we read it as misses/k averaged over steps and layers).
 
 Command (~2-4 min on a 2-core CPU for the default trace):
   python -m experiments.miss_rate          # latest results/trace/*/traces.npz
@@ -22,7 +22,7 @@ from absl import app, flags
 import numpy as np
 
 from experiments import common
-from kvtier_jax import cache_sim
+from experiments.analysis import cache_sim
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "traces.npz (default: the latest results/trace run).")

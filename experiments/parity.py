@@ -1,7 +1,7 @@
 r"""Exactness of the tiered cache on the real model: tiered vs sparse over a full KV.
 
-The project's central claim (HiSparse, SPECS.md §1.2 invariant 3): moving KV between
-a host tier and a hot cache changes placement only, never outputs. Both runs use
+The project's central claim (HiSparse; docs/DESIGN.md, "Invariants"): moving KV
+between a host tier and a hot cache changes placement only, never outputs. Both runs use
 the same selector on SmolLM2-135M over real text; the tiered run is teacher-forced
 on the sparse run's greedy tokens; every step's logits are compared.
 
@@ -23,8 +23,10 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import model_setup
-from models import backends
+from experiments import model_setup  # noqa: F401 (shared flags)
+from kvtier_jax.config import ImplConfig
+from kvtier_jax.policies import PolicyConfig
+from models import backends, setup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 128, "Decode steps.")
@@ -38,24 +40,26 @@ TOLERANCE = 1e-4
 
 def main(argv):
   del argv
-  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file,
+  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file,
                                                     FLAGS.prompt_tokens, FLAGS.offset)
-  selector, params = model_setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
+  selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                                 FLAGS.indexer_ckpt)
   hot_slots = FLAGS.hot_slots or 2 * selector.top_k
   max_len = FLAGS.prompt_tokens + FLAGS.steps + 1
   tokens, lens = np.asarray(ids, np.int32)[None], np.array([FLAGS.prompt_tokens])
-  impls = dict(resolve_impl="xla" if FLAGS.policy != "lru" else FLAGS.impl,
-               attention_impl=FLAGS.impl, fetch_impl=FLAGS.impl, policy=FLAGS.policy)
+  impl = ImplConfig(resolve="xla" if FLAGS.policy != "lru" else FLAGS.impl,
+                    attention=FLAGS.impl, fetch=FLAGS.impl)
+  options = dict(impl=impl, policy=PolicyConfig(FLAGS.policy))
   tiered_selector = selector
   if FLAGS.policy == "rank":  # the same selector, ranking rank_depth positions
-    tiered_selector, _ = model_setup.build_selector(FLAGS.selector, model.cfg,
-                                                    FLAGS.rank_depth, FLAGS.indexer_ckpt)
-    impls.update(top_k=selector.top_k, rank_depth=FLAGS.rank_depth)
+    tiered_selector, _ = setup.build_selector(FLAGS.selector, model.cfg,
+                                              FLAGS.rank_depth, FLAGS.indexer_ckpt)
+    options.update(top_k=selector.top_k,
+                   policy=PolicyConfig("rank", rank_depth=FLAGS.rank_depth))
   sparse = backends.Runner(model, "sparse", max_len, selector=selector,
                            selector_params=params)
   tiered = backends.Runner(model, "tiered", max_len, selector=tiered_selector,
-                           selector_params=params, hot_slots=hot_slots, **impls)
+                           selector_params=params, hot_slots=hot_slots, **options)
   start = time.perf_counter()
   ref = sparse.prefill(tokens, lens)
   got = tiered.prefill(tokens, lens)

@@ -1,6 +1,6 @@
 r"""Beyond LRU: online replacement policies against Belady on real selection traces.
 
-Paper context (SPECS.md §5): HiSparse ships LRU with hits promoted above fresh
+Paper context (docs/DESIGN.md, "Replacement policies"): HiSparse ships LRU with hits promoted above fresh
 misses (13.4% at B=2k on GLM-5.1) against Belady's 8.2%. The goal here: an online
 (causal) policy that closes at least half of the LRU -> Belady gap at B=2k on our
 traces; the best one is also selectable in the jitted RESOLVE
@@ -23,7 +23,7 @@ from absl import app, flags
 import numpy as np
 
 from experiments import common
-from kvtier_jax import cache_sim
+from experiments.analysis import cache_sim
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "traces.npz (default: the newest full trace run).")

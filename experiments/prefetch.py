@@ -1,9 +1,9 @@
 r"""Hiding host IO: predictor agreement, critical-path misses, exposed IO per token.
 
-Paper figures: HiSparse (SPECS.md §1.7, §1.9): exposed IO per token 7.7 ms with
+Paper figures: HiSparse (docs/DESIGN.md, "Hiding host IO"): exposed IO per token 7.7 ms with
 synchronous RESOLVE vs 3.0 ms with exact (index-shared) prefetch; prefetch reaches
 85% of the no-IO ceiling; layer-ahead speculation gave no end-to-end gain. OasisKV
-(SPECS.md §3): next-step top-K agreement 98.74% with an EAGLE-3 draft vs 83.9%
+(arXiv 2608.08097): next-step top-K agreement 98.74% with an EAGLE-3 draft vs 83.9%
 with the current query.
 
 On SmolLM2-135M over pydoc text (dense attention, teacher-forced), per step:
@@ -35,11 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common, model_setup
+from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments.analysis import io_model
+from experiments.analysis.tracing import TraceCarry, lookahead_picks, trace_step
+from kvtier_jax.config import TierConfig
+from kvtier_jax.layer import prefetch_resolve
 from kvtier_jax.resolve import resolve
-from models import backends
+from kvtier_jax.selectors.base import prefill_state
+from models import backends, setup
 from models import cache as cache_lib
-from models.tracing import TraceCarry, lookahead_picks, trace_step
 from models.config import ModelConfig
 from models.transformer import apply_prefill_with_inputs
 
@@ -52,44 +56,45 @@ flags.DEFINE_integer("batch", 8, "Concurrency of the IO model (the paper's 8).")
 flags.DEFINE_bool("smoke", False, "Short run (tests).")
 flags.DEFINE_string("out_root", None, "Results root.")
 
-LINKS = {"h200_pcie5": (54e9, 20e-6), "gh200_c2c": (450e9, 5e-6)}  # bytes/s, per call
 HBM = 4.8e12
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "cap"))
-def lru_with_prefetch(selections, predictions, capacity: int, cap: int):
-  """LRU replay (the library's RESOLVE) with an optional prefetch between steps.
+@functools.partial(jax.jit, static_argnames=("capacity", "cap", "num_positions"))
+def lru_with_prefetch(selections, predictions, capacity: int, cap: int,
+                      num_positions: int):
+  """LRU replay with the library's RESOLVE and its lookahead prefetch between steps.
 
   Args:
     selections: i32[T, S, k] per step and stream (-1 padding).
     predictions: i32[T, S, k] positions prefetched after step t for step t+1
       (all -1: no prefetch).
-    capacity: B slots per stream; cap: prefetched rows per stream and step.
+    capacity: B slots per stream; cap: prefetched rows per stream and step;
+      num_positions: a bound on every position.
 
   Returns:
     (critical misses i32[T, S], prefetched i32[T, S], useful prefetched i32[T, S]):
     a prefetched row is useful when step t+1 selects it.
   """
-  num_streams = selections.shape[1]
+  num_streams, num_sel = selections.shape[1:]
+  # The replay as a one-layer tiered cache: one stream per request slot.
+  cfg = TierConfig(num_layers=1, num_requests=num_streams, max_len=num_positions,
+                   num_q_heads=1, num_kv_heads=1, head_dim=1, hot_slots=capacity,
+                   top_k=num_sel, lookahead_cap=cap, impl="xla")
   slot_pos = jnp.full((num_streams, capacity), -1, jnp.int32)
   lru = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), slot_pos.shape)
+  score = jnp.zeros(slot_pos.shape, jnp.float32)
   never = jnp.full((num_streams,), -1, jnp.int32)  # no reserved newest position
+  past = jnp.full((num_streams,), num_positions, jnp.int32)  # every position exists
 
   def step(carry, xs):
     slot_pos, lru = carry
     sel, pred, nxt = xs
-    res = resolve(slot_pos, lru, sel, never)
-    misses = res.is_miss.sum(-1, dtype=jnp.int32)
-    # Prefetch: a RESOLVE over the prediction with at most `cap` fetches.
-    held = jnp.sort(res.slot_pos, -1)
-    at = jnp.minimum(jax.vmap(jnp.searchsorted)(held, pred), capacity - 1)
-    resident = (pred >= 0) & (jnp.take_along_axis(held, at, -1) == pred)
-    fetch_it = (pred >= 0) & ~resident
-    fetch_it &= jnp.cumsum(fetch_it, -1) <= cap
-    pf = resolve(res.slot_pos, res.lru, jnp.where(fetch_it | resident, pred, -1), never)
+    res = resolve(slot_pos, lru, sel, never, lookup_method="search")
+    pf, _ = prefetch_resolve(cfg, res.slot_pos, res.lru, score, pred, past)
     fetched = jnp.where(pf.is_miss, pred, -1)
     useful = (fetched[:, :, None] == jnp.where(nxt >= 0, nxt, -2)[:, None, :]).any(-1)
-    return (pf.slot_pos, pf.lru), (misses, pf.is_miss.sum(-1, dtype=jnp.int32),
+    return (pf.slot_pos, pf.lru), (res.is_miss.sum(-1, dtype=jnp.int32),
+                                   pf.is_miss.sum(-1, dtype=jnp.int32),
                                    useful.sum(-1, dtype=jnp.int32))
 
   nxt = jnp.concatenate([selections[1:], jnp.full_like(selections[:1], -1)])
@@ -113,12 +118,9 @@ def streams(trace: np.ndarray) -> np.ndarray:
   return trace.reshape(trace.shape[0], -1, trace.shape[-1]).astype(np.int32)
 
 
-def exposed_io_ms(miss_rate: float, link: str, hidden_us_per_layer: float = 0.0) -> float:
-  cfg = ModelConfig.glm_5_1()
-  bandwidth, latency = LINKS[link]
-  per_layer = FLAGS.batch * miss_rate * cfg.top_k * cfg.kv_bytes_per_token_per_layer
-  layer_s = per_layer / bandwidth + latency - hidden_us_per_layer * 1e-6
-  return 1e3 * cfg.num_layers * max(0.0, layer_s)
+def exposed_io_ms(miss_rate: float, link: str, hidden_s_per_layer: float = 0.0) -> float:
+  return io_model.exposed_io_ms(ModelConfig.glm_5_1(), FLAGS.batch, miss_rate,
+                                io_model.LINKS[link], hidden_s_per_layer)
 
 
 def main(argv):
@@ -126,10 +128,10 @@ def main(argv):
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
   out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt),
                          FLAGS.out_root)
-  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
+  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
                                                     FLAGS.offset)
   cfg = model.cfg
-  built = [model_setup.build_selector(n, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
+  built = [setup.build_selector(n, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
            for n in FLAGS.selectors]
   selectors, params = tuple(s for s, _ in built), tuple(p for _, p in built)
   weights, tokens = model.weights(), np.asarray(ids, np.int32)
@@ -138,7 +140,7 @@ def main(argv):
   _, k, v, h = apply_prefill_with_inputs(cfg, weights, jnp.asarray(tokens[None, :prompt]),
                                          lens)
   kv = cache_lib.dense_from_prefill(k, v, lens, max_len)
-  states = tuple(backends._selector_prefill(s, cfg.num_layers, max_len, p, h, k, lens)
+  states = tuple(prefill_state(s, cfg.num_layers, max_len, p, h, k, lens)
                  for s, p in zip(selectors, params))
   picks = tuple(jnp.zeros((cfg.num_layers, 1, s.num_units, s.top_k), jnp.int32)
                 for s in selectors)
@@ -180,7 +182,7 @@ def main(argv):
                 "prefetch: draft token": jnp.asarray(streams(guess))}
     for variant, pred in variants.items():
       miss, pref, useful = (np.asarray(x) for x in lru_with_prefetch(
-          sel_streams, pred, 2 * k, FLAGS.cap))
+          sel_streams, pred, 2 * k, FLAGS.cap, max_len))
       valid = max(1, int((real >= 0).sum()))
       rate = miss.sum() / valid
       rows.append(dict(selector=name, variant=variant, critical_miss_rate=rate,
@@ -200,12 +202,12 @@ def main(argv):
                      io_gh200_ms=exposed_io_ms(base / FLAGS.share, "gh200_c2c")))
     # Overlapped hit/miss attention: the hit partial (reading the resident rows at
     # HBM bandwidth) hides at most its own duration of each layer's fetch.
-    glm = ModelConfig.glm_5_1()
-    hit_us = 1e6 * FLAGS.batch * (1 - base) * glm.top_k * glm.kv_bytes_per_token_per_layer / HBM
+    hit_s = io_model.miss_bytes_per_layer(ModelConfig.glm_5_1(), FLAGS.batch,
+                                          1 - base) / HBM
     rows.append(dict(selector=name, variant="overlapped hit/miss attention",
                      critical_miss_rate=base,
-                     io_h200_ms=exposed_io_ms(base, "h200_pcie5", hit_us),
-                     io_gh200_ms=exposed_io_ms(base, "gh200_c2c", hit_us)))
+                     io_h200_ms=exposed_io_ms(base, "h200_pcie5", hit_s),
+                     io_gh200_ms=exposed_io_ms(base, "gh200_c2c", hit_s)))
   for row in rows:
     common.append_row(out, row)
   note = (f"draft token (prompt lookup) correct at {draft_hits}/{steps} steps; "

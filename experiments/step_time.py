@@ -1,6 +1,6 @@
 r"""Decode step time and host IO: measured on SmolLM2 here, modelled for the paper.
 
-Paper figures (HiSparse, SPECS.md §1.9): GLM-5.2-FP8 on 8xH200 at concurrency 8,
+Paper figures (HiSparse): GLM-5.2-FP8 on 8xH200 at concurrency 8,
 exposed IO per token vs a no-IO oracle: 7.7 ms synchronous, 3.0 ms with prefetch;
 RESOLVE's IO phase 112 us per call on H200 PCIe5 vs 29 us on GH200 NVLink-C2C
 (GLM-5.1, B=2k, batch 16).
@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common, model_setup
-from models import backends
+from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments.analysis import io_model
+from models import backends, setup
 from models.config import ModelConfig
 
 FLAGS = flags.FLAGS
@@ -82,14 +83,13 @@ def io_rows():
                   else latest_lru_miss_rate())
   cfg = ModelConfig.glm_5_1()
   rows = []
-  for link in FLAGS.links:
-    name, gbps, latency_us = link.split(":")
-    misses = FLAGS.batch * miss * cfg.top_k * cfg.num_layers
-    transfer = misses * cfg.kv_bytes_per_token_per_layer / (float(gbps) * 1e9)
-    calls = cfg.num_layers * float(latency_us) * 1e-6
-    rows.append(dict(link=name, GBps=float(gbps), miss_rate=miss, miss_source=source,
-                     misses_per_step=misses, transfer_ms=1e3 * transfer,
-                     latency_ms=1e3 * calls, exposed_io_ms=1e3 * (transfer + calls),
+  for spec in FLAGS.links:
+    name, link = io_model.Link.parse(spec)
+    transfer = cfg.num_layers * io_model.miss_bytes_per_layer(cfg, FLAGS.batch, miss)
+    rows.append(dict(link=name, GBps=link.bandwidth / 1e9, miss_rate=miss,
+                     miss_source=source, transfer_ms=1e3 * transfer / link.bandwidth,
+                     latency_ms=1e3 * cfg.num_layers * link.latency,
+                     exposed_io_ms=io_model.exposed_io_ms(cfg, FLAGS.batch, miss, link),
                      paper_sync_ms=7.7, paper_prefetch_ms=3.0))
   return rows
 
@@ -98,9 +98,9 @@ def main(argv):
   del argv
   out = common.start_run("step_time", FLAGS.flag_values_dict(), FLAGS.out_root)
   contexts = list(map(int, FLAGS.contexts))
-  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file,
+  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file,
                                                     max(contexts) + 8, FLAGS.offset)
-  selector, params = model_setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
+  selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                                 FLAGS.indexer_ckpt)
   measured = []
   for context in contexts:

@@ -1,11 +1,11 @@
 r"""Selection traces of SmolLM2-135M over real text, for every selector at once.
 
-Paper table: the inputs of HiSparse's cache-policy ablation (SPECS.md §1.9: one
+Paper table: the inputs of HiSparse's cache-policy ablation (one
 LongBenchV2 request, every sparse layer, first 1000 decode steps). Here: SmolLM2
 over Python's pydoc text, a 7680-token prompt (the model's trained 8K context) and
 512 teacher-forced decode steps (the text's own continuation is fed, so every
 selector sees the same hidden states). The model attends densely; at every step
-and layer each selector's choice is recorded (REAL_MODEL.md §4: selections are
+and layer each selector's choice is recorded (selections are
 recorded, not fed back). The newest position is dropped from the rows (-1): the
 tiered cache serves it from its reserved slot.
 
@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common, model_setup
-from models import backends
+from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments.analysis.tracing import TraceCarry, trace_step
+from kvtier_jax.selectors.base import prefill_state
 from models import cache as cache_lib
-from models.tracing import TraceCarry, trace_step
+from models import setup
 from models.transformer import apply_prefill_with_inputs
 
 FLAGS = flags.FLAGS
@@ -70,14 +71,14 @@ def main(argv):
     prompt = 7680
   out = common.start_run("trace", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt,
                                        steps=steps), FLAGS.out_root)
-  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
+  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
                                                     FLAGS.offset)
   cfg = model.cfg
   depth = {name: max(FLAGS.top_k, FLAGS.rank_depth if name in RANKED else 0)
            for name in FLAGS.selectors}
   if FLAGS.smoke:
     depth = {name: min(d, 2 * FLAGS.top_k) for name, d in depth.items()}
-  built = [model_setup.build_selector(name, cfg, depth[name], FLAGS.indexer_ckpt)
+  built = [setup.build_selector(name, cfg, depth[name], FLAGS.indexer_ckpt)
            for name in FLAGS.selectors]
   selectors = tuple(s for s, _ in built)
   params = tuple(p for _, p in built)
@@ -89,7 +90,7 @@ def main(argv):
   _, k, v, h = apply_prefill_with_inputs(cfg, weights, jnp.asarray(tokens[:, :prompt]),
                                          lens)
   kv = cache_lib.dense_from_prefill(k, v, lens, max_len)
-  states = tuple(backends._selector_prefill(s, cfg.num_layers, max_len, p, h, k, lens)
+  states = tuple(prefill_state(s, cfg.num_layers, max_len, p, h, k, lens)
                  for s, p in zip(selectors, params))
   jax.block_until_ready((kv, states))
   del k, v, h

@@ -21,7 +21,7 @@ def hot_attention(cfg: TierConfig, q, hot_k, hot_v, layer, slot):
 
   Returns (out [R, Hq, D], lse f32[R, Hq]).
   """
-  if common.use_kernel(cfg.attention_impl, "attention"):
+  if common.use_kernel(cfg.impl.attention, "attention"):
     return sparse_decode_attention(q, hot_k, hot_v, layer, slot,
                                    interpret=cfg.use_interpret)
   return sparse_decode_attention_reference(q, hot_k, hot_v, layer, slot)

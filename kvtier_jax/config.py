@@ -1,4 +1,11 @@
-"""Static configuration of a tiered KV cache (everything that fixes a shape)."""
+"""Static configuration of a tiered KV cache, by concern.
+
+``TierConfig`` holds the shapes (everything that fixes an array size) and the
+behaviour of the step (warm start, index sharing, lookahead); ``PolicyConfig``
+(kvtier_jax/policies.py) the replacement policy; ``ImplConfig`` which
+implementation runs each op. All are frozen and hashable: they are static
+arguments of the jitted step. Glossary of the letters: shapes.py.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +14,53 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from kvtier_jax import lookup
+from kvtier_jax.policies import PolicyConfig
 from pallas_kernels import common
-from pallas_kernels.cache_resolve.reference import LOOKUPS
 
 WARM_STARTS = ("first", "head_tail", "empty")
-HOST_APPENDS = ("auto", "in_scan", "separate")
-POLICIES = ("lru", "freq", "rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplConfig:
+  """Which implementation runs each op; results never depend on it.
+
+  Attributes:
+    resolve / attention / fetch: "xla", "pallas" or "auto" (on a GPU the faster
+      one as measured there, XLA elsewhere: pallas_kernels/common.py). fetch
+      "xla" is the host gather (compute_on), "pallas" the zero-copy kernel.
+    lookup: membership lookup of the XLA RESOLVE and the residency tests: "auto",
+      "map" or "search" (kvtier_jax/lookup.py).
+    interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
+    fetch_chunk: rows per host gather of the XLA fetch; misses take
+      ``ceil(misses / fetch_chunk)`` gathers. None: ``max(16, k // 8)`` (an
+      eighth of a selection: miss rates of 5-15% take one or two gathers).
+  """
+
+  resolve: str = "auto"
+  attention: str = "auto"
+  fetch: str = "auto"
+  lookup: str = "auto"
+  interpret: bool | None = None
+  fetch_chunk: int | None = None
+
+  def __post_init__(self):
+    for name in ("resolve", "attention", "fetch"):
+      common.check_impl(getattr(self, name))
+    if self.lookup not in ("auto",) + lookup.METHODS:
+      raise ValueError(f"{self.lookup=} must be 'auto' or one of {lookup.METHODS}")
+    if self.fetch_chunk is not None and self.fetch_chunk < 1:
+      raise ValueError(f"{self.fetch_chunk=} must be >= 1 (or None)")
+
+  @classmethod
+  def every(cls, impl: str, **kw) -> "ImplConfig":
+    """The same implementation for resolve, attention and fetch."""
+    return cls(resolve=impl, attention=impl, fetch=impl, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
-  """Shapes and implementation choices of one tiered cache (glossary: shapes.py).
+  """Shapes and behaviour of one tiered cache (glossary: shapes.py).
 
   Attributes:
     num_layers: L, layers with a tiered cache.
@@ -25,41 +68,22 @@ class TierConfig:
     max_len: T, positions per request the host tier holds.
     num_q_heads / num_kv_heads / head_dim: Hq, Hkv, D.
     hot_slots: B, regular hot slots per (layer, request, unit); ``B >= top_k``.
-    top_k: k, positions a selector may return per (layer, request, unit).
+    top_k: k, positions attended per (layer, request, unit) and step.
     per_kv_head: one cache unit per KV head (U = Hkv) instead of per request.
-    dtype: KV dtype (host tier and hot cache).
+    dtype: KV dtype (host tier and hot cache); bf16, as served.
     warm_start: hot-cache content after a prefill longer than B: ``"first"``
-      (positions 0..B-1, SGLang CUDA), ``"head_tail"`` (first B//2 and last B - B//2,
-      SGLang NPU) or ``"empty"`` (first decode step misses everything).
-    fetch_chunk: rows per host gather of the XLA fetch path; misses are fetched in
-      ``ceil(misses / fetch_chunk)`` gathers, so padding costs at most a chunk per
-      layer. 0 picks ``max(16, k // 8)`` (an eighth of a selection: typical miss
-      rates of 5-15% take one or two gathers per request).
-    resolve_impl / attention_impl / fetch_impl: "xla", "pallas" or "auto" (on GPU
-      the faster one as measured there, XLA elsewhere; pallas_kernels/common.py).
-      fetch "xla" is the host gather (compute_on), "pallas" the zero-copy kernel.
-    resolve_lookup: membership lookup of the XLA RESOLVE: "auto" (per backend,
-      pallas_kernels/common.py), "scan", "unrolled", "sort" or "map" (a dense
-      position -> slot map of max_len + 1 entries per row, no sort). Same results.
-    interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
-    host_append: where the newest token's KV is written to the host tier:
-      ``"separate"`` (the ``"auto"`` choice) in its own donated jit after the step,
-      one strided write per request for all layers; ``"in_scan"`` inside the layer
-      scan, 2R tiny writes per layer (also copy-free on XLA:GPU, but measured
-      slower on an H200: 3.0 vs 2.5 ms per step at 32K, R=8).
-    overlap_hit_miss: attend over resident rows while the misses are fetched, then
-      over the misses, merged by log-sum-exp (exact to f32 rounding).
-    policy: victim choice: ``"lru"`` (HiSparse's RESOLVE order) or ``"freq"``
-      (lowest exponential moving average of selections, ``freq_alpha`` decay; the
-      best online policy on our traces, experiments/policies.py). Outputs are the
-      same either way; only which slots get evicted differs.
-      ``"rank"``: evict the slots whose positions the selector ranks worst at this
-      step, softened by the ``freq`` EMA (``rank_freq`` weight; the best online
-      policy on our traces); the selector then returns ``rank_depth`` best-first
-      positions per row, the first ``top_k`` of which are the selection.
-    rank_depth: m, positions per row of the selector's ranking under ``"rank"``
-      (0 or <= top_k: the selection itself).
-    rank_freq: weight of the frequency EMA in the ``"rank"`` key, >= 0.
+      (positions 0..B-1, SGLang CUDA), ``"head_tail"`` (first B//2 and last
+      B - B//2, SGLang NPU) or ``"empty"`` (the first decode step misses all).
+    index_share: N layers per selection (IndexShare / IndexCache): only every
+      N-th layer (the anchor) selects and resolves; it also fetches the misses of
+      the N - 1 layers after it, whose metadata stays in lockstep.
+    overlap_hit_miss: attend over resident rows while the misses are fetched,
+      then over the misses, merged by log-sum-exp (exact to f32 rounding).
+    lookahead_cap: rows per (layer, request, unit) a lookahead may fetch ahead of
+      need (a ``prefetch`` of predicted positions, or an uncommitted draft
+      pass); None: no cap.
+    policy: the replacement policy (a name or a ``PolicyConfig``).
+    impl: the implementations (an ``ImplConfig``, or one name for every op).
   """
 
   num_layers: int
@@ -71,24 +95,21 @@ class TierConfig:
   hot_slots: int
   top_k: int
   per_kv_head: bool = False
-  dtype: Any = jnp.float32
+  dtype: Any = jnp.bfloat16
   warm_start: str = "head_tail"
-  fetch_chunk: int = 0
-  resolve_impl: str = "auto"
-  attention_impl: str = "auto"
-  fetch_impl: str = "auto"
-  resolve_lookup: str = "auto"
-  interpret: bool | None = None
-  host_append: str = "auto"
+  index_share: int = 1
   overlap_hit_miss: bool = False
-  policy: str = "lru"
-  freq_alpha: float = 0.9
-  rank_depth: int = 0
-  rank_freq: float = 0.3
+  lookahead_cap: int | None = None
+  policy: PolicyConfig = PolicyConfig()
+  impl: ImplConfig = ImplConfig()
 
   def __post_init__(self):
+    if isinstance(self.policy, str):
+      object.__setattr__(self, "policy", PolicyConfig(self.policy))
+    if isinstance(self.impl, str):
+      object.__setattr__(self, "impl", ImplConfig.every(self.impl))
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
-                 "num_kv_heads", "head_dim", "hot_slots", "top_k"):
+                 "num_kv_heads", "head_dim", "hot_slots", "top_k", "index_share"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
     if self.hot_slots < self.top_k:
@@ -101,25 +122,14 @@ class TierConfig:
       raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
     if self.warm_start not in WARM_STARTS:
       raise ValueError(f"{self.warm_start=} must be one of {WARM_STARTS}")
-    if self.host_append not in HOST_APPENDS:
-      raise ValueError(f"{self.host_append=} must be one of {HOST_APPENDS}")
-    if self.policy not in POLICIES:
-      raise ValueError(f"{self.policy=} must be one of {POLICIES}")
-    if self.policy != "lru" and self.resolve_impl == "pallas":
-      raise ValueError(f"the {self.policy} policy has no Pallas RESOLVE kernel: "
-                       "resolve_impl='xla'")
-    if not self.rank_freq >= 0:
-      raise ValueError(f"{self.rank_freq=} must be >= 0")
-    if self.rank_depth < 0 or (self.rank_depth and self.policy != "rank"):
-      raise ValueError(f"rank_depth={self.rank_depth} needs policy='rank' (and >= 0)")
-    if not 0.0 < self.freq_alpha < 1.0:
-      raise ValueError(f"{self.freq_alpha=} must be in (0, 1)")
-    if self.resolve_lookup not in ("auto",) + LOOKUPS:
-      raise ValueError(f"{self.resolve_lookup=} must be 'auto' or one of {LOOKUPS}")
-    if self.fetch_chunk < 0:
-      raise ValueError(f"{self.fetch_chunk=} must be >= 0")
-    for name in ("resolve_impl", "attention_impl", "fetch_impl"):
-      common.check_impl(getattr(self, name))
+    if self.num_layers % self.index_share:
+      raise ValueError(f"index_share={self.index_share} must divide "
+                       f"num_layers={self.num_layers}")
+    if self.lookahead_cap is not None and self.lookahead_cap < 0:
+      raise ValueError(f"{self.lookahead_cap=} must be >= 0 (or None)")
+    if self.policy.keyed and self.impl.resolve == "pallas":
+      raise ValueError(f"the {self.policy.name} policy has no Pallas RESOLVE kernel: "
+                       "impl.resolve='xla'")
 
   # Derived sizes -------------------------------------------------------------
   @property
@@ -137,7 +147,7 @@ class TierConfig:
   @property
   def select_width(self) -> int:
     """Positions per row a selector returns: the selection, or the ranking."""
-    return max(self.top_k, self.rank_depth)
+    return max(self.top_k, self.policy.rank_depth)
 
   @property
   def row_bytes(self) -> int:
@@ -147,15 +157,11 @@ class TierConfig:
   @property
   def fetch_rows_per_chunk(self) -> int:
     lanes = self.num_requests * self.num_units * self.top_k
-    return min(self.fetch_chunk or max(16, self.top_k // 8), lanes)
-
-  @property
-  def append_in_scan(self) -> bool:
-    return self.host_append == "in_scan"
+    return min(self.impl.fetch_chunk or max(16, self.top_k // 8), lanes)
 
   @property
   def use_interpret(self) -> bool:
-    return common.interpret_mode() if self.interpret is None else self.interpret
+    return common.interpret_mode() if self.impl.interpret is None else self.impl.interpret
 
   # Memory accounting (bytes) -------------------------------------------------
   def host_bytes_per_request(self) -> int:

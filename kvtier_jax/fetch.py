@@ -4,13 +4,13 @@
   the misses of a layer, then gathers them on the host (``compute_on2``
   'device_host', which XLA:GPU runs as an async HostExecute whose result lands in
   HBM) in ``ceil(misses / chunk)`` chunks of ``chunk`` rows, and scatters them into
-  their victim slots. The Pallas path (``fetch_impl="pallas"``) is one kernel that
+  their victim slots. The Pallas path (``ImplConfig(fetch="pallas")``) is one kernel that
   reads the pinned host buffer directly (zero-copy over UVA) and copies exactly the
   missed rows.
 * Append (hot slot B -> host): the newest token's rows are written into the host
   tier with per-request ``dynamic_update_slice`` on the host buffer, in place under
-  donation (JAX_HOST_OFFLOAD_NOTES.md §2.1: never a compute_on scatter, which copies
-  the whole tier).
+  donation (never a compute_on scatter, which copies the whole tier: docs/DESIGN.md,
+  "Host memory in XLA").
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ Host = jax.memory.Space.Host
 Device = jax.memory.Space.Device
 
 
-def _gather_rows(host_k, host_v, index):
+def gather_rows(host_k, host_v, index):
   """Rows host[i0, i1, i2, i3] for each row of ``index`` i32[C, 4], on device."""
 
   def take(hk, hv, index):
@@ -122,7 +122,7 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
   def one_chunk(i, rows):
     rows_k, rows_v = rows
     part = jax.lax.dynamic_slice_in_dim(plan.src, i * chunk, chunk)
-    got_k, got_v = _gather_rows(host_k, host_v, part)
+    got_k, got_v = gather_rows(host_k, host_v, part)
     rows_k = jax.lax.dynamic_update_slice_in_dim(rows_k, got_k, i * chunk, 0)
     rows_v = jax.lax.dynamic_update_slice_in_dim(rows_v, got_v, i * chunk, 0)
     return rows_k, rows_v
@@ -156,30 +156,24 @@ def scatter_rows(hot, dest, rows):
       rows.astype(hot.dtype), mode="drop", unique_indices=True)
 
 
-def append_rows(host_k, host_v, layer, positions, rows_k, rows_v):
-  """Write one position per request into the host tier, in place.
+def append_rows(host_k, host_v, positions, rows_k, rows_v):
+  """Write one position per request, every layer, into the host tier, in place.
 
   Args:
     host_k, host_v: [L, R, T+1, U, Hg, D].
-    layer: i32[] (rows [R, U, Hg, D] of that layer) or None (rows [L, R, U, Hg, D]
-      of every layer, one strided write per request).
     positions: i32[R] target position per request (T = the scratch row).
+    rows_k, rows_v: [L, R, U, Hg, D] the rows (one strided write per request).
   """
   on_host = is_host_array(host_k)
-  num_req = positions.shape[0]
 
   def one_request(r, carry):
     hk, hv = carry
-    if layer is None:
-      upd_k, upd_v = rows_k[:, r][:, None, None], rows_v[:, r][:, None, None]
-      start = (0, r, positions[r], 0, 0, 0)
-    else:
-      upd_k, upd_v = rows_k[r][None, None, None], rows_v[r][None, None, None]
-      start = (layer, r, positions[r], 0, 0, 0)
+    upd_k, upd_v = rows_k[:, r][:, None, None], rows_v[:, r][:, None, None]
     if on_host:
       upd_k, upd_v = jax.device_put(upd_k, Host), jax.device_put(upd_v, Host)
+    start = (0, r, positions[r], 0, 0, 0)
     hk = jax.lax.dynamic_update_slice(hk, upd_k.astype(hk.dtype), start)
     hv = jax.lax.dynamic_update_slice(hv, upd_v.astype(hv.dtype), start)
     return hk, hv
 
-  return jax.lax.fori_loop(0, num_req, one_request, (host_k, host_v))
+  return jax.lax.fori_loop(0, positions.shape[0], one_request, (host_k, host_v))

@@ -1,16 +1,16 @@
 """Sparse attention over a full KV cache on device: the exactness reference and the
-speed baseline of the tiered decode step (same selections, same float operations)."""
+speed baseline of the tiered decode step (same selector, same float operations)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kvtier_jax import attention
 from kvtier_jax.config import TierConfig
-from kvtier_jax.decode import SelectContext, SelectFn
+from kvtier_jax.selectors.base import StepInputs
 
 
 class FullKVState(NamedTuple):
@@ -30,23 +30,28 @@ def init_full_kv(cfg: TierConfig, k_prompt, v_prompt, prompt_lens, *, fill=0.0):
   return FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32))  # a copy: donated
 
 
-def full_kv_decode_step(cfg: TierConfig, state: FullKVState, q, k_new, v_new,
-                        select: SelectFn, select_aux=None):
-  """Same contract as ``decode_step`` with every position resident on device."""
+def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new, v_new,
+                        sel: Any = None):
+  """``decode.decode_step``'s contract with every position resident on device.
+
+  ``sel``: the selector's state (for ``GivenSelector``, the step's selections
+  i32[L, R, U, k]). Returns (out [L, R, Hq, D], state).
+  """
   num_req = cfg.num_requests
   r = jnp.arange(num_req)
   shape = (num_req, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
 
   def body(carry, xs):
-    k_all, v_all = carry
-    layer, q_l, k_l, v_l, aux_l = xs
+    k_all, v_all, sel = carry
+    layer, q_l, k_l, v_l = xs
     k_all = k_all.at[layer, r, state.seq_len].set(k_l.reshape(shape).astype(k_all.dtype))
     v_all = v_all.at[layer, r, state.seq_len].set(v_l.reshape(shape).astype(v_all.dtype))
-    selected = select(q_l, SelectContext(layer, state.seq_len, aux_l))
-    out, _ = attention.full_kv_attention(q_l, k_all, v_all, layer, selected)
-    return (k_all, v_all), out
+    picked, sel = selector.select(sel, layer, StepInputs(None, q_l, k_l, state.seq_len))
+    out, _ = attention.full_kv_attention(q_l, k_all, v_all, layer,
+                                         picked[..., :cfg.top_k])
+    return (k_all, v_all, sel), out
 
   layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (k_all, v_all), out = jax.lax.scan(body, (state.k, state.v),
-                                     (layers, q, k_new, v_new, select_aux))
+  (k_all, v_all, _), out = jax.lax.scan(body, (state.k, state.v, sel),
+                                        (layers, q, k_new, v_new))
   return out, FullKVState(k_all, v_all, state.seq_len + 1)

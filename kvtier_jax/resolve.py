@@ -1,28 +1,29 @@
-"""RESOLVE: map a step's selected positions onto hot slots (public contract).
+"""RESOLVE: map a step's selected positions onto hot slots (the public contract).
 
-``resolve`` finds hits, picks LRU victims for misses, updates the slot metadata and
+``resolve`` finds hits, picks victims for misses, updates the slot metadata and
 says which slot serves each selected entry; the caller fetches the misses. The
-algorithm lives beside its kernel in ``pallas_kernels/cache_resolve`` (the jnp
-reference doubles as the XLA path); this module validates and dispatches.
+algorithm is the kernel's reference (``pallas_kernels/cache_resolve``); the XLA
+path feeds it the membership lookup of ``lookup.py`` and, under a keyed policy,
+the retention key of ``policies.py``. This module validates and dispatches.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvtier_jax import lookup, policies
+from kvtier_jax.policies import PolicyConfig
 from kvtier_jax.shapes import EMPTY, LruOrder, Newest, Selected, SlotPos
 from pallas_kernels import common
-from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_freq_reference,
-                                          cache_resolve_keyed_reference,
-                                          cache_resolve_reference)
-from pallas_kernels.cache_resolve.reference import (SEARCH_METHOD, freq_update,
-                                                   position_table, table_lookup)
+from pallas_kernels.cache_resolve import ResolveOutputs, cache_resolve_reference
 
-__all__ = ["ResolveOutputs", "resolve", "resolve_freq", "resolve_ranked", "rank_of",
-           "install_newest",
-           "selection_errors", "check_selection"]
+__all__ = ["ResolveOutputs", "resolve", "resolve_with_policy", "install_newest",
+           "selection_errors", "check_selection", "STATUS_OUT_OF_RANGE",
+           "STATUS_DUPLICATE", "STATUS_CAPACITY"]
 
 # Bits of the status word a decode step returns.
 STATUS_OUT_OF_RANGE = 1
@@ -86,33 +87,32 @@ def _check_metadata(slot_pos, lru) -> None:
     raise ValueError("a position is held by two slots of the same row")
 
 
-def selection_errors(selected, newest, num_positions: int | None = None):
+def _validated(slot_pos, lru, selected, newest):
+  slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
+  _check_shapes(slot_pos, lru, selected, newest)
+  if _is_concrete(slot_pos, lru, selected, newest):
+    check_selection(selected, newest)
+    _check_metadata(slot_pos, lru)
+  return tuple(x.astype(jnp.int32) for x in (slot_pos, lru, selected, newest))
+
+
+def selection_errors(selected, newest, num_positions: int | None = None,
+                     method: str = "auto"):
   """In-jit counterpart of ``check_selection``: status bits per row, i32[...].
 
-  With ``num_positions`` (a bound on valid positions) and room under
-  ``common.MAP_SCRATCH_BYTES``, duplicates are found by scattering each entry's
-  lane into a position map and reading it back (a lane that reads another lane's
-  index shares its position), instead of sorting the selection.
+  ``num_positions`` bounds valid positions (the map lookup's table size).
   """
   bad_range = (selected < EMPTY) | ((newest[..., None] >= 0) &
                                      (selected > newest[..., None]))
-  rows = int(np.prod(selected.shape[:-1]))
-  if common.xla_lookup("auto", num_positions, rows) == "map":
-    lane = jnp.broadcast_to(jnp.arange(selected.shape[-1], dtype=jnp.int32),
-                            selected.shape)
-    owner = table_lookup(position_table(selected, lane, num_positions, -1), selected, -1)
-    dup = (owner >= 0) & (owner != lane)
-  else:
-    srt = jnp.sort(selected, axis=-1)
-    dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+  dup = lookup.duplicate_mask(selected, method=method, num_positions=num_positions)
   return (jnp.where(bad_range.any(-1), STATUS_OUT_OF_RANGE, 0)
           | jnp.where(dup.any(-1), STATUS_DUPLICATE, 0)).astype(jnp.int32)
 
 
 def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest, *,
-            impl: str = "xla", interpret: bool | None = None, lookup: str = "auto",
+            impl: str = "xla", interpret: bool | None = None, lookup_method: str = "auto",
             num_positions: int | None = None) -> ResolveOutputs:
-  """One RESOLVE step over any leading batch dims ``...``.
+  """One LRU RESOLVE step over any leading batch dims ``...``.
 
   Args:
     slot_pos: i32[..., B] position held by each regular slot, -1 empty.
@@ -121,10 +121,10 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
     newest: i32[...] the newest position; it is always served by reserved slot B.
     impl: "xla" (jnp), "pallas" (the fused kernel; interpreted off GPU) or "auto".
     interpret: override Pallas interpret mode.
-    lookup: membership lookup of the XLA path ("auto", "scan", "unrolled", "sort"
-      or "map"; pallas_kernels/cache_resolve/reference.py); results are identical.
-    num_positions: a bound on every position (``"map"`` allocates this many
-      entries per row), e.g. the host tier length.
+    lookup_method: membership lookup of the XLA path ("auto", "map", "search";
+      lookup.py); results are identical.
+    num_positions: a bound on every position (the "map" lookup's table size),
+      e.g. the host tier length.
 
   Returns:
     ``ResolveOutputs(slot_pos, lru, slot, is_miss)``: updated metadata, the slot that
@@ -136,112 +136,57 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
       inputs are concrete, on out-of-range or duplicate selections and invalid
       metadata.
   """
-  slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
-  _check_shapes(slot_pos, lru, selected, newest)
-  if _is_concrete(slot_pos, lru, selected, newest):
-    check_selection(selected, newest)
-    _check_metadata(slot_pos, lru)
-  args = tuple(x.astype(jnp.int32) for x in (slot_pos, lru, selected, newest))
+  args = _validated(slot_pos, lru, selected, newest)
   if common.use_kernel(impl, "resolve"):
-    from pallas_kernels.cache_resolve.kernel import cache_resolve
+    from pallas_kernels.cache_resolve import cache_resolve
     interp = common.interpret_mode() if interpret is None else interpret
     return cache_resolve(*args, interpret=interp)
-  rows = int(np.prod(slot_pos.shape[:-1]))
-  return cache_resolve_reference(
-      *args, lookup=common.xla_lookup(lookup, num_positions, rows),
-      num_positions=num_positions)
+  return _resolve_xla(*args, method=lookup_method, num_positions=num_positions)
 
 
-def resolve_freq(slot_pos: SlotPos, lru: LruOrder, score, selected: Selected,
-                 newest: Newest, *, alpha: float = 0.9, lookup: str = "auto",
-                 num_positions: int | None = None):
-  """RESOLVE with the frequency-aware victim order (policy ``"freq"``).
+def _resolve_xla(slot_pos, lru, selected, newest, key=None, *, method, num_positions):
+  wanted = (selected >= 0) & (selected != newest[..., None])
+  held = lookup.find_held(slot_pos, selected, wanted, method=method,
+                          num_positions=num_positions)
+  return cache_resolve_reference(slot_pos, lru, selected, newest, held, key)
 
-  Same contract, validation and ``lookup`` as ``resolve`` plus ``score`` f[..., B], the
-  per-slot selection frequency (start from zeros); only the victims differ: the
-  evictable slots with the lowest score, empty ones first, ties in LRU order
-  (exactly ``cache_sim.replay(..., "freq", alpha=alpha)``).
 
-  Returns (ResolveOutputs, new score).
+def resolve_with_policy(policy: PolicyConfig, slot_pos: SlotPos, lru: LruOrder, score,
+                        selected: Selected, newest: Newest, ranks=None, *,
+                        impl: str = "xla", interpret: bool | None = None,
+                        lookup_method: str = "auto",
+                        num_positions: int | None = None):
+  """RESOLVE under a replacement policy: same contract and validation as
+  ``resolve``; only the victims differ (policies.py).
+
+  Args:
+    policy: the policy (its name and parameters).
+    score: f[..., B] the per-slot selection EMA ("freq", "rank"; start from
+      zeros); passed through unchanged under "lru".
+    ranks: i32[..., m] the selector's best-first ranking ("rank"; default: the
+      selection's own order).
+
+  Returns:
+    (ResolveOutputs, new score). Under "freq" the victims equal
+    ``cache_sim.replay(..., "freq", alpha=...)``'s and under "rank"
+    ``cache_sim.replay(..., "rank", ranks=..., rank_freq=..., alpha=...)``'s.
   """
-  slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
+  if not policy.keyed:
+    return resolve(slot_pos, lru, selected, newest, impl=impl, interpret=interpret,
+                   lookup_method=lookup_method, num_positions=num_positions), score
+  args = _validated(slot_pos, lru, selected, newest)
   score = jnp.asarray(score)
-  _check_shapes(slot_pos, lru, selected, newest)
-  if score.shape != slot_pos.shape:
-    raise ValueError(f"score {score.shape} must match slot_pos {slot_pos.shape}")
-  if _is_concrete(slot_pos, lru, selected, newest):
-    check_selection(selected, newest)
-    _check_metadata(slot_pos, lru)
-  args = tuple(x.astype(jnp.int32) for x in (slot_pos, lru))
-  return cache_resolve_freq_reference(*args, score, selected.astype(jnp.int32),
-                                      newest.astype(jnp.int32), alpha=alpha,
-                                      lookup=common.xla_lookup(
-                                          lookup, num_positions,
-                                          int(np.prod(slot_pos.shape[:-1]))),
-                                      num_positions=num_positions)
-
-
-def rank_of(slot_pos, ranks, num_positions: int | None = None):
-  """i32[..., B]: each slot's position's index in ``ranks`` i32[..., m] (best
-  first, -1 padding); m for empty slots and positions not ranked.
-
-  A dense position map where it fits (``num_positions`` bounds positions), else one
-  sort of the ranking and a binary search per slot.
-  """
-  num_ranked = ranks.shape[-1]
-  rows = int(np.prod(slot_pos.shape[:-1]))
-  lookup = common.xla_lookup("auto", num_positions, rows)
-  if lookup == "map":
-    order = jnp.broadcast_to(jnp.arange(num_ranked, dtype=jnp.int32), ranks.shape)
-    table = position_table(ranks, order, num_positions, num_ranked)
-    return table_lookup(table, slot_pos, num_ranked)
-  flat_pos, flat_ranks = slot_pos.reshape(rows, -1), ranks.reshape(rows, -1)
-  masked = jnp.where(flat_ranks >= 0, flat_ranks, jnp.iinfo(jnp.int32).max)
-  srt_at = jnp.argsort(masked, axis=-1)
-  srt = jnp.take_along_axis(masked, srt_at, axis=-1)
-  search = jax.vmap(lambda a, v: jnp.searchsorted(a, v, method=SEARCH_METHOD[lookup]))
-  at = jnp.minimum(search(srt, flat_pos), num_ranked - 1)
-  hit = (flat_pos >= 0) & (jnp.take_along_axis(srt, at, axis=-1) == flat_pos)
-  found = jnp.take_along_axis(srt_at, at, axis=-1).astype(jnp.int32)
-  return jnp.where(hit, found, num_ranked).reshape(slot_pos.shape)
-
-
-def resolve_ranked(slot_pos: SlotPos, lru: LruOrder, score, ranks, selected: Selected,
-                   newest: Newest, *, alpha: float = 0.9, rank_freq: float = 0.3,
-                   lookup: str = "auto", num_positions: int | None = None):
-  """RESOLVE with the rank-aware victim order (policy ``"rank"``).
-
-  Same contract, validation and ``lookup`` as ``resolve``, plus ``score`` f[..., B]
-  (the "freq" EMA of each slot, as in ``resolve_freq``; start from zeros) and
-  ``ranks`` i32[..., m]: the selector's current preference order (best first, -1
-  padding, m >= 1; a top-m ranking whose first k entries are ``selected``, for
-  instance). Only the victims differ: empty slots first, then the lowest
-  ``(1 - r / m) + rank_freq * score``, r the slot position's index in ``ranks`` (m
-  if absent), ties in LRU order (exactly ``cache_sim.replay(..., "rank",
-  ranks=..., rank_freq=..., alpha=...)``).
-
-  Returns (ResolveOutputs, new score).
-  """
-  slot_pos, lru, selected, newest, ranks, score = map(
-      jnp.asarray, (slot_pos, lru, selected, newest, ranks, score))
-  _check_shapes(slot_pos, lru, selected, newest)
-  if ranks.ndim != slot_pos.ndim or ranks.shape[:-1] != slot_pos.shape[:-1]:
+  if score.shape != args[0].shape:
+    raise ValueError(f"score {score.shape} must match slot_pos {args[0].shape}")
+  ranks = args[2] if ranks is None else jnp.asarray(ranks)
+  if ranks.ndim != args[0].ndim or ranks.shape[:-1] != args[0].shape[:-1]:
     raise ValueError(f"ranks {ranks.shape} must be [..., m] with the batch dims of "
-                     f"slot_pos {slot_pos.shape}")
-  if score.shape != slot_pos.shape:
-    raise ValueError(f"score {score.shape} must match slot_pos {slot_pos.shape}")
-  if _is_concrete(slot_pos, lru, selected, newest, ranks):
-    check_selection(selected, newest)
-    _check_metadata(slot_pos, lru)
-  rows = int(np.prod(slot_pos.shape[:-1]))
-  num_ranked = ranks.shape[-1]
-  rank = rank_of(slot_pos, ranks.astype(jnp.int32), num_positions)
-  key = (1.0 - rank.astype(score.dtype) / num_ranked) + rank_freq * score
-  out, is_hit_slot = cache_resolve_keyed_reference(
-      slot_pos.astype(jnp.int32), lru.astype(jnp.int32), key,
-      selected.astype(jnp.int32), newest.astype(jnp.int32),
-      lookup=common.xla_lookup(lookup, num_positions, rows), num_positions=num_positions)
-  return out, freq_update(score, is_hit_slot, out, alpha)
+                     f"slot_pos {args[0].shape}")
+  method = lookup.choose(lookup_method, num_positions, math.prod(args[0].shape[:-1]))
+  key = policies.victim_key(policy, args[0], score, ranks, method=method,
+                            num_positions=num_positions)
+  out = _resolve_xla(*args, key, method=method, num_positions=num_positions)
+  return out, policies.next_score(policy, score, out.slot, out.is_miss)
 
 
 def install_newest(slot_pos, lru, newest):

@@ -3,7 +3,9 @@
 * ``dense``: every position's K/V on device, full attention (models/cache.py).
 * ``sparse``: every position's K/V on device; a selector names the positions each
   layer attends (the sparse-attention reference).
-* ``tiered``: the host tier + hot cache of kvtier_jax, with the same selector.
+* ``tiered``: the host tier + hot cache of kvtier_jax, with the same selector: the
+  library's one per-layer ``tiered_attend`` inside the model's layer scan, driven
+  by the library's ``TieredDriver``.
 
 Sparse and tiered run the same selector on the same inputs and attend over the same
 rows with the same float operations, so their logits agree (bit for bit with the XLA
@@ -16,7 +18,6 @@ decode steps with donated state.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.struct
@@ -28,8 +29,8 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import state as kv_state
 from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
-from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, layer_slice,
-                                       layer_update)
+from kvtier_jax.driver import StepRefused, TieredDriver
+from kvtier_jax.selectors.base import StepInputs, layer_slice, prefill_state
 from models import cache as cache_lib
 from models.config import ModelConfig
 from models.transformer import Transformer, apply_decode, apply_prefill_with_inputs
@@ -45,25 +46,15 @@ class SparseCarry:
   shared: jax.Array  # i32[R, U, k] the current anchor's positions (index sharing)
 
 
-@flax.struct.dataclass
-class TieredCarry:
-  tier: kv_state.TieredKVState
-  sel: Any
-  params: Any
-  ok: jax.Array  # bool[] no layer refused the step so far
-  status: jax.Array  # i32[] OR of the layers' status words
-  plan: kv_decode.LayerPlan  # the current anchor's RESOLVE (index sharing)
-
-
 def _unit_view(x, num_units: int):
   """[L, R, T, Hkv, D] -> [L, R, T, U, Hg, D] (a reshape, no copy)."""
   return x.reshape(*x.shape[:3], num_units, x.shape[3] // num_units, x.shape[4])
 
 
 @functools.cache
-def sparse_attend(selector, share: int = 1):
-  """The sparse backend's ``attend`` (cached: a static argument). With ``share``
-  N > 1 only anchor layers select; the next N - 1 reuse the positions."""
+def sparse_attend(selector, index_share: int = 1):
+  """The sparse backend's ``attend`` (cached: a static argument). With
+  ``index_share`` N > 1 only anchor layers select; the next N - 1 reuse them."""
 
   def attend(layer, q, k_new, v_new, carry: SparseCarry, x, member: int = 0):
     kv = carry.kv
@@ -78,47 +69,7 @@ def sparse_attend(selector, share: int = 1):
                                carry.shared)
     return out, carry.replace(kv=kv.replace(k=k, v=v))
 
-  attend.group_size = share
-  return attend
-
-
-@functools.cache
-def tiered_attend(cfg: TierConfig, selector, share: int = 1,
-                  draft_cap: int | None = None):
-  """The tiered backend's ``attend`` (cached per configuration).
-
-  ``draft_cap``: an uncommitted look-ahead pass; each anchor reads what is resident
-  plus at most ``draft_cap`` fetched rows per unit (``decode.cap_misses``).
-  """
-
-  def attend(layer, q, k_new, v_new, carry: TieredCarry, x, member: int = 0):
-    if member > 0:
-      out, _, tier = kv_decode.tiered_shared_layer(cfg, carry.tier, layer, q, k_new,
-                                                    v_new, carry.plan, carry.ok)
-      return out, carry.replace(tier=tier)
-    tier = carry.tier
-    params = None if carry.params is None else layer_slice(carry.params, layer)
-    # A refused step must not move selector state either (NSA's sums are not
-    # idempotent): keep this layer's old slice (a small copy taken before the
-    # in-place update) to restore it.
-    sel_old = layer_slice(carry.sel, layer)
-    positions, sel = selector.select(carry.sel, layer,
-                                     StepInputs(x, q, k_new, tier.seq_len), params)
-    # Policy "rank": the selector ranks cfg.select_width positions, best first; the
-    # first top_k are attended, the whole row steers victims.
-    ranks = positions if cfg.policy == "rank" else None
-    positions = positions[..., :cfg.top_k]
-    if draft_cap is not None:
-      positions = kv_decode.cap_misses(tier, layer, positions, draft_cap)
-    out, _, tier, status, plan = kv_decode.tiered_layer(
-        cfg, tier, layer, q, k_new, v_new, positions, carry.ok, share=share, ranks=ranks)
-    ok = carry.ok & (status == 0)
-    sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
-                                                layer_slice(sel, layer), sel_old))
-    return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status,
-                              plan=plan)
-
-  attend.group_size = share
+  attend.index_share = index_share
   return attend
 
 
@@ -136,7 +87,7 @@ def ngram_draft(history, max_n: int = 3) -> int:
   return tokens[-1]
 
 
-# Jitted steps (cfg, selector static; the carry donated). ---------------------
+# Jitted steps (configs and selector static; the carry donated). --------------
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
@@ -145,62 +96,36 @@ def _dense_step(cfg: ModelConfig, weights, tokens, kv):
   return logits, cache_lib.advance(kv)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "selector", "share"),
+@functools.partial(jax.jit, static_argnames=("cfg", "selector", "index_share"),
                    donate_argnames=("carry",))
-def _sparse_step(cfg: ModelConfig, selector, share: int, weights, tokens,
+def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens,
                  carry: SparseCarry):
   logits, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
-                               sparse_attend(selector, share))
+                               sparse_attend(selector, index_share))
   return logits, carry.replace(kv=cache_lib.advance(carry.kv))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector", "share"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
                    donate_argnames=("carry",))
-def _tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, share: int, weights,
-                 tokens, carry: TieredCarry):
-  carry = carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
+def tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, tokens,
+                carry: kv_decode.TieredCarry):
+  """One model decode step through the tiered cache: (logits f32[R, V], carry)."""
+  carry = kv_decode.begin_step(carry)
   logits, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
-                               tiered_attend(tier_cfg, selector, share))
-  tier = carry.tier.replace(seq_len=carry.tier.seq_len + carry.ok.astype(jnp.int32))
-  return logits, carry.replace(tier=tier)
+                               kv_decode.tiered_attend(tier_cfg, selector))
+  return logits, kv_decode.commit_step(carry)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("cfg", "tier_cfg", "selector", "share", "cap"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
                    donate_argnames=("carry",))
-def _tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, share: int,
-                       cap: int, weights, tokens, carry: TieredCarry):
+def _tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights,
+                       tokens, carry: kv_decode.TieredCarry):
   """Look-ahead (OasisKV): run a draft token at the next position without
-  committing it. Its selections' misses (at most ``cap`` per layer and unit) are
-  fetched now, so the next real step finds them resident; the hot cache's
-  metadata keeps them, nothing else changes: seq_len, the host tier's committed
-  rows, selector state and hit/miss counters are as before (the fetched rows are
-  counted as prefetched). Its KV lands at the uncommitted position seq_len,
-  which the next step overwrites (and RESOLVE ignores)."""
-  tier0, sel0 = carry.tier, carry.sel
-  carry = carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
-  _, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
-                          tiered_attend(tier_cfg, selector, share, draft_cap=cap))
-  fetched = carry.tier.misses - tier0.misses
-  tier = carry.tier.replace(hits=tier0.hits, misses=tier0.misses,
-                            prefetched=carry.tier.prefetched + fetched)
-  return carry.replace(tier=tier, sel=sel0)
-
-
-@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("tier",))
-def _append(tier_cfg: TierConfig, tier, committed):
-  return kv_decode.append_newest(tier_cfg, tier, committed)
-
-
-@functools.partial(jax.jit, static_argnames=("selector", "num_layers", "max_len"))
-def _selector_prefill(selector, num_layers: int, max_len: int, params, h, k, lens):
-  state = selector.init_state(num_layers, h.shape[1], max_len)
-
-  def one_layer(layer, state):
-    p = None if params is None else layer_slice(params, layer)
-    return selector.prefill(state, layer, PrefillInputs(h[layer], k[layer], lens), p)
-
-  return jax.lax.fori_loop(0, num_layers, one_layer, state)
+  committing it; its capped misses are the prefetch (``decode.finish_draft``)."""
+  before = kv_decode.begin_step(carry)
+  _, after = apply_decode(cfg, weights, tokens, carry.tier.seq_len, before,
+                          kv_decode.tiered_attend(tier_cfg, selector, draft=True))
+  return kv_decode.finish_draft(before, after)
 
 
 @functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("tier",))
@@ -212,7 +137,7 @@ def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
                 hot_slots: int, **overrides) -> TierConfig:
   """The TierConfig that serves ``selector`` on ``cfg`` (every layer tiered).
 
-  Under ``policy="rank"`` the selector is built at ``top_k = rank_depth`` (its
+  Under the "rank" policy the selector is built at ``top_k = rank_depth`` (its
   best-first ranking) and ``overrides`` name the attended ``top_k``; otherwise
   ``top_k`` is the selector's.
   """
@@ -226,8 +151,9 @@ def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
                         dtype=jnp.dtype(cfg.dtype), **overrides)
   if tier_cfg.select_width != selector.top_k:
     raise ValueError(f"the selector returns {selector.top_k} positions per row; "
-                     f"top_k={tier_cfg.top_k}, policy={tier_cfg.policy!r} and "
-                     f"rank_depth={tier_cfg.rank_depth} need {tier_cfg.select_width}")
+                     f"top_k={tier_cfg.top_k}, policy={tier_cfg.policy.name!r} and "
+                     f"rank_depth={tier_cfg.policy.rank_depth} need "
+                     f"{tier_cfg.select_width}")
   return tier_cfg
 
 
@@ -240,37 +166,38 @@ class Runner:
     max_len: positions per request the cache holds.
     selector, selector_params: the sparse-attention rule (sparse / tiered).
     hot_slots: B (tiered).
-    index_share_every: N > 1 selects on anchor layers only; the next N - 1 layers
-      reuse the selection (sparse and tiered; the tiered anchor also fetches the
-      shared layers' misses ahead of their attention).
+    index_share: N > 1 selects on anchor layers only; the next N - 1 layers reuse
+      the selection (sparse and tiered; the tiered anchor also fetches the shared
+      layers' misses ahead of their attention).
     lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
-      a prompt-lookup draft token prefetches up to ``prefetch_cap`` rows per layer
-      and unit for the next step.
-    tier_overrides: extra TierConfig fields (impls, warm start, fetch chunk,
-      policy...). For ``policy="rank"`` build the selector at ``top_k = m`` and pass
-      ``top_k=k, rank_depth=m``: RESOLVE attends the first k of its ranking and
-      evicts the positions it ranks worst.
+      a prompt-lookup draft token prefetches up to ``lookahead_cap`` (default 64)
+      rows per layer and unit for the next step.
+    tier_overrides: extra TierConfig fields (impl, warm start, lookahead_cap,
+      policy...). For the "rank" policy build the selector at ``top_k = m`` and
+      pass ``top_k=k, policy=PolicyConfig("rank", rank_depth=m)``.
   """
 
   def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
                selector_params=None, hot_slots: int | None = None,
-               index_share_every: int = 1, lookahead: str = "none",
-               prefetch_cap: int = 64, **tier_overrides):
+               index_share: int = 1, lookahead: str = "none", **tier_overrides):
     if backend not in BACKENDS:
       raise ValueError(f"{backend=} must be one of {BACKENDS}")
     if backend != "dense" and selector is None:
       raise ValueError(f"the {backend} backend needs a selector")
     if backend == "tiered" and hot_slots is None:
       raise ValueError("the tiered backend needs hot_slots (B)")
-    self.model, self.backend, self.max_len = model, backend, max_len
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
+    self.model, self.backend, self.max_len = model, backend, max_len
     self.selector, self.params = selector, selector_params
-    self.hot_slots, self.tier_overrides = hot_slots, tier_overrides
-    self.share, self.lookahead, self.prefetch_cap = index_share_every, lookahead, prefetch_cap
-    self.history: list[int] = []
+    self.hot_slots, self.index_share, self.lookahead = hot_slots, index_share, lookahead
+    self.tier_overrides = dict(tier_overrides, index_share=index_share)
+    if lookahead == "draft":
+      self.tier_overrides.setdefault("lookahead_cap", 64)
+    self.history: list[list[int]] = []
     self.weights = model.weights()
     self.tier_cfg = None
+    self.driver = None
     self.carry = None
     self.seq_len = None  # host mirror of the lengths (no device sync needed)
 
@@ -283,26 +210,25 @@ class Runner:
       raise ValueError(f"prompt lengths {lens_np} exceed max_len={self.max_len}")
     lens = jnp.asarray(lens_np, jnp.int32)
     logits, k, v, h = apply_prefill_with_inputs(cfg, self.weights, tokens, lens)
-    if self.backend != "tiered":
-      kv = cache_lib.dense_from_prefill(k, v, lens, self.max_len)
     if self.backend == "dense":
-      self.carry = kv
+      self.carry = cache_lib.dense_from_prefill(k, v, lens, self.max_len)
     else:
-      sel = _selector_prefill(self.selector, cfg.num_layers, self.max_len, self.params,
-                              h, k, lens)
+      sel = prefill_state(self.selector, cfg.num_layers, self.max_len, self.params,
+                          h, k, lens)
       params = jax.tree.map(jnp.copy, self.params)  # the carry is donated each step
-      shape = (tokens.shape[0], self.selector.num_units, self.selector.top_k)
       if self.backend == "sparse":
+        kv = cache_lib.dense_from_prefill(k, v, lens, self.max_len)
+        shape = (tokens.shape[0], self.selector.num_units, self.selector.top_k)
         self.carry = SparseCarry(kv, sel, params, jnp.full(shape, -1, jnp.int32))
       else:
         self.tier_cfg = tier_config(cfg, self.selector, tokens.shape[0], self.max_len,
                                     self.hot_slots, **self.tier_overrides)
         tier = _tier_prefill(self.tier_cfg, kv_state.init_state(self.tier_cfg), k, v,
                              lens)
-        shape = shape[:2] + (self.tier_cfg.top_k,)
-        plan = kv_decode.LayerPlan(jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, bool),
-                                   jnp.zeros(shape, bool), jnp.full(shape[:2], -1, jnp.int32))
-        self.carry = TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0), plan)
+        self.carry = kv_decode.init_carry(self.tier_cfg, tier, sel, params)
+        self.driver = TieredDriver(self.tier_cfg, functools.partial(
+            _run_tiered, cfg, self.tier_cfg, self.selector, self.weights))
+        self.driver.start(lens_np)
     self.seq_len = lens_np.copy()
     self.history = [np.asarray(tokens)[r, :n].tolist() for r, n in enumerate(lens_np)]
     return logits
@@ -318,25 +244,21 @@ class Runner:
     if self.backend == "dense":
       logits, self.carry = _dense_step(cfg, self.weights, tokens, self.carry)
     elif self.backend == "sparse":
-      logits, self.carry = _sparse_step(cfg, self.selector, self.share, self.weights,
-                                        tokens, self.carry)
-    else:
-      logits, self.carry = _tiered_step(cfg, self.tier_cfg, self.selector, self.share,
+      logits, self.carry = _sparse_step(cfg, self.selector, self.index_share,
                                         self.weights, tokens, self.carry)
-      if not self.tier_cfg.append_in_scan:
-        self.carry = self.carry.replace(
-            tier=_append(self.tier_cfg, self.carry.tier, self.carry.ok))
-      status = int(self.carry.status)
-      if status:
-        raise kv_decode.StepRefused(
-            f"decode step refused: {kv_decode.describe_status(status)}", self.carry)
+    else:
+      try:
+        logits, self.carry = self.driver.step(self.carry, tokens)
+      except StepRefused as err:
+        self.carry = err.state
+        raise
     self.seq_len += 1
     for hist, token in zip(self.history, np.asarray(tokens).tolist()):
       hist.append(token)
     if self.lookahead == "draft" and (self.seq_len < self.max_len).all():
       draft = jnp.asarray([ngram_draft(h) for h in self.history], jnp.int32)
-      self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.share,
-                                      self.prefetch_cap, self.weights, draft, self.carry)
+      self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
+                                      draft, self.carry)
     return logits
 
   def cache_stats(self) -> dict:
@@ -359,11 +281,5 @@ class Runner:
     return stats
 
 
-def bytes_per_request_formula(cfg: ModelConfig, context: int, hot_slots: int | None,
-                              selector=None) -> int:
-  """Analytic device bytes per request (KV or hot cache + selector state)."""
-  per_token = cfg.kv_bytes_per_token_per_layer * cfg.num_layers
-  kv = per_token * (context if hot_slots is None else hot_slots + 1)
-  sel = 0 if selector is None else math.ceil(
-      selector.state_bytes_per_token() * context) * cfg.num_layers
-  return kv + sel
+def _run_tiered(cfg, tier_cfg, selector, weights, carry, tokens):
+  return tiered_step(cfg, tier_cfg, selector, weights, tokens, carry)

@@ -3,7 +3,7 @@
 Counts exactly what this project allocates (kvtier_jax.state): a hot cache of
 ``B + 1`` rows per layer (slot B holds the newest token), int32 ``slot_pos`` and
 ``lru`` and a float32 ``slot_score`` per slot, and the selector's resident state, which grows with the context
-and is never offloaded (SPECS.md §1.10). The host tier holds every position plus
+and is never offloaded (docs/DESIGN.md, "Invariants"). The host tier holds every position plus
 one scratch row per layer.
 """
 

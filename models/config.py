@@ -139,7 +139,7 @@ class ModelConfig:
     """Device-resident selector state per token and layer (0 for dense).
 
     This state is never offloaded, so it bounds how far a host tier can shrink
-    per-request device memory (SPECS.md §1.10: ~7.6x rather than 30x for DSA).
+    per-request device memory (docs/DESIGN.md: ~7.6x rather than 30x for DSA).
     Quest keeps a min and a max key per KV head per page, amortised over the
     page's tokens, hence a float.
     """
@@ -254,9 +254,9 @@ class ModelConfig:
   def glm_5_1(cls, **override: Any) -> "ModelConfig":
     """GLM-5.1 (DSA), for memory accounting only.
 
-    SPECS.md §2.3: 78 sparse layers, top-k 2048; MLA decode row = 512 latent +
-    64 RoPE dims. SPECS.md §1.10: in BF16 that is 1152 B/token/layer, plus an
-    FP8 indexer key of 128 B (+ its fp32 scale: 132 B, the figure §1.10 uses for
+    78 sparse layers, top-k 2048; MLA decode row = 512 latent +
+    64 RoPE dims: in BF16 that is 1152 B/token/layer, plus an
+    FP8 indexer key of 128 B (+ its fp32 scale: 132 B, the figure the paper's accounting uses for
     the non-offloaded indexer). 64 query heads per public GLM-5.x configs.
     """
     return cls._mla_dsa("glm_5_1", num_layers=78, num_q_heads=64).replace(**override)
@@ -265,7 +265,7 @@ class ModelConfig:
   def deepseek_v3_2(cls, **override: Any) -> "ModelConfig":
     """DeepSeek-V3.2 (DSA), for memory accounting only.
 
-    SPECS.md §2.3 (DeepSeek-V3.2-Exp ``inference/model.py``): 61 layers, 128
+    DeepSeek-V3.2-Exp ``inference/model.py``: 61 layers, 128
     query heads sharing one MLA row of 512 latent + 64 RoPE dims (BF16 1152 B),
     indexer key 128-d FP8 with an fp32 scale per token (``k_scale_cache``), top-k 2048.
     """
@@ -287,7 +287,7 @@ class ModelConfig:
     """Qwen3-30B-A3B (dense GQA attention, Quest selector), for accounting only.
 
     Public ``config.json``: 48 layers, 32 query / 4 KV heads, head_dim 128, BF16.
-    Quest pages of 16 tokens (SPECS.md §2.1 default), token budget 2048.
+    Quest pages of 16 tokens (Quest's default), token budget 2048.
     """
     return cls(
         name="qwen3_30b_a3b",

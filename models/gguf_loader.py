@@ -19,7 +19,7 @@ Two traps, both handled here:
 * **Digit splitting.** SmolLM2's pre-tokenizer splits every digit before the
   GPT-2 byte-level regex. The GGUF only names it (``tokenizer.ggml.pre =
   "smollm"``); transformers' GGUF converter drops the digit split, so its ids
-  differ from the real tokenizer's (REAL_MODEL.md). ``build_tokenizer`` builds
+  differ from the real tokenizer's. ``build_tokenizer`` builds
   the real one with the ``tokenizers`` package.
 
 This module imports neither JAX nor Flax (``make_fixture.py`` runs it with torch).

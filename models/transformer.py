@@ -29,7 +29,7 @@ import functools
 import math
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -326,7 +326,7 @@ class Transformer(nnx.Module):
                          jnp.asarray(lens, jnp.int32), block)
 
   def decode(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn,
-             carry: Any, *, return_queries: bool = False):
+             carry: Any, *, return_trace: bool = False):
     """One decode step of R requests with caller-supplied attention.
 
     For each layer l, the scan computes post-RoPE ``q [R, Hq, D]`` and the new
@@ -341,15 +341,15 @@ class Transformer(nnx.Module):
       positions: i32[R] their positions (= tokens already cached).
       attend: the cache backend's attention (``cache.dense_attend``).
       carry: any pytree; threaded through the layer scan.
-      return_queries: also return every layer's post-RoPE queries.
+      return_trace: also return every layer's attention inputs and output
+        (``LayerTrace``).
 
     Returns:
-      (logits f32[R, V], carry), plus queries f32[L, R, Hq, D] when
-      ``return_queries``.
+      (logits f32[R, V], carry), plus a ``LayerTrace`` when ``return_trace``.
     """
     return apply_decode(self.cfg, self.weights(), jnp.asarray(tokens, jnp.int32),
                         jnp.asarray(positions, jnp.int32), carry, attend,
-                        return_queries)
+                        return_trace)
 
 
 # Functional forms -------------------------------------------------------------
@@ -422,19 +422,29 @@ def apply_prefill_with_inputs(cfg: ModelConfig, weights, tokens, lens,
   return _lm_head(cfg, weights, last), k, v, h
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "return_queries"))
+class LayerTrace(NamedTuple):
+  """Every layer's attention inputs and output of one decode step, [L, ...]."""
+
+  q: jax.Array  # [L, R, Hq, D] post-RoPE queries
+  k_new: jax.Array  # [L, R, Hkv, D] post-RoPE keys of the decoded token
+  v_new: jax.Array  # [L, R, Hkv, D]
+  x: jax.Array  # [L, R, E] the normalised attention input
+  out: jax.Array  # [L, R, Hq, D] what ``attend`` returned
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "return_trace"))
 def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
-                 attend: AttendFn, return_queries: bool = False):
+                 attend: AttendFn, return_trace: bool = False):
   """``Transformer.decode`` on a weights dict (same arguments and results)."""
   x = weights["embed"][tokens]  # [R, E]
   cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [R, D/2]
 
-  # Index sharing (IndexShare / IndexCache): an attend with ``group_size`` N > 1
-  # is called with a static ``member`` (0 = the anchor that selects), so the layers
-  # of a group run unrolled inside one scan iteration.
-  group = getattr(attend, "group_size", 1)
-  if cfg.num_layers % group:
-    raise ValueError(f"group_size={group} must divide num_layers={cfg.num_layers}")
+  # Index sharing (IndexShare / IndexCache): an attend with ``index_share`` N > 1
+  # is called with a static ``member`` (0 = the anchor that selects), so the N
+  # layers of a group run unrolled inside one scan iteration.
+  share = getattr(attend, "index_share", 1)
+  if cfg.num_layers % share:
+    raise ValueError(f"index_share={share} must divide num_layers={cfg.num_layers}")
 
   def one_layer(x, carry, w, layer_index, member):
     h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
@@ -443,34 +453,36 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
     k_new = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wk"], precision=PRECISION),
                        cos, sin)  # [R, Hkv, D]
     v_new = jnp.einsum("re,ehd->rhd", h, w["wv"], precision=PRECISION)
-    if group == 1:
+    if share == 1:
       out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
     else:
       out, carry = attend(layer_index, q, k_new, v_new, carry, h, member=member)
     x = x + jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
-    return x, carry, q
+    h_mlp = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
+    x = x + gated_mlp(h_mlp, w["w_gate"], w["w_up"], w["w_down"])
+    return x, carry, (q, k_new, v_new, h, out)
 
   def layers(state, xs):
     x, carry = state
     w, first = xs
-    queries = []
-    for member in range(group):
-      w_j = w if group == 1 else jax.tree.map(lambda a: a[member], w)
-      x, carry, q = one_layer(x, carry, w_j, first + member, member)
-      queries.append(q)
-    return (x, carry), (jnp.stack(queries) if return_queries else None)
+    traces = []
+    for member in range(share):
+      w_j = w if share == 1 else jax.tree.map(lambda a: a[member], w)
+      x, carry, trace = one_layer(x, carry, w_j, first + member, member)
+      traces.append(trace)
+    stacked = jax.tree.map(lambda *t: jnp.stack(t), *traces) if return_trace else None
+    return (x, carry), stacked
 
   weights_l = _layer_weights(weights)
-  if group > 1:
+  if share > 1:
     weights_l = jax.tree.map(
-        lambda a: a.reshape((cfg.num_layers // group, group) + a.shape[1:]), weights_l)
-  firsts = jnp.arange(0, cfg.num_layers, group, dtype=jnp.int32)
-  (x, carry), queries = jax.lax.scan(layers, (x, carry), (weights_l, firsts))
+        lambda a: a.reshape((cfg.num_layers // share, share) + a.shape[1:]), weights_l)
+  firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
+  (x, carry), traces = jax.lax.scan(layers, (x, carry), (weights_l, firsts))
   logits = _lm_head(cfg, weights, x)
-  if return_queries:
-    return logits, carry, queries.reshape((cfg.num_layers,) + queries.shape[2:])
+  if return_trace:
+    flat = lambda t: t.reshape((cfg.num_layers,) + t.shape[2:])
+    return logits, carry, LayerTrace(*(flat(t) for t in traces))
   return logits, carry
 
 

@@ -3,7 +3,7 @@
 * CPU (CI): every kernel runs with ``interpret=True``.
 * CUDA GPU: the Pallas **Triton** backend. In jax 0.10.2 ``pallas_call`` defaults to
   Mosaic GPU, which cannot yet express the vector gathers/scatters, ``cumsum`` and
-  masked loads these kernels need (JAX_HOST_OFFLOAD_NOTES.md §3), so we always pass
+  masked loads these kernels need (docs/DESIGN.md, "Kernels"), so we always pass
   ``triton_params``. Triton is deprecated from jax 0.11 on; WORKSPACE_NOTES.md tracks
   the re-check of Mosaic GPU.
 
@@ -33,24 +33,6 @@ def on_gpu() -> bool:
 # What "auto" picks on a GPU, per op: the faster of kernel and XLA as measured on an
 # H200 by experiments/gpu_check.py (table and date in WORKSPACE_NOTES.md).
 GPU_AUTO = {"resolve": "xla", "attention": "pallas", "fetch": "pallas"}
-
-
-# Membership lookup of the XLA RESOLVE under ``lookup="auto"``
-# (pallas_kernels/cache_resolve/reference.py lists them): the dense position map
-# wherever its scratch (rows x positions x 4 bytes per call) fits MAP_SCRATCH_BYTES
-# (no sort: 3.6x faster than "scan" on CPU at 8 rows, B=4096, k=2048, 32K
-# positions), else the per-backend binary search.
-MAP_SCRATCH_BYTES = 256 * 2**20
-SEARCH_AUTO = {"gpu": "unrolled"}  # H200: 0.16 vs 0.46 ms for "scan" (8 rows)
-
-
-def xla_lookup(lookup: str, num_positions: int | None, rows: int = 1) -> str:
-  """The membership lookup ``lookup`` ("auto" or a name) resolves to here."""
-  if lookup != "auto":
-    return lookup
-  if num_positions is not None and rows * num_positions * 4 <= MAP_SCRATCH_BYTES:
-    return "map"
-  return SEARCH_AUTO.get(jax.default_backend(), "scan")
 
 
 def use_kernel(impl: str, op: str) -> bool:

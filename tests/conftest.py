@@ -1,10 +1,37 @@
-"""Shared test settings: CPU, Pallas in interpret mode, bounded hypothesis runs."""
+"""Shared test settings: CPU and Pallas interpret mode unless ``--gpu``; bounded
+hypothesis runs.
+
+``pytest --gpu`` (on a machine with a CUDA GPU) runs the device tests
+(``tests/test_device.py`` and the kernel tests) compiled, not interpreted, at
+device shapes; ``experiments/gpu_check.py`` runs them that way first.
+"""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from hypothesis import settings  # noqa: E402
+import pytest
+from hypothesis import settings
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=False)
 settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+  parser.addoption("--gpu", action="store_true", default=False,
+                   help="run the device tests compiled on the GPU at device shapes")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: also runs compiled on a GPU under --gpu")
+  if not config.getoption("--gpu"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def on_gpu(request) -> bool:
+  """True under ``--gpu``: kernels compiled (interpret=False), device shapes."""
+  if not request.config.getoption("--gpu"):
+    return False
+  import jax
+  if jax.default_backend() != "gpu":
+    pytest.exit("--gpu needs a CUDA GPU", returncode=2)
+  return True

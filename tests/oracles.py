@@ -7,7 +7,7 @@ import numpy as np
 
 
 def resolve_row_oracle(slot_pos, lru, selected, newest):
-  """One (request, layer) RESOLVE step, as SPECS.md §1.5 describes it."""
+  """One (request, layer) RESOLVE step, as docs/DESIGN.md ("RESOLVE") describes it."""
   slot_pos = [int(x) for x in slot_pos]
   lru = [int(x) for x in lru]
   selected = [int(x) for x in selected]

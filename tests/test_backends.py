@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvtier_jax import decode as kv_decode
 from kvtier_jax import selectors as sel_lib
+from kvtier_jax.config import ImplConfig
+from kvtier_jax.policies import PolicyConfig
 from models import backends, text
 
 transformer = pytest.importorskip("models.transformer")
@@ -112,11 +115,11 @@ def test_index_sharing_and_draft_lookahead_keep_parity(model_and_prompt):
   selector, _ = selector_for("quest", model.cfg)
   steps, tokens, lens = 8, ids[None], [len(ids)]
   max_len = len(ids) + steps + 2
-  common = dict(selector=selector, index_share_every=3)
+  common = dict(selector=selector, index_share=3)
   sparse = backends.Runner(model, "sparse", max_len, **common)
   plain = backends.Runner(model, "tiered", max_len, hot_slots=128, **common)
   ahead = backends.Runner(model, "tiered", max_len, hot_slots=128, lookahead="draft",
-                          prefetch_cap=16, **common)
+                          lookahead_cap=16, **common)
   ref = sparse.prefill(tokens, lens)
   for runner in (plain, ahead):
     np.testing.assert_array_equal(runner.prefill(tokens, lens), ref)
@@ -148,7 +151,8 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
   max_len = len(ids) + steps + 1
   sparse = backends.Runner(model, "sparse", max_len, selector=top48)
   ranked = backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
-                           policy="rank", top_k=48, rank_depth=96, resolve_impl="xla")
+                           policy=PolicyConfig("rank", rank_depth=96), top_k=48,
+                           impl=ImplConfig(resolve="xla"))
   ref = sparse.prefill(tokens, lens)
   np.testing.assert_array_equal(ranked.prefill(tokens, lens), ref)
   for _ in range(steps):
@@ -158,4 +162,36 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
   assert ranked.cache_stats()["misses"] > 0
   with pytest.raises(ValueError, match="rank_depth"):
     backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
-                    policy="rank", top_k=48, rank_depth=80).prefill(tokens, lens)
+                    policy=PolicyConfig("rank", rank_depth=80), top_k=48).prefill(
+                        tokens, lens)
+
+
+@pytest.mark.parametrize("name", ["quest", "dsa"])
+def test_model_step_is_the_library_step(model_and_prompt, name):
+  """The model's tiered step and ``decode.decode_step`` run the same per-layer
+  path: fed the layers' inputs the model computed, the library step returns the
+  model's attention outputs and the same carry (cache, selector state), bit for
+  bit, with index sharing and a keyed policy on."""
+  model, ids = model_and_prompt
+  selector, params = selector_for(name, model.cfg)
+  lens = np.array([len(ids), len(ids) - 100])
+  tokens = np.stack([ids, np.roll(ids, 5)])
+  runner = backends.Runner(model, "tiered", len(ids) + 4, selector=selector,
+                           selector_params=params, hot_slots=selector.top_k,
+                           index_share=3, policy="freq", impl=ImplConfig(resolve="xla"))
+  logits = runner.prefill(tokens, lens)
+  runner.step(jnp.argmax(logits, -1))  # both sides start from a decoded step
+  cfg, tier_cfg = model.cfg, runner.tier_cfg
+  copy = lambda: jax.tree.map(jnp.copy, runner.carry)
+  token = jnp.asarray([11, 22], jnp.int32)
+  start = kv_decode.begin_step(copy())
+  _, model_carry, trace = transformer.apply_decode(
+      cfg, runner.weights, token, start.tier.seq_len, start,
+      kv_decode.tiered_attend(tier_cfg, selector), return_trace=True)
+  model_carry = kv_decode.commit_step(model_carry)
+  out, lib_carry = kv_decode.decode_step(tier_cfg, selector, copy(), trace.q,
+                                         trace.k_new, trace.v_new, trace.x)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(trace.out))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(lib_carry),
+               jax.device_get(model_carry))
+  assert int(lib_carry.tier.misses.sum()) > int(runner.carry.tier.misses.sum())

@@ -1,4 +1,4 @@
-"""Tests of ``kvtier_jax.cache_sim.replay`` against plain-loop oracles.
+"""Tests of ``experiments.analysis.cache_sim.replay`` against plain-loop oracles.
 
 The oracles below are written from the policy definitions (sets, lists, linear
 scans), not from the vectorised code; LRU is checked against the library's own
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvtier_jax.cache_sim import (OFFLINE_POLICIES, POLICIES, compare_policies, replay,
+from experiments.analysis.cache_sim import (OFFLINE_POLICIES, POLICIES, compare_policies, replay,
                                   synthetic_trace)
 from kvtier_jax.resolve import resolve
 

@@ -24,7 +24,7 @@ def test_formula_matches_allocated_arrays():
 
 
 def test_glm_5_1_reference_figures():
-  """SPECS.md §1.9-1.10: 13.09 GB full at 128K (KV + FP8 indexer key), ~0.4 GB of
+  """The paper's figures: 13.09 GB full at 128K (KV + FP8 indexer key), ~0.4 GB of
   hot rows at B=4096, ~1.35 GB of indexer keys that stay on device (~7.6x)."""
   b = capacity.request_bytes(ModelConfig.glm_5_1(), 131072, 4096)
   assert b.full_device / 1e9 == pytest.approx(13.09, rel=0.01)

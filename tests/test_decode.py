@@ -2,76 +2,20 @@
 nothing lost in the host tier, no fetch while short, refused input leaves the cache
 unchanged, donation and no retracing."""
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvtier_jax import decode, full_kv, selectors
+from kvtier_jax import decode, driver, selectors
 from kvtier_jax import state as kv_state
-from kvtier_jax.config import TierConfig
+from kvtier_jax.config import ImplConfig
+from kvtier_jax.policies import PolicyConfig
+from tests.util import Harness, assert_same, draw_selection, random_kv, snapshot, tier_cfg
 
-
-def make_cfg(**kw):
-  base = dict(num_layers=4, num_requests=3, max_len=520, num_q_heads=4, num_kv_heads=2,
-              head_dim=16, hot_slots=32, top_k=16, fetch_chunk=8)
-  base.update(kw)
-  return TierConfig(**base)
-
-
-def random_kv(rng, cfg, length):
-  shape = (cfg.num_layers, cfg.num_requests, length, cfg.num_kv_heads, cfg.head_dim)
-  return (jnp.asarray(rng.standard_normal(shape), jnp.float32),
-          jnp.asarray(rng.standard_normal(shape), jnp.float32))
-
-
-def draw_selection(rng, cfg, seq_len, prev):
-  """Selections with locality: most of the previous step's, some new, often the newest."""
-  sel = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1, np.int32)
-  for l, r, u in np.ndindex(*sel.shape[:3]):
-    newest = int(seq_len[r])
-    keep = [p for p in prev[l, r, u] if 0 <= p <= newest and rng.random() < 0.75]
-    fresh = rng.choice(newest + 1, size=min(cfg.top_k, newest + 1), replace=False)
-    row = list(dict.fromkeys(keep + ([newest] if rng.random() < 0.7 else []) +
-                             fresh.tolist()))[:cfg.top_k]
-    if rng.random() < 0.2:
-      row = row[:max(1, len(row) - 3)]  # some padding
-    sel[l, r, u, :len(row)] = rng.permutation(row)
-  return sel
-
-
-class Harness:
-  """Steps the tiered cache and the full-KV reference side by side."""
-
-  def __init__(self, cfg, prompt_lens, seed=0):
-    self.cfg = cfg
-    self.rng = np.random.default_rng(seed)
-    plen = max(prompt_lens)
-    kp, vp = random_kv(self.rng, cfg, plen)
-    self.decoder = decode.TieredDecoder(cfg)
-    self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
-                                      prompt_lens)
-    self.full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
-    self.full_step = jax.jit(functools.partial(full_kv.full_kv_decode_step, cfg,
-                                               select=selectors.given_selection))
-    self.prev = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1)
-
-  def step(self, sel=None):
-    cfg = self.cfg
-    shape = (cfg.num_layers, cfg.num_requests)
-    q = jnp.asarray(self.rng.standard_normal(shape + (cfg.num_q_heads, cfg.head_dim)),
-                    jnp.float32)
-    kn = jnp.asarray(self.rng.standard_normal(shape + (cfg.num_kv_heads, cfg.head_dim)),
-                     jnp.float32)
-    vn = jnp.asarray(self.rng.standard_normal(kn.shape), jnp.float32)
-    if sel is None:
-      sel = draw_selection(self.rng, cfg, self.decoder.seq_len, self.prev)
-    self.prev = sel
-    out, self.state = self.decoder.step(self.state, q, kn, vn, sel)
-    ref, self.full = self.full_step(self.full, q, kn, vn, select_aux=sel)
-    return np.asarray(out), np.asarray(ref)
+make_cfg = tier_cfg
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
@@ -99,20 +43,18 @@ def test_tiered_decode_equals_full_kv_sparse_attention(slots_per_k, per_kv_head)
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_kernel_paths_match_reference(impl, overlap):
-  cfg = make_cfg(resolve_impl=impl, attention_impl=impl, fetch_impl=impl,
-                 host_append="in_scan", overlap_hit_miss=overlap)
+  cfg = make_cfg(impl=impl, overlap_hit_miss=overlap)
   h = Harness(cfg, [40, 100, 7], seed=5)
   for _ in range(25):
     out, ref = h.step()
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("lookup", ["map", "unrolled"])
-def test_resolve_lookup_changes_nothing_in_the_step(lookup):
-  """The map/unrolled lookups give the scan lookup's metadata, exactly."""
+def test_resolve_lookup_changes_nothing_in_the_step():
+  """The map and search lookups give the same metadata, exactly."""
   seed = int(np.random.default_rng().integers(2**31))
-  harnesses = [Harness(make_cfg(resolve_impl="xla", resolve_lookup=lk), [40, 100, 7],
-                       seed=seed) for lk in ("scan", lookup)]
+  harnesses = [Harness(make_cfg(impl=ImplConfig(resolve="xla", lookup=lk, fetch_chunk=8)),
+                       [40, 100, 7], seed=seed) for lk in ("search", "map")]
   for _ in range(20):
     (out_a, ref_a), (out_b, _) = (h.step() for h in harnesses)
     np.testing.assert_allclose(out_b, ref_a, atol=1e-5, rtol=1e-6)
@@ -149,15 +91,6 @@ def test_prefill_warm_start(warm, expected):
   pos = np.asarray(decode.warm_positions(cfg, jnp.array([20, 5])))
   np.testing.assert_array_equal(pos[0], expected)
   np.testing.assert_array_equal(pos[1], [0, 1, 2, 3, 4, -1, -1, -1])  # fits: resident
-
-
-def snapshot(state):
-  return jax.tree.map(lambda x: np.asarray(x).copy(), state)
-
-
-def assert_same(a, b, fields=None):
-  for name in fields or a.__dataclass_fields__:
-    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -200,15 +133,17 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable():
   for _ in range(3):
     h.step()
 
-  def buggy(q, ctx):
-    sel = selectors.given_selection(q, ctx)
-    return jnp.where(ctx.layer == 2, sel.at[..., 0].set(10_000), sel)
+  @dataclasses.dataclass(frozen=True)
+  class Buggy(selectors.GivenSelector):
+    def select(self, state, layer, inputs, params=None):
+      sel = state[layer]
+      return jnp.where(layer == 2, sel.at[..., 0].set(10_000), sel), state
 
-  bad_decoder = decode.TieredDecoder(cfg, select=buggy)
+  bad_decoder = driver.TieredDecoder(cfg, Buggy(cfg.top_k))
   bad_decoder.seq_len = h.decoder.seq_len.copy()
   sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
   before = snapshot(h.state)
-  with pytest.raises(decode.StepRefused, match="out of range") as err:
+  with pytest.raises(driver.StepRefused, match="out of range") as err:
     bad_decoder.step(h.state, jnp.ones((4, 3, 4, 16)), jnp.ones((4, 3, 2, 16)),
                      jnp.ones((4, 3, 2, 16)), sel)
   after = snapshot(err.value.state)
@@ -224,26 +159,24 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable():
 
 
 def test_step_donates_state_and_does_not_retrace():
-  cfg = make_cfg(host_append="in_scan")
+  cfg = make_cfg()
   h = Harness(cfg, [40, 50, 60])
   h.step()
   old = h.state
   h.step()
   assert old.host_k.is_deleted() and old.hot_k.is_deleted() and old.lru.is_deleted()
-  compiled = h.decoder._step._cache_size()
+  compiled = h.decoder.compiled_steps()
   for _ in range(5):
     h.step()
-  assert h.decoder._step._cache_size() == compiled == 1
+  assert h.decoder.compiled_steps() == compiled == 1
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_index_sharing_is_exact_and_prefetches_shared_layers(impl):
-  """index_share_every=2: layers 1 and 3 reuse the anchors' selections; their
-  misses are fetched at the anchor, and their metadata stays in lockstep."""
-  cfg = make_cfg(fetch_impl=impl, host_append="in_scan")
+  """index_share=2: layers 1 and 3 reuse the anchors' selections; their misses
+  are fetched at the anchor, and their metadata stays in lockstep."""
+  cfg = make_cfg(impl=ImplConfig(fetch=impl, fetch_chunk=8), index_share=2)
   h = Harness(cfg, [40, 120, 200], seed=7)
-  h.decoder = decode.TieredDecoder(cfg, index_share_every=2)
-  h.decoder.seq_len = np.array([40, 120, 200])
   for _ in range(25):
     sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
     sel[1], sel[3] = sel[0], sel[2]  # what the shared layers attend
@@ -260,7 +193,7 @@ def test_index_sharing_is_exact_and_prefetches_shared_layers(impl):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_prefetched_positions_are_hits_next_step(impl):
-  cfg = make_cfg(fetch_impl=impl, hot_slots=32, top_k=16, host_append="in_scan")
+  cfg = make_cfg(impl=ImplConfig(fetch=impl, fetch_chunk=8), hot_slots=32, top_k=16)
   h = Harness(cfg, [300, 250, 400], seed=3)
   h.step()
   sels = [draw_selection(h.rng, cfg, h.decoder.seq_len + t, h.prev) for t in range(2)]
@@ -271,7 +204,7 @@ def test_prefetched_positions_are_hits_next_step(impl):
   q, k, v = (jnp.asarray(h.rng.standard_normal(s), jnp.float32) for s in (
       (4, 3, 4, 16), (4, 3, 2, 16), (4, 3, 2, 16)))
   out, h.state = h.decoder.step(h.state, q, k, v, sels[0], prefetch=sels[1])
-  ref, h.full = h.full_step(h.full, q, k, v, select_aux=sels[0])
+  ref, h.full = h.full_step(h.full, q, k, v, jnp.asarray(sels[0]))
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
   mid = kv_state.cache_stats(cfg, h.state)
   assert mid["prefetched"] > before["prefetched"]
@@ -301,7 +234,9 @@ def test_config_rejects_bad_shapes():
   with pytest.raises(ValueError, match="multiple"):
     make_cfg(num_q_heads=5)
   with pytest.raises(ValueError, match="impl"):
-    make_cfg(fetch_impl="cuda")
+    make_cfg(impl=ImplConfig(fetch="cuda"))
+  with pytest.raises(ValueError, match="index_share"):
+    make_cfg(index_share=3)
 
 
 @pytest.mark.parametrize("policy", ["lru", "freq"])
@@ -323,8 +258,8 @@ def test_replacement_policy_changes_victims_not_outputs(policy):
 def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
   """policy="rank": the selector returns rank_depth best-first positions; the first
   top_k are attended, the rest only steer victims. Outputs equal full KV."""
-  lru_cfg = make_cfg(hot_slots=24, top_k=16, resolve_impl="xla")
-  rank_cfg = lru_cfg.replace(policy="rank", rank_depth=40)
+  lru_cfg = make_cfg(hot_slots=24, top_k=16, impl="xla")
+  rank_cfg = lru_cfg.replace(policy=PolicyConfig("rank", rank_depth=40))
   lens = [200, 260, 300]
   runs = {name: Harness(c, lens, seed=12) for name, c in
           (("lru", lru_cfg), ("rank", rank_cfg))}
@@ -351,7 +286,7 @@ def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
       kn = jnp.asarray(rng.standard_normal((L, R, Hkv, D)), jnp.float32)
       out, h.state = h.decoder.step(h.state, q, kn, -kn,
                                     ranked if name == "rank" else sel)
-      ref, h.full = h.full_step(h.full, q, kn, -kn, select_aux=sel)
+      ref, h.full = h.full_step(h.full, q, kn, -kn, jnp.asarray(sel))
       np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
     differs |= not np.array_equal(np.asarray(runs["lru"].state.slot_pos),
                                   np.asarray(runs["rank"].state.slot_pos))
@@ -359,4 +294,4 @@ def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
   with pytest.raises(ValueError, match="select_width|rows of"):
     runs["rank"].decoder.step(runs["rank"].state, q, kn, -kn, sel)
   with pytest.raises(ValueError, match="rank_depth"):
-    make_cfg(rank_depth=8)
+    make_cfg(policy=PolicyConfig(rank_depth=8))

@@ -67,11 +67,13 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   """The device script's smoke path (kernels interpreted): every check passes and no
   section errors, so a rare GPU loan is not spent on a harness bug."""
   run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
-      "--sections=numerics,lookups,io", "--numerics=resolve,fetch_over_4gib",
+      "--sections=numerics,lookups,io", "--numerics_filter=zero_copy",
       "--warmup=1", "--iters=2")
   rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert not [r for r in rows if "error" in r]
   assert all(r["ok"] for r in rows if "ok" in r)
+  numerics = [r["test"] for r in rows if r["section"] == "numerics" and "test" in r]
+  assert len(numerics) == 2 and all("zero_copy" in t for t in numerics)
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
   timed = {r["variant"] for r in rows if r["section"] == "timing"}

@@ -13,22 +13,21 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
 
 @pytest.mark.parametrize("variant", range(6))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
-  name, cfg, *share = hlo_audit.audit_configs(smoke=True)[variant]
-  audit = hlo_audit.audit_config(cfg, name, *share)
+  name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
+  audit = hlo_audit.audit_config(cfg, name)
   assert audit.whole_host_copies == 0
   assert audit.aliased_params == audit.state_params == 12
   assert audit.host_to_device_bytes_per_miss == 2 * cfg.row_bytes
-  assert audit.async_host_writes > 0  # in-scan append: async DUS on the host buffer
-  if cfg.fetch_impl == "pallas":
+  if cfg.impl.fetch == "pallas":
     assert "fetch_rows" in audit.kernels and audit.host_executes == 0
   else:
     assert audit.host_executes >= 1
-  assert ("cache_resolve" in audit.kernels) == (cfg.resolve_impl == "pallas")
-  assert ("sparse_decode_attention" in audit.kernels) == (cfg.attention_impl == "pallas")
+  assert ("cache_resolve" in audit.kernels) == (cfg.impl.resolve == "pallas")
+  assert ("sparse_decode_attention" in audit.kernels) == (cfg.impl.attention == "pallas")
   # Overlapped hit/miss attention, and the shared layers' fetch issued at the
   # anchor: compute is scheduled while a host gather is in flight (with the
   # latency-hiding scheduler the audit enables).
-  assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or bool(share))
+  assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or cfg.index_share > 1)
 
 
 def test_separate_append_writes_in_place():

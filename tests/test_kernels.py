@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cache_resolve.kernel import cache_resolve
+from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import BlockSizes as FetchBlocks
 from pallas_kernels.fetch import fetch_rows, fetch_rows_reference
 from pallas_kernels.sparse_decode_attention import (BlockSizes, sparse_decode_attention,
                                                     sparse_decode_attention_reference)
+from tests import util
 from tests.oracles import sparse_attention_oracle
 
-# One tolerance table by dtype (tokamax's values; see WORKSPACE_NOTES.md).
-ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# Tolerances: tests/util.py (one table by dtype).
 
 
 def make_cache(rng, shape, dtype, poison_slots=()):
@@ -46,7 +46,8 @@ def oracle_out(q, k_cache, v_cache, layer, slot):
     (2, 1, 3, 20, BlockSizes(16, 1)),   # per-KV-head units, G=3 (padded to 16)
     (1, 3, 3, 64, BlockSizes(32, 2)),   # SmolLM2-like heads: 9 q / 3 kv
 ])
-def test_attention_kernel_matches_oracle(dtype, units, heads, group, num_sel, blocks):
+def test_attention_kernel_matches_oracle(on_gpu, dtype, units, heads, group, num_sel,
+                                        blocks):
   rng = np.random.default_rng(num_sel)
   L, R, S, D = 2, 3, 80, 64
   poison = (77, 78, 79)  # never selected: reading them would leak NaN
@@ -59,22 +60,22 @@ def test_attention_kernel_matches_oracle(dtype, units, heads, group, num_sel, bl
   slot = jnp.asarray(slot)
   want = oracle_out(q, k_cache, v_cache, 1, slot)
   got, lse = sparse_decode_attention(q, k_cache, v_cache, 1, slot, block_sizes=blocks,
-                                     interpret=True)
+                                     interpret=not on_gpu)
   ref, ref_lse = sparse_decode_attention_reference(q, k_cache, v_cache, 1, slot)
-  atol = ATOL[dtype]
+  atol = util.atol(dtype)
   np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol, rtol=atol / 10)
   np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=atol, rtol=atol / 10)
   np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
   again, _ = sparse_decode_attention(q, k_cache, v_cache, 1, slot, block_sizes=blocks,
-                                     interpret=True)
+                                     interpret=not on_gpu)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(again))  # deterministic
 
 
-def test_attention_with_no_valid_row_is_zero():
+def test_attention_with_no_valid_row_is_zero(on_gpu):
   k = jnp.ones((1, 1, 1, 4, 1, 16))
   q = jnp.ones((1, 2, 16))
   slot = jnp.full((1, 1, 3), -1, jnp.int32)
-  out, lse = sparse_decode_attention(q, k, k, 0, slot, interpret=True)
+  out, lse = sparse_decode_attention(q, k, k, 0, slot, interpret=not on_gpu)
   np.testing.assert_array_equal(out, 0.0)
   assert np.isneginf(np.asarray(lse)).all()
   ref, _ = sparse_decode_attention_reference(q, k, k, 0, slot)
@@ -82,7 +83,7 @@ def test_attention_with_no_valid_row_is_zero():
 
 
 @pytest.mark.parametrize("count", [0, 1, 13, 40])
-def test_fetch_kernel_copies_exactly_the_planned_rows(count):
+def test_fetch_kernel_copies_exactly_the_planned_rows(on_gpu, count):
   rng = np.random.default_rng(count)
   L, R, T1, U, Hg, D, S, N = 2, 3, 50, 2, 3, 16, 9, 40
   host = rng.standard_normal((L, R, T1, U, Hg, D)).astype(np.float32)
@@ -95,7 +96,7 @@ def test_fetch_kernel_copies_exactly_the_planned_rows(count):
   args = [jnp.asarray(x) for x in (src, dest, count, host, host + 1)]
   want = fetch_rows_reference(*args, jnp.asarray(hot), jnp.asarray(hot))
   got = fetch_rows(*args, jnp.asarray(hot), jnp.asarray(hot), block_sizes=FetchBlocks(8),
-                   interpret=True)
+                   interpret=not on_gpu)
   for w, g in zip(want, got):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   # Independent check: exactly `count` rows are finite, equal to their sources.

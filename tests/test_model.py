@@ -8,7 +8,7 @@ installed; config, RoPE-layout and attention-kernel tests always run.
 Logit tolerance: ``LOGIT_ATOL = 5e-4`` absolute. Both sides run float32 on the
 same dequantized weights, so they differ only in summation order (XLA vs
 torch's BLAS, online vs one-shot softmax); measured max |diff| is 5.3e-5 over
-full-vocabulary logits of magnitude <= 27 (REAL_MODEL.md saw 5.9e-5). 10x
+full-vocabulary logits of magnitude <= 27 (an earlier port measured 5.9e-5). 10x
 headroom absorbs other CPUs' FMA/vector widths, while any real defect (RoPE
 layout, Q/K permutation, eps, tying) moves logits by > 0.1. The closest greedy
 decision in the fixture has a top-1/top-2 margin of 0.006, still 100x the
@@ -79,7 +79,7 @@ def test_accounting_presets_match_specs():
   assert dsv.kv_bytes_per_token_per_layer == 1152
   assert glm.selector_bytes_per_token_per_layer == 132  # 128 x fp8 + fp32 scale
   assert (glm.num_layers, dsv.num_layers, glm.top_k, dsv.top_k) == (78, 61, 2048, 2048)
-  # SPECS.md §1.10: 131072 tokens x 78 layers x (1152 + 128) B = 13.09 GB, and
+  # The paper's accounting: 131072 tokens x 78 layers x (1152 + 128) B = 13.09 GB, and
   # the never-offloaded indexer keys at 132 B/token/layer ~ 1.35 GB.
   assert round(131072 * 78 * (1152 + 128) / 1e9, 2) == 13.09
   assert round(131072 * glm.num_layers * glm.selector_bytes_per_token_per_layer
@@ -295,10 +295,10 @@ def test_cached_decode_matches_forward_with_padding(loaded, prompt, forward_logi
                              rtol=0, atol=CACHED_VS_FORWARD_ATOL)
   feed = np.stack([prompt[480:480 + steps], other[400:400 + steps]])
   # The generic entry point (not donating) also exposes every layer's queries.
-  logits, _, queries = model.decode(feed[:, 0], kv.lens, cache_lib.dense_attend, kv,
-                                    return_queries=True)
+  logits, _, trace = model.decode(feed[:, 0], kv.lens, cache_lib.dense_attend, kv,
+                                  return_trace=True)
   cfg = model.cfg
-  assert queries.shape == (cfg.num_layers, 2, cfg.num_q_heads, cfg.head_dim)
+  assert trace.q.shape == (cfg.num_layers, 2, cfg.num_q_heads, cfg.head_dim)
   decoded, kv = sampling.teacher_forced_logits(model, kv, feed)
   np.testing.assert_allclose(np.asarray(logits), decoded[:, 0], rtol=0, atol=1e-5)
   np.testing.assert_allclose(decoded[0], forward_logits[480:480 + steps], rtol=0,

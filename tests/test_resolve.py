@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kvtier_jax.resolve import install_newest, resolve
+from kvtier_jax.policies import PolicyConfig
+from kvtier_jax.resolve import install_newest, resolve, resolve_with_policy
 from tests.oracles import resolve_oracle
 
 IMPLS = ["xla", "pallas"]  # pallas runs in interpret mode on CPU
 # XLA membership lookups (identical results by contract); "map" with a position bound.
-LOOKUPS = [dict(lookup="unrolled"), dict(lookup="sort"),
-           dict(lookup="map", num_positions=6 * 40)]
+LOOKUPS = [dict(lookup_method="search"), dict(lookup_method="map", num_positions=6 * 40)]
 
 
 def random_selection(rng, batch, num_sel, newest, pad_prob=0.1, local=True):
@@ -79,7 +79,7 @@ def test_resolve_matches_oracle_over_many_steps(impl, batch, num_slots, num_sel,
   assert (slot_pos >= 0).any()
 
 
-@pytest.mark.parametrize("lookup", LOOKUPS, ids=lambda d: d["lookup"])
+@pytest.mark.parametrize("lookup", LOOKUPS, ids=lambda d: d["lookup_method"])
 def test_resolve_lookups_match_oracle(lookup):
   rng = np.random.default_rng()  # fresh draws each run
   batch, num_slots, num_sel = (2, 3), 40, 33
@@ -98,13 +98,13 @@ def test_resolve_lookups_match_oracle(lookup):
 
 def test_map_lookup_needs_a_position_bound():
   with pytest.raises(ValueError, match="num_positions"):
-    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup="map")
+    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup_method="map")
   with pytest.raises(ValueError, match="lookup"):
-    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup="hash")
+    resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup_method="hash")
 
 
 @given(st.sampled_from([1, 5, 12]), st.sampled_from([0, 3, 20]),
-       st.integers(0, 2**31 - 1), st.sampled_from(["scan", "unrolled", "map"]))
+       st.integers(0, 2**31 - 1), st.sampled_from(["search", "map"]))
 def test_resolve_property(num_sel, extra_slots, seed, lookup):
   rng = np.random.default_rng(seed)
   num_slots = num_sel + extra_slots
@@ -117,7 +117,7 @@ def test_resolve_property(num_sel, extra_slots, seed, lookup):
   newest = rng.integers(0, 60, size=2).astype(np.int32)
   sel = random_selection(rng, (2,), num_sel, newest, local=False)
   want = resolve_oracle(slot_pos, lru, sel, newest)
-  got = resolve(slot_pos, lru, sel, newest, lookup=lookup, num_positions=60)
+  got = resolve(slot_pos, lru, sel, newest, lookup_method=lookup, num_positions=60)
   for w, g in zip(want, got):
     np.testing.assert_array_equal(np.asarray(g), w)
   check_invariants(slot_pos, got, sel, newest)
@@ -192,8 +192,7 @@ def misses_of_keyed_resolve(step, streams, steps, slots):
 
 def test_freq_policy_matches_cache_sim_replay():
   """The jitted frequency-aware RESOLVE evicts exactly as cache_sim's "freq"."""
-  from kvtier_jax import cache_sim
-  from kvtier_jax.resolve import resolve_freq
+  from experiments.analysis import cache_sim
   rng = np.random.default_rng(5)
   streams, steps, num_sel, slots = 5, 60, 10, 16
   sel = np.full((streams, steps, num_sel), -1, np.int64)
@@ -202,15 +201,15 @@ def test_freq_policy_matches_cache_sim_replay():
     row[rng.random(num_sel) < 0.1] = -1
     sel[s, t] = row
   want = cache_sim.replay(sel, slots, "freq", alpha=0.9)
-  step = lambda slot_pos, lru, score, t: resolve_freq(
-      slot_pos, lru, score, sel[:, t].astype(np.int32),
-      np.full(streams, 10**6, np.int32), alpha=0.9)
+  step = lambda slot_pos, lru, score, t: resolve_with_policy(
+      PolicyConfig("freq", freq_alpha=0.9), slot_pos, lru, score,
+      sel[:, t].astype(np.int32), np.full(streams, 10**6, np.int32))
   np.testing.assert_array_equal(misses_of_keyed_resolve(step, streams, steps, slots),
                                 want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
 
 
-@pytest.mark.parametrize("num_positions", [None, 64])  # sort path, map path
+@pytest.mark.parametrize("num_positions", [None, 64])  # search path, map path
 def test_selection_errors_flags_duplicates_and_range(num_positions):
   from kvtier_jax.resolve import (STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
                                   selection_errors)
@@ -237,7 +236,7 @@ def test_selection_errors_flags_duplicates_and_range(num_positions):
 
 @pytest.mark.parametrize("num_positions", [None, 200])
 def test_resident_mask_matches_membership(num_positions):
-  from kvtier_jax.decode import resident_mask
+  from kvtier_jax.lookup import resident_mask
   rng = np.random.default_rng()
   slot_pos = np.stack([rng.choice(200, 16, replace=False) for _ in range(6)])
   slot_pos[rng.random(slot_pos.shape) < 0.25] = -1
@@ -245,15 +244,15 @@ def test_resident_mask_matches_membership(num_positions):
   want = np.array([[p >= 0 and p in set(s) for p in ps]
                    for s, ps in zip(slot_pos, positions)])
   got = resident_mask(jnp.asarray(slot_pos.reshape(2, 3, 16), jnp.int32),
-                      jnp.asarray(positions.reshape(2, 3, 12), jnp.int32), num_positions)
+                      jnp.asarray(positions.reshape(2, 3, 12), jnp.int32),
+                      num_positions=num_positions)
   np.testing.assert_array_equal(np.asarray(got).reshape(6, 12), want)
 
 
-@pytest.mark.parametrize("num_positions", [None, 128])  # sort path, map path
+@pytest.mark.parametrize("num_positions", [None, 128])  # search path, map path
 def test_rank_policy_matches_cache_sim_replay(num_positions):
   """The jitted rank-aware RESOLVE evicts exactly as cache_sim's "rank"."""
-  from kvtier_jax import cache_sim
-  from kvtier_jax.resolve import resolve_ranked
+  from experiments.analysis import cache_sim
   rng = np.random.default_rng()
   streams, steps, num_sel, slots, extra = 5, 50, 10, 16, 12
   sel = np.full((streams, steps, num_sel), -1, np.int64)
@@ -266,16 +265,17 @@ def test_rank_policy_matches_cache_sim_replay(num_positions):
     ranks[s, t] = np.concatenate([row, pool[num_sel:num_sel + extra]])
   want = cache_sim.replay(sel, slots, "rank", ranks=ranks, rank_freq=0.3, alpha=0.9)
   newest = np.full(streams, 10**6 if num_positions is None else 127, np.int32)
-  step = lambda slot_pos, lru, score, t: resolve_ranked(
-      slot_pos, lru, score, ranks[:, t].astype(np.int32), sel[:, t].astype(np.int32),
-      newest, alpha=0.9, rank_freq=0.3, num_positions=num_positions)
+  step = lambda slot_pos, lru, score, t: resolve_with_policy(
+      PolicyConfig("rank", freq_alpha=0.9, rank_freq=0.3), slot_pos, lru, score,
+      sel[:, t].astype(np.int32), newest, ranks[:, t].astype(np.int32),
+      num_positions=num_positions)
   np.testing.assert_array_equal(misses_of_keyed_resolve(step, streams, steps, slots),
                                 want)
   assert (want != cache_sim.replay(sel, slots, "lru")).any()  # the policy matters
 
 
 def test_rank_of_both_paths_agree():
-  from kvtier_jax.resolve import rank_of
+  from kvtier_jax.lookup import rank_of
   rng = np.random.default_rng()
   slot_pos = np.stack([rng.choice(100, 20, replace=False) for _ in range(4)])
   slot_pos[rng.random(slot_pos.shape) < 0.2] = -1
@@ -284,5 +284,6 @@ def test_rank_of_both_paths_agree():
   want = np.array([[list(r).index(p) if p >= 0 and p in r else 30 for p in s]
                    for s, r in zip(slot_pos, ranks)])
   for bound in (None, 100):
-    got = rank_of(jnp.asarray(slot_pos, jnp.int32), jnp.asarray(ranks, jnp.int32), bound)
+    got = rank_of(jnp.asarray(slot_pos, jnp.int32), jnp.asarray(ranks, jnp.int32),
+                  num_positions=bound)
     np.testing.assert_array_equal(np.asarray(got), want)

@@ -1,5 +1,5 @@
 """Quest, DSA, NSA and oracle selectors against float64 numpy brute force written
-from SPECS.md §2, the decode contract on every row, incremental state == prefill
+from the selectors' papers, the decode contract on every row, incremental state == prefill
 state, exact tiered decoding over their selections, bad configurations, and the
 resident-state byte counts.
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvtier_jax import decode, full_kv, selectors
+from kvtier_jax import driver, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import TierConfig
 from kvtier_jax.selectors import (DSASelector, NSASelector, OracleSelector,
@@ -67,7 +67,7 @@ def assert_contract(positions, newest):
 
 
 def quest_brute(q, keys, newest, page_size, granularity):
-  """Page scores f64[U, pages] of SPECS §2.1 bounds + the per-head softmax rule."""
+  """Page scores f64[U, pages] of the Quest bounds + the per-head softmax rule."""
   num_pages = newest // page_size + 1
   bound = np.zeros((HQ, num_pages))
   for p in range(num_pages):
@@ -121,7 +121,7 @@ def oracle_brute(q, keys, newest, granularity):
 
 
 def nsa_brute(sel, q, keys, newest):
-  """Block importance f64[Hkv, blocks <= current] of SPECS §2.2 (with the
+  """Block importance f64[Hkv, blocks <= current] of the NSA paper (with the
   selector's offset convention) and the forced block set."""
   l, d, lp = sel.cmp_block, sel.cmp_stride, sel.block_size
   complete = [i for i in range(newest + 1) if i * d + l - 1 <= newest]
@@ -465,7 +465,7 @@ def test_selections_decode_exactly_through_the_tiered_cache(name):
   sel, params = decode_cases()[name]
   cfg = TierConfig(num_layers=NUM_LAYERS, num_requests=len(DECODE_LENS), max_len=MAX_LEN,
                    num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, hot_slots=sel.top_k,
-                   top_k=sel.top_k, per_kv_head=sel.num_units == HKV)
+                   top_k=sel.top_k, per_kv_head=sel.num_units == HKV, dtype=jnp.float32)
   rng = np.random.default_rng(11)
   plen = max(DECODE_LENS)
   lens = jnp.asarray(DECODE_LENS, jnp.int32)
@@ -474,11 +474,11 @@ def test_selections_decode_exactly_through_the_tiered_cache(name):
   vp = jnp.asarray(rng.standard_normal(kv_shape), jnp.float32)
   xp = jnp.asarray(rng.standard_normal(kv_shape[:3] + (MODEL_DIM,)), jnp.float32)
 
-  decoder = decode.TieredDecoder(cfg)
+  decoder = driver.TieredDecoder(cfg)
   tiered = decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp, DECODE_LENS)
   full = full_kv.init_full_kv(cfg, kp, vp, lens, fill=np.nan)
-  full_step = jax.jit(functools.partial(full_kv.full_kv_decode_step, cfg,
-                                        select=selectors.given_selection))
+  given = selectors.GivenSelector(cfg.top_k, cfg.num_units)
+  full_step = jax.jit(functools.partial(full_kv.full_kv_decode_step, cfg, given))
   sel_state = sel.init_state(NUM_LAYERS, len(DECODE_LENS), MAX_LEN)
   prefill = jax.jit(sel.prefill)  # traced layer index
   for l in range(NUM_LAYERS):
@@ -512,7 +512,7 @@ def test_selections_decode_exactly_through_the_tiered_cache(name):
                     jnp.float32)
     sel_pos, sel_state = select_all(sel_state, x, q, kn, jnp.asarray(newest, jnp.int32))
     out, tiered = decoder.step(tiered, q, kn, vn, sel_pos)  # validates the selection
-    ref, full = full_step(full, q, kn, vn, select_aux=sel_pos)
+    ref, full = full_step(full, q, kn, vn, sel_pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
     # And against float64 attention over the selected positions.
     k_all, v_all = np.asarray(full.k), np.asarray(full.v)

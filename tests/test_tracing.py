@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from models.tracing import attention_mass, covered_mass
+from experiments.analysis.tracing import attention_mass, covered_mass
 
 
 def test_attention_mass_and_covered_mass_match_numpy():

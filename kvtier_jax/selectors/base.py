@@ -3,8 +3,8 @@
 A selector names, per layer and decode step, the positions attention reads
 (``i32[R, U, k]``, -1 padding). It may keep *resident state* on the device (Quest
 page summaries, DSA indexer keys, NSA compressed keys): that state grows with the
-context and is never offloaded (SPECS.md §1.2), so it is counted in the capacity
-tables via ``state_bytes_per_token``.
+context and is never offloaded (docs/DESIGN.md, "Selectors"), so it is counted in
+the capacity tables via ``state_bytes_per_token``.
 
 The same selector object serves the ``sparse`` backend (full KV on device) and the
 ``tiered`` backend (host tier + hot cache); both then attend over the same positions,
@@ -17,6 +17,7 @@ other cache.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -133,3 +134,20 @@ def check_prefill_shapes(inputs: PrefillInputs, num_kv_heads: int, head_dim: int
     raise ValueError(f"prompt length {plen} exceeds the state's max_len={max_len}")
   if inputs.lens.shape != (num_req,):
     raise ValueError(f"lens has shape {inputs.lens.shape}, expected ({num_req},)")
+
+
+@functools.partial(jax.jit, static_argnames=("selector", "num_layers", "max_len"))
+def prefill_state(selector, num_layers: int, max_len: int, params, x, k, lens):
+  """A selector's resident state after prompts: every layer's ``prefill``.
+
+  Args:
+    x: [L, R, P, Dm] each layer's normalised prompt inputs; k: [L, R, P, Hkv, D]
+      post-RoPE keys; lens: i32[R]; params: per-layer selector params or None.
+  """
+  state = selector.init_state(num_layers, x.shape[1], max_len)
+
+  def one_layer(layer, state):
+    p = None if params is None else layer_slice(params, layer)
+    return selector.prefill(state, layer, PrefillInputs(x[layer], k[layer], lens), p)
+
+  return jax.lax.fori_loop(0, num_layers, one_layer, state)

@@ -1,4 +1,4 @@
-"""DSA's lightning indexer: learned token-level top-k (SPECS.md §2.3).
+"""DSA's lightning indexer: learned token-level top-k (DeepSeek-V3.2's ``Indexer``).
 
 Per layer, a few cheap index heads score every earlier position:
 

@@ -1,4 +1,4 @@
-"""NSA's block selection (Native Sparse Attention, SPECS.md §2.2).
+"""NSA's block selection (Native Sparse Attention, arXiv 2502.11089).
 
 NSA attends three branches and gates them:
 
@@ -10,7 +10,7 @@ NSA attends three branches and gates them:
   (l') positions, chosen per KV group from the cmp branch's probabilities.
 * **win**: attention over the last ``window`` (w) positions.
 
-Selection, per query head then per KV group (SPECS.md §2.2): ``p_cmp`` is the
+Selection, per query head then per KV group (the paper's eq. for p_slc): ``p_cmp`` is the
 softmax of ``q . K_cmp / sqrt(D)`` over the compression blocks complete at
 ``newest``; a selection block's importance is
 

@@ -1,4 +1,4 @@
-"""Quest: query-aware page selection from per-page key bounds (SPECS.md §2.1).
+"""Quest: query-aware page selection from per-page key bounds (docs/DESIGN.md, "Selectors").
 
 Each page of ``page_size`` positions keeps the elementwise max and min of its
 post-RoPE keys per KV head. For a query ``q`` the page's upper bound on ``q . k``

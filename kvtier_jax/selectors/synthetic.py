@@ -1,20 +1,50 @@
-"""Synthetic selectors with no model behind them (tests, benchmarks)."""
+"""Selectors with no model behind them (tests, benchmarks), as ``Selector``s.
+
+Both plug into the same tiered step as Quest, DSA and NSA: their state (if any)
+rides in the step's carry like any selector state.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 
-
-def given_selection(q, ctx):
-  """Returns the precomputed positions passed as ``ctx.aux`` (i32[R, U, k])."""
-  del q
-  return ctx.aux
+from kvtier_jax.shapes import EMPTY
 
 
-def churn_selector(prompt_len: int, top_k: int, num_units: int, churn: float,
-                   include_newest: bool = True):
+@dataclasses.dataclass(frozen=True)
+class GivenSelector:
+  """Returns precomputed positions: its state is the step's selections.
+
+  The caller puts i32[L, R, U, top_k] (-1 padding) into the carry's selector state
+  before each step (``TieredDecoder.step(..., selections=...)``); layer l reads
+  its slice. Under the "rank" policy ``top_k`` is the ranking's width.
+  """
+
+  top_k: int
+  num_units: int = 1
+
+  def init_state(self, num_layers: int, num_requests: int, max_len: int):
+    del max_len
+    return jnp.full((num_layers, num_requests, self.num_units, self.top_k), EMPTY,
+                    jnp.int32)
+
+  def prefill(self, state, layer, inputs, params=None):
+    del layer, inputs, params
+    return state
+
+  def select(self, state, layer, inputs, params=None):
+    del inputs, params
+    return state[layer], state
+
+  def state_bytes_per_token(self) -> int:
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ChurnSelector:
   """A selection stream with a controlled step-to-step churn, computed in-jit.
 
   Each (layer, request, unit) walks a sliding window over a fixed pseudo-random
@@ -22,32 +52,48 @@ def churn_selector(prompt_len: int, top_k: int, num_units: int, churn: float,
   step ``round(churn * k)`` positions leave and as many never-seen ones enter, so an
   LRU cache of B >= k slots misses about ``churn`` of the selection each step (the
   HiSparse paper measured 13.4% with LRU at B=2k). Positions are distinct by
-  construction; the last entry is the newest position.
-
-  Returns ``select(q, ctx)``; ``ctx.newest`` i32[R] drives the step counter.
+  construction; with ``include_newest`` the last entry is the newest position.
+  Stateless: the step counter is the position being decoded.
   """
-  if not 0.0 <= churn <= 1.0:
-    raise ValueError(f"{churn=} must be in [0, 1]")
-  if top_k > prompt_len:
-    raise ValueError(f"{top_k=} exceeds {prompt_len=}")
-  window = top_k - 1 if include_newest else top_k
-  shift = round(churn * window)
-  mult = next(a for a in range(7919, 1, -1)
-              if math.gcd(a, prompt_len) == 1 and a * prompt_len < 2**31)
 
-  def select(q, ctx):
-    del q
-    num_req = ctx.newest.shape[0]
-    step = jnp.maximum(ctx.newest - prompt_len, 0)  # [R]
+  prompt_len: int
+  top_k: int
+  num_units: int = 1
+  churn: float = 0.134
+  include_newest: bool = True
+
+  def __post_init__(self):
+    if not 0.0 <= self.churn <= 1.0:
+      raise ValueError(f"churn={self.churn} must be in [0, 1]")
+    if self.top_k > self.prompt_len:
+      raise ValueError(f"top_k={self.top_k} exceeds prompt_len={self.prompt_len}")
+
+  def init_state(self, num_layers: int, num_requests: int, max_len: int):
+    return None
+
+  def prefill(self, state, layer, inputs, params=None):
+    return state
+
+  def state_bytes_per_token(self) -> int:
+    return 0
+
+  def select(self, state, layer, inputs, params=None):
+    del params
+    prompt_len = self.prompt_len
+    window = self.top_k - 1 if self.include_newest else self.top_k
+    shift = round(self.churn * window)
+    mult = next(a for a in range(7919, 1, -1)
+                if math.gcd(a, prompt_len) == 1 and a * prompt_len < 2**31)
+    newest = inputs.newest
+    num_req = newest.shape[0]
+    step = jnp.maximum(newest - prompt_len, 0)  # [R]
     r = jnp.arange(num_req)[:, None, None]
-    u = jnp.arange(num_units)[None, :, None]
-    salt = (ctx.layer * 7 + r * 131 + u * 17) * 40503  # per-stream offset
+    u = jnp.arange(self.num_units)[None, :, None]
+    salt = (layer * 7 + r * 131 + u * 17) * 40503  # per-stream offset
     start = (salt + step[:, None, None] * shift) % prompt_len
     idx = (start + jnp.arange(window)[None, None, :]) % prompt_len
     pos = (mult * idx + salt % prompt_len) % prompt_len
-    if include_newest:
-      newest = jnp.broadcast_to(ctx.newest[:, None, None], (num_req, num_units, 1))
-      pos = jnp.concatenate([pos, newest], axis=-1)
-    return pos.astype(jnp.int32)
-
-  return select
+    if self.include_newest:
+      last = jnp.broadcast_to(newest[:, None, None], (num_req, self.num_units, 1))
+      pos = jnp.concatenate([pos, last], axis=-1)
+    return pos.astype(jnp.int32), state

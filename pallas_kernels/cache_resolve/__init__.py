@@ -1,4 +1,2 @@
-from pallas_kernels.cache_resolve.reference import (ResolveOutputs,
-                                                   cache_resolve_freq_reference,
-                                                   cache_resolve_keyed_reference,
-                                                   cache_resolve_reference)
+from pallas_kernels.cache_resolve.kernel import cache_resolve
+from pallas_kernels.cache_resolve.reference import ResolveOutputs, cache_resolve_reference

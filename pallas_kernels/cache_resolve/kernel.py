@@ -1,6 +1,6 @@
 """Fused RESOLVE kernel: one program per (request, unit) row.
 
-Phases (SPECS.md §1.5: Stage/Mark -> Scan -> victims -> Publish):
+Phases (HiSparse's Stage/Mark -> Scan -> victims -> Publish; docs/DESIGN.md, "RESOLVE"):
 
   1. *Mark*: tile-by-tile equality of the row's slot positions against the
      selected positions (excluding the newest) gives each slot's hit flag and, for

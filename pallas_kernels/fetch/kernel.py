@@ -1,7 +1,7 @@
 """Zero-copy miss fetch: a kernel that reads missed rows from the host tier itself.
 
 On a GPU the host tier is a ``pinned_host`` buffer, which XLA hands to the Triton
-custom call without a copy (JAX_HOST_OFFLOAD_NOTES.md §2.1); under unified virtual
+custom call without a copy (docs/DESIGN.md, "Host memory in XLA"); under unified virtual
 addressing the kernel's loads then travel over PCIe / NVLink-C2C directly, and
 exactly the missed rows move. Grid: one program per ``block_rows`` lanes of the
 compacted plan; programs past the miss count return at once. Lanes past the count

@@ -2,7 +2,7 @@
 
 Every selector absorbs each token and picks positions at every layer, its picks
 are kept in the carry; attention itself is dense, so one pass serves any number of
-selectors (REAL_MODEL.md §4: selections are recorded, not fed back).
+selectors (selections are recorded, not fed back).
 """
 
 from __future__ import annotations

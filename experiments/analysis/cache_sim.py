@@ -9,16 +9,19 @@ across independent streams (layers, requests, units): each step is a handful of
 ``"lru"`` reproduces ``kvtier_jax.resolve.resolve`` miss for miss (the newest-token
 slot aside), so replayed counts are what the decode loop would fetch. ``"belady"``
 is the offline optimum, a lower bound for every policy. The other policies are the
-candidates of SPECS.md §5.3, adapted to set requests (see ``replay``);
+usual online candidates, adapted to set requests (see ``replay``);
 ``compare_policies`` tabulates them against both ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
+
+from kvtier_jax import policies
 
 __all__ = ["POLICIES", "OFFLINE_POLICIES", "replay", "compare_policies",
            "synthetic_trace"]
@@ -29,6 +32,51 @@ OFFLINE_POLICIES = ("belady",)  # these read the future of the trace
 
 _PAD = -1
 _NEVER = np.iinfo(np.int64).max  # a key above every stamp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+  """What a policy object knows about the whole replay (fixed for its duration)."""
+
+  policy: str
+  S: int  # streams
+  B: int  # slots per stream
+  T: int  # steps
+  k: int  # selected entries per step
+  num_pos: int  # dense position ids; num_pos is the padding id
+  sel: np.ndarray  # i64[T, S, k]
+  ranks: np.ndarray | None  # i64[T, S, m] ("rank")
+  rank_freq: float
+  seed: int
+  slot_ids: np.ndarray  # i64[B]
+  alpha: float
+  score_alpha: float
+  twoq_in: float
+  twoq_out: float
+
+
+@dataclasses.dataclass
+class _Step:
+  """One step's view, handed to ``pick`` and then (completed) to ``commit``."""
+
+  t: int
+  rows: np.ndarray  # i64[S, 1]
+  slot_ids: np.ndarray  # i64[B]
+  scratch: int  # B: a column past the slots
+  cur: np.ndarray  # i64[S, k] this step's dense ids
+  hit: np.ndarray  # bool[S, k]
+  miss: np.ndarray  # bool[S, k]
+  num_miss: np.ndarray  # i64[S]
+  pinned: np.ndarray  # bool[S, B] slots this step hits
+  empty: np.ndarray  # bool[S, B]
+  held_pos: np.ndarray  # i64[S, B] position held by each slot
+  score: Any  # f[S, k] ("score") or None
+  # Set after the victims are picked:
+  slot_in: Any = None  # i64[S, k] slot serving each entry (B: padding)
+  taken: Any = None  # bool[S, B] victims
+  old_pos: Any = None  # i64[S, B] slot positions before the step
+  evicted: Any = None  # bool[S, B] victims that held a position
+  slot_pos: Any = None  # i64[S, B] after the step
 
 
 def _validate(selections, capacity, policy) -> np.ndarray:
@@ -200,7 +248,7 @@ def _lex_pick(st, *keys):
 
 def _touch(rec, st, moved=None) -> None:
   """Restamps requested entries (``rec``: i64[S, B+1]) in resolve's LRU order
-  (SPECS.md §1.5 step 6): misses in selection order, then the (``moved``) hits in
+  (docs/DESIGN.md, "RESOLVE"): misses in selection order, then the (``moved``) hits in
   their old relative order. Stamps stay below ``(t + 1) * 2k``."""
   k = st.cur.shape[1]
   hit = st.hit if moved is None else st.hit & moved
@@ -475,9 +523,16 @@ class _Ranked(_Policy):  # lru2 / freq / score: evict the smallest (key, LRU sta
       self.key[at] = np.where(st.hit, self.last[at], -1)
       self.last[at] = st.t
       return
-    gain = 1.0 if self.kind == "freq" else st.score
-    self.key *= self.c.alpha if self.kind == "freq" else self.c.score_alpha
-    self.key[at] = np.where(st.hit, self.key[at] + gain, gain)
+    if self.kind == "freq":  # the library's EMA (kvtier_jax/policies.py)
+      touched = np.zeros(self.key.shape, bool)
+      touched[at] = True
+      hit = np.zeros(self.key.shape, bool)
+      hit[at] = st.hit
+      self.key = policies.filled(policies.decayed(self.key, hit, self.c.alpha),
+                                 touched & ~hit)
+      return
+    self.key *= self.c.score_alpha
+    self.key[at] = np.where(st.hit, self.key[at] + st.score, st.score)
 
 
 class _Rank(_Ranked):
@@ -496,7 +551,7 @@ class _Rank(_Ranked):
     rank_of[st.rows, ranked] = np.arange(num_ranked)
     rank_of[:, c.num_pos] = num_ranked  # padding ranks nothing
     rank = rank_of[st.rows, np.where(st.empty, c.num_pos, st.held_pos)]
-    key = (1.0 - rank / num_ranked) + c.rank_freq * self.key[:, :-1]
+    key = policies.rank_key(rank, num_ranked, self.key[:, :-1], c.rank_freq)
     return _lex_pick(st, key, self.rec[:, :-1])
 
 
@@ -625,7 +680,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   slot_ids = np.arange(num_slots)
   slot_pos = np.full((num_streams, num_slots), _PAD, np.int64)  # slot -> position
   slot_of = np.full((num_streams, num_pos + 1), _PAD, np.int64)  # position -> slot
-  pol = _make_policy(SimpleNamespace(
+  pol = _make_policy(_Replay(
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
       sel=sel, ranks=ranked, rank_freq=rank_freq, seed=seed, slot_ids=slot_ids,
       **params))
@@ -640,7 +695,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     out[t] = num_miss
     pinned = np.zeros((num_streams, num_slots + 1), bool)
     pinned[rows, np.where(hit, held, num_slots)] = True
-    st = SimpleNamespace(t=t, rows=rows, slot_ids=slot_ids, scratch=num_slots,
+    st = _Step(t=t, rows=rows, slot_ids=slot_ids, scratch=num_slots,
                          cur=cur, hit=hit, miss=miss, num_miss=num_miss,
                          pinned=pinned[:, :num_slots], empty=slot_pos < 0,
                          held_pos=slot_pos,

@@ -1,0 +1,147 @@
+"""The host side of the tiered step: what runs between jitted steps.
+
+``TieredDriver`` wraps any jitted step that returns a ``TieredCarry`` (the model's
+step, ``decode_step``, the serving engine's): it checks capacity on a host mirror
+of ``seq_len`` before the call (no device sync), runs the separate donated host
+append after it, reads the status word once and raises ``StepRefused`` with the
+returned (self-consistent, uncommitted) carry. ``TieredDecoder`` is the library's
+convenience over it for precomputed per-layer q/k/v.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import decode
+from kvtier_jax.config import TierConfig
+from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
+                                check_selection)
+from kvtier_jax.selectors.synthetic import GivenSelector
+from kvtier_jax.state import TieredKVState
+
+
+def describe_status(status: int) -> str:
+  reasons = []
+  if status & STATUS_OUT_OF_RANGE:
+    reasons.append("a selected position is out of range (not -1 and not in 0..newest)")
+  if status & STATUS_DUPLICATE:
+    reasons.append("a selection repeats a position")
+  if status & STATUS_CAPACITY:
+    reasons.append("a request's context exceeds the host tier (max_len)")
+  return "; ".join(reasons) or "ok"
+
+
+class StepRefused(ValueError):
+  """A decode step refused its input; ``state`` is the returned, uncommitted state."""
+
+  def __init__(self, message: str, state):
+    super().__init__(message)
+    self.state = state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
+def _append(cfg: TierConfig, carry: decode.TieredCarry):
+  return carry.replace(tier=decode.append_newest(cfg, carry.tier, carry.ok))
+
+
+class TieredDriver:
+  """Runs a jitted tiered step: eager capacity check, host append, refusal.
+
+  Args:
+    cfg: the cache's configuration.
+    step: ``step(carry, *args) -> (out, carry)``, jitted with the carry donated,
+      ending in ``decode.commit_step``.
+  """
+
+  def __init__(self, cfg: TierConfig, step):
+    self.cfg = cfg
+    self._step = step
+    self.seq_len = np.zeros((cfg.num_requests,), np.int64)  # host mirror
+
+  def start(self, lens) -> None:
+    """Set the mirror after a prefill to ``lens`` positions per request."""
+    self.seq_len = np.asarray(lens, np.int64).copy()
+
+  def check_room(self) -> None:
+    if (self.seq_len >= self.cfg.max_len).any():
+      raise ValueError(describe_status(STATUS_CAPACITY) +
+                       f": seq_len={self.seq_len.tolist()}, max_len={self.cfg.max_len}")
+
+  def step(self, carry: decode.TieredCarry, *args):
+    """One step; returns (out, carry) or raises ``StepRefused`` (carry inside)."""
+    self.check_room()
+    out, carry = self._step(carry, *args)
+    carry = _append(self.cfg, carry)
+    status = int(carry.status)
+    if status:
+      raise StepRefused(f"decode step refused, cache unchanged: {describe_status(status)}",
+                        carry)
+    self.seq_len += 1
+    return out, carry
+
+
+class TieredDecoder:
+  """Prefill and step a tiered cache from precomputed per-layer q/k/v.
+
+  The selector defaults to ``GivenSelector``: each step's positions come as
+  ``selections`` i32[L, R, U, select_width]. Stateless selectors (``ChurnSelector``)
+  need none. The state is donated at every call.
+  """
+
+  def __init__(self, cfg: TierConfig, selector=None):
+    self.cfg = cfg
+    self.selector = selector or GivenSelector(cfg.select_width, cfg.num_units)
+    self._step = jax.jit(functools.partial(decode.decode_step, cfg, self.selector),
+                         donate_argnums=(0,))
+    self._driver = TieredDriver(cfg, self._step)
+    self._prefill = jax.jit(functools.partial(decode.prefill, cfg), donate_argnums=(0,))
+
+  @property
+  def seq_len(self) -> np.ndarray:
+    return self._driver.seq_len
+
+  @seq_len.setter
+  def seq_len(self, value) -> None:
+    self._driver.start(value)
+
+  def prefill(self, state: TieredKVState, k_prompt, v_prompt, prompt_lens):
+    lens = np.asarray(prompt_lens)
+    if (lens > self.cfg.max_len).any() or (lens > k_prompt.shape[2]).any():
+      raise ValueError(f"prompt_lens {lens} exceed the prompt ({k_prompt.shape[2]}) "
+                       f"or the host tier (max_len={self.cfg.max_len})")
+    state = self._prefill(state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
+    self._driver.start(lens)
+    return state
+
+  def step(self, state: TieredKVState, q, k_new, v_new, selections=None, prefetch=None):
+    """One step; ``prefetch`` i32[L, R, U, kp] optionally names next-step positions.
+
+    Returns (out [L, R, Hq, D], state). Raises ``StepRefused`` (with the returned
+    state) when a layer refused, ``ValueError`` before any change on malformed or
+    out-of-range ``selections`` and a full host tier.
+    """
+    if isinstance(self.selector, GivenSelector):
+      sel = np.asarray(selections)
+      cfg = self.cfg
+      want = (cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.select_width)
+      if sel.shape != want:
+        raise ValueError(f"selections {sel.shape} must be [L, R, U, {cfg.select_width}]"
+                         f" (rows of top_k={cfg.top_k}, rank_depth="
+                         f"{cfg.policy.rank_depth}): {want}")
+      self._driver.check_room()
+      check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
+      selections = jnp.asarray(sel, jnp.int32)
+    carry = decode.init_carry(self.cfg, state, selections, None, prefetch)
+    try:
+      out, carry = self._driver.step(carry, q, k_new, v_new)
+    except StepRefused as err:
+      raise StepRefused(str(err), err.state.tier) from None
+    return out, carry.tier
+
+  def compiled_steps(self) -> int:
+    """Compiled variants of the step (a new value must not retrace)."""
+    return self._step._cache_size()

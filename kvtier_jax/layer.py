@@ -1,0 +1,302 @@
+"""One layer of the tiered step: RESOLVE, fetch the misses, attend (docs/DESIGN.md,
+"The decode step").
+
+Per anchor layer:
+
+  1. the newest token's K/V go into reserved slot B (the host tier gets them after
+     the step, ``decode.append_newest``);
+  2. RESOLVE maps the selected positions to slots; only misses are fetched;
+  3. exact sparse attention over the named slots;
+  4. if the unit has an empty slot, the newest token is kept there too (short
+     contexts stay fully resident and never fetch);
+  5. options: the anchor fetches the misses of the layers sharing its selection
+     (``cfg.index_share``), and prefetches predicted positions for the next step.
+
+A layer whose input is invalid (selection out of range or duplicated, host tier
+full) refuses: it and every later layer change nothing; ``status`` says why. The
+layer functions here are called by ``decode.tiered_attend`` only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import attention, fetch, lookup
+from kvtier_jax.config import TierConfig
+from kvtier_jax.resolve import (STATUS_CAPACITY, install_newest, resolve_with_policy,
+                                selection_errors)
+from kvtier_jax.shapes import EMPTY
+from kvtier_jax.state import TieredKVState
+from pallas_kernels import common
+from pallas_kernels.sparse_decode_attention import merge_partials
+
+
+class AnchorResult(NamedTuple):
+  """An anchor layer's RESOLVE, replayed by the layers sharing its selection."""
+
+  slot: jax.Array  # i32[R, U, k]
+  is_hit: jax.Array  # bool[R, U, k] served without a fetch (newest included)
+  is_miss: jax.Array  # bool[R, U, k] fetched (by the anchor, for every layer)
+  target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
+
+  @classmethod
+  def empty(cls, cfg: TierConfig) -> "AnchorResult":
+    shape = (cfg.num_requests, cfg.num_units, cfg.top_k)
+    return cls(jnp.full(shape, EMPTY, jnp.int32), jnp.zeros(shape, bool),
+               jnp.zeros(shape, bool), jnp.full(shape[:2], EMPTY, jnp.int32))
+
+
+def _or_reduce(x):
+  return jax.lax.reduce(x.astype(jnp.int32), np.int32(0), jax.lax.bitwise_or,
+                        tuple(range(x.ndim)))
+
+
+def _positions(cfg: TierConfig) -> dict:
+  # Positions are < max_len + 1 (the scratch row): the bound of the map lookup.
+  return dict(method=cfg.impl.lookup, num_positions=cfg.max_len + 1)
+
+
+def _unit_rows(cfg: TierConfig, x):
+  return x.reshape(cfg.num_requests, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+
+
+def _newest_writes(cfg: TierConfig, layer, target, ok, k_new, v_new):
+  """Scatter destinations and rows of the newest token: slot B and the install
+  slot (``target``; dropped when -1 or not ``ok``)."""
+  shape = (cfg.num_requests, cfg.num_units)
+  layer_col = jnp.full(shape, layer, jnp.int32)
+  r_col = jnp.broadcast_to(jnp.arange(shape[0], dtype=jnp.int32)[:, None], shape)
+  u_col = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32)[None, :], shape)
+  to_b = jnp.stack([layer_col, r_col, u_col, jnp.full_like(r_col, cfg.hot_slots)], -1)
+  to_target = jnp.stack([layer_col, jnp.where(ok & (target >= 0), r_col, shape[0]),
+                         u_col, target], -1)
+  dest = jnp.concatenate([to_b.reshape(-1, 4), to_target.reshape(-1, 4)])
+  rows = lambda x: jnp.concatenate([_unit_rows(cfg, x).reshape(
+      -1, cfg.heads_per_unit, cfg.head_dim)] * 2)
+  return dest, rows(k_new), rows(v_new)
+
+
+def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None):
+  return resolve_with_policy(cfg.policy, slot_pos, lru, score, selected, newest, ranks,
+                             impl=cfg.impl.resolve, interpret=cfg.impl.interpret,
+                             lookup_method=cfg.impl.lookup,
+                             num_positions=cfg.max_len + 1)
+
+
+def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
+                 selected, ok, *, prefetch=None, ranks=None):
+  """Sparse attention of one layer that selects (an anchor), through the cache.
+
+  Args:
+    state: the whole cache (all layers); only ``layer`` (.. ``layer +
+      cfg.index_share - 1``) is touched.
+    layer: i32[] layer index.
+    q: [R, Hq, D] queries; k_new, v_new: [R, Hkv, D] the newest token's K/V.
+    selected: i32[R, U, k] positions to attend (-1 padding); the newest position
+      (``state.seq_len``) is served from reserved slot B.
+    ok: bool[] False forbids any change (an earlier layer refused the step).
+    prefetch: i32[R, U, kp] positions predicted for the next step (-1 padding;
+      kp <= B): after attention, up to ``cfg.lookahead_cap`` of them that are not
+      resident are fetched, so the next RESOLVE finds them resident.
+    ranks: i32[R, U, m] the selector's best-first ranking (policy "rank").
+
+  Returns:
+    (out [R, Hq, D], lse f32[R, Hq], state, status i32[], AnchorResult).
+  """
+  num_req, num_units, share = cfg.num_requests, cfg.num_units, cfg.index_share
+  newest = state.seq_len  # [R]
+  newest_u = jnp.broadcast_to(newest[:, None], (num_req, num_units))
+  if selected.shape != (num_req, num_units, cfg.top_k):
+    raise ValueError(f"selector returned {selected.shape}, expected "
+                     f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
+  selected = selected.astype(jnp.int32)
+
+  status = _or_reduce(selection_errors(selected, newest_u, cfg.max_len + 1,
+                                       cfg.impl.lookup))
+  status |= jnp.where((newest >= cfg.max_len).any(), STATUS_CAPACITY, 0)
+  ok = ok & (status == 0)
+
+  # RESOLVE; uncommitted positions left in the metadata by a refused step
+  # (>= seq_len) count as empty.
+  slot_pos = state.slot_pos[layer]
+  slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
+  res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
+                            selected, newest_u, ranks)
+  is_miss = res.is_miss & ok
+
+  # Keep the newest token resident while the unit has an empty slot (after
+  # RESOLVE, so the slot is neither a hit nor a victim of this step).
+  new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest_u)
+  new_score = jnp.where(jnp.arange(cfg.hot_slots) == target[..., None], 1.0, new_score)
+
+  # All hot-cache writes of the layer in one scatter: newest -> slot B and the
+  # install target, fetched misses -> their victims. Then attention reads.
+  dest, new_k, new_v = _newest_writes(cfg, layer, target, ok, k_new, v_new)
+  host_k, host_v, hot_k, hot_v = state.host_k, state.host_v, state.hot_k, state.hot_v
+  if cfg.overlap_hit_miss:
+    out, lse, hot_k, hot_v, moved = _overlapped_attention(
+        cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res, is_miss,
+        dest, new_k, new_v)
+  else:
+    if common.use_kernel(cfg.impl.fetch, "fetch"):
+      hot_k, hot_v, moved = fetch.fetch_misses_kernel(
+          cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+    else:
+      rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot,
+                                 is_miss)
+      dest = jnp.concatenate([dest, rows.dest])
+      new_k = jnp.concatenate([new_k, rows.k])
+      new_v = jnp.concatenate([new_v, rows.v])
+      moved = rows.moved
+    hot_k = fetch.scatter_rows(hot_k, dest, new_k)
+    hot_v = fetch.scatter_rows(hot_v, dest, new_v)
+    out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
+
+  # Index sharing: the next share - 1 layers' misses are fetched here, ahead of
+  # their attention (their RESOLVE would pick the same slots).
+  for j in range(1, share):
+    hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v,
+                                                  layer + j, selected, res.slot,
+                                                  is_miss)
+    moved += shared_moved
+
+  # Lookahead prefetch for the next step.
+  prefetched = jnp.zeros((num_req, num_units), jnp.int32)
+  if prefetch is not None:
+    new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched = _prefetch(
+        cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, new_score,
+        prefetch, newest_u, ok, ranks)
+    moved += pf_moved
+
+  is_hit = (selected >= 0) & ~res.is_miss
+  span = lambda x: jnp.broadcast_to(x, (share,) + x.shape)
+  old = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, share)
+  put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, layer, 0)
+  keep = lambda new, x: put(x, jnp.where(ok, span(new), old(x)))
+  count = lambda x, mask: put(x, old(x) + span(jnp.where(
+      ok, mask.sum(-1, dtype=jnp.int32), 0)))
+  state = state.replace(
+      hot_k=hot_k, hot_v=hot_v,
+      slot_pos=keep(new_slot_pos, state.slot_pos),
+      lru=keep(new_lru, state.lru),
+      slot_score=keep(new_score, state.slot_score),
+      hits=count(state.hits, is_hit),
+      misses=count(state.misses, is_miss),
+      prefetched=state.prefetched.at[layer].add(prefetched),
+      fetched_rows=state.fetched_rows.at[layer].add(moved),
+  )
+  return out, lse, state, status, AnchorResult(res.slot, is_hit, is_miss, target)
+
+
+def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
+                 anchor: AnchorResult, ok):
+  """A layer that reuses its anchor's selection (index sharing).
+
+  Its misses were fetched and its metadata set by the anchor (lockstep), so no
+  RESOLVE and no host read happen here: the newest token goes to slot B (and the
+  install slot), then attention over the anchor's slots.
+
+  Returns (out [R, Hq, D], lse f32[R, Hq], state).
+  """
+  dest, new_k, new_v = _newest_writes(cfg, layer, anchor.target, ok, k_new, v_new)
+  hot_k = fetch.scatter_rows(state.hot_k, dest, new_k)
+  hot_v = fetch.scatter_rows(state.hot_v, dest, new_v)
+  out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, anchor.slot)
+  return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v)
+
+
+def cap_misses(cfg: TierConfig, state: TieredKVState, layer, selected, cap: int):
+  """Keep resident positions and the first ``cap`` others; drop the rest (-1).
+
+  For an uncommitted look-ahead pass (a draft token): it reads what is resident and
+  fetches at most ``cap`` rows per unit, so the traffic it adds is bounded.
+  """
+  newest = state.seq_len[:, None, None]
+  resident = (lookup.resident_mask(state.slot_pos[layer], selected, **_positions(cfg))
+              | (selected == newest))
+  fetch_it = (selected >= 0) & ~resident
+  fetch_it &= jnp.cumsum(fetch_it, axis=-1) <= cap
+  return jnp.where(resident | fetch_it, selected, EMPTY)
+
+
+def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
+                     is_miss):
+  """Fetch ``is_miss`` rows of ``layer`` into ``slot`` (no attention, no metadata)."""
+  if common.use_kernel(cfg.impl.fetch, "fetch"):
+    return fetch.fetch_misses_kernel(cfg, host_k, host_v, hot_k, hot_v, layer,
+                                     selected, slot, is_miss)
+  rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, slot, is_miss,
+                             first_chunk_always=True)
+  return (fetch.scatter_rows(hot_k, rows.dest, rows.k),
+          fetch.scatter_rows(hot_v, rows.dest, rows.v), rows.moved)
+
+
+def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, ok=True,
+                     ranks=None):
+  """Which predicted positions to fetch ahead, and the metadata after it.
+
+  A RESOLVE over the prediction: predicted positions already resident are hits
+  (protected, promoted), the first ``cfg.lookahead_cap`` others become misses
+  that take victims. Positions >= ``newest`` (not in the host tier yet) are
+  skipped. Returns (ResolveOutputs, score).
+  """
+  if predicted.shape[-1] > cfg.hot_slots:
+    raise ValueError(f"{predicted.shape[-1]} predicted positions exceed "
+                     f"B={cfg.hot_slots}")
+  resident = lookup.resident_mask(slot_pos, predicted, **_positions(cfg))
+  usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
+  wanted = usable & ~resident
+  if cfg.lookahead_cap is not None:
+    wanted &= jnp.cumsum(wanted, axis=-1) <= cfg.lookahead_cap
+  return _resolve(cfg, slot_pos, lru, score,
+                  jnp.where(wanted | (usable & resident), predicted, EMPTY),
+                  jnp.full_like(newest, EMPTY), ranks)
+
+
+def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
+              predicted, newest, ok, ranks=None):
+  """Fetch predicted, not-yet-resident positions into victims (capped).
+
+  Returns (slot_pos, lru, score, hot_k, hot_v, rows moved, prefetched per unit
+  i32[R, U]).
+  """
+  res, score = prefetch_resolve(cfg, slot_pos, lru, score, predicted, newest, ok, ranks)
+  hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer,
+                                         predicted, res.slot, res.is_miss)
+  return (res.slot_pos, res.lru, score, hot_k, hot_v, moved,
+          res.is_miss.sum(-1, dtype=jnp.int32))
+
+
+def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res,
+                          is_miss, dest, new_k, new_v):
+  """Attention over resident rows while the misses are fetched, then over the
+  misses, merged by log-sum-exp (SGLang PR #22313's split).
+
+  The hit partial depends only on rows already in the hot cache (plus the newest
+  token, written first), so XLA can run it while the host gather is in flight;
+  with the host-gather fetch the miss partial reads the fetched rows straight from
+  the transfer buffer. Exact to f32 rounding (only the summation order changes).
+  """
+  hot_k = fetch.scatter_rows(hot_k, dest, new_k)  # newest -> slot B (+ install slot)
+  hot_v = fetch.scatter_rows(hot_v, dest, new_v)
+  hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
+  out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
+  if common.use_kernel(cfg.impl.fetch, "fetch"):
+    hot_k, hot_v, moved = fetch.fetch_misses_kernel(
+        cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+    out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
+                                           jnp.where(is_miss, res.slot, EMPTY))
+  else:
+    rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot, is_miss,
+                               first_chunk_always=True)
+    lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
+    out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
+    hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
+    hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
+    moved = rows.moved
+  out, lse = merge_partials(out_h, lse_h, out_m, lse_m)
+  return out, lse, hot_k, hot_v, moved

@@ -1,0 +1,101 @@
+"""What the tests share: tolerances, small configs, random inputs, and the harness
+that steps the tiered cache beside the full-KV reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import driver, full_kv, selectors
+from kvtier_jax import state as kv_state
+from kvtier_jax.config import ImplConfig, TierConfig
+
+# Float tolerances by dtype (tokamax's table; rtol = atol / 10). Integers and
+# metadata are compared exactly; XLA paths of tiered vs full KV are bit-equal.
+ATOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
+
+
+def atol(dtype) -> float:
+  return ATOL[jnp.dtype(dtype)]
+
+
+def tier_cfg(impl="auto", fetch_chunk: int = 8, lookup: str = "auto", **kw) -> TierConfig:
+  """A small float32 configuration (shapes that interpret quickly). ``impl``: one
+  implementation name for every op, or an ``ImplConfig``."""
+  base = dict(num_layers=4, num_requests=3, max_len=520, num_q_heads=4, num_kv_heads=2,
+              head_dim=16, hot_slots=32, top_k=16, dtype=jnp.float32)
+  if isinstance(impl, str):
+    impl = ImplConfig.every(impl, fetch_chunk=fetch_chunk, lookup=lookup)
+  return TierConfig(**{**base, **kw}, impl=impl)
+
+
+def random_kv(rng, cfg, length):
+  shape = (cfg.num_layers, cfg.num_requests, length, cfg.num_kv_heads, cfg.head_dim)
+  return (jnp.asarray(rng.standard_normal(shape), cfg.dtype),
+          jnp.asarray(rng.standard_normal(shape), cfg.dtype))
+
+
+def draw_selection(rng, cfg, seq_len, prev):
+  """Selections with locality: most of the previous step's, some new, often the newest."""
+  sel = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1, np.int32)
+  for l, r, u in np.ndindex(*sel.shape[:3]):
+    newest = int(seq_len[r])
+    keep = [p for p in prev[l, r, u] if 0 <= p <= newest and rng.random() < 0.75]
+    fresh = rng.choice(newest + 1, size=min(cfg.top_k, newest + 1), replace=False)
+    row = list(dict.fromkeys(keep + ([newest] if rng.random() < 0.7 else []) +
+                             fresh.tolist()))[:cfg.top_k]
+    if rng.random() < 0.2:
+      row = row[:max(1, len(row) - 3)]  # some padding
+    sel[l, r, u, :len(row)] = rng.permutation(row)
+  return sel
+
+
+def step_inputs(rng, cfg):
+  """Random q [L, R, Hq, D] and new K/V [L, R, Hkv, D]."""
+  shape = (cfg.num_layers, cfg.num_requests)
+  q = jnp.asarray(rng.standard_normal(shape + (cfg.num_q_heads, cfg.head_dim)), cfg.dtype)
+  kn = jnp.asarray(rng.standard_normal(shape + (cfg.num_kv_heads, cfg.head_dim)), cfg.dtype)
+  vn = jnp.asarray(rng.standard_normal(kn.shape), cfg.dtype)
+  return q, kn, vn
+
+
+class Harness:
+  """Steps the tiered cache and the full-KV reference side by side.
+
+  Never-written memory (host tier, hot cache, full KV) is poisoned with NaN, so a
+  read of anything not written leaks into the outputs.
+  """
+
+  def __init__(self, cfg, prompt_lens, seed=0, selector=None):
+    self.cfg = cfg
+    self.rng = np.random.default_rng(seed)
+    kp, vp = random_kv(self.rng, cfg, max(prompt_lens))
+    self.decoder = driver.TieredDecoder(cfg, selector)
+    self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
+                                      prompt_lens)
+    self.full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
+    self.reference = selectors.GivenSelector(cfg.select_width, cfg.num_units)
+    self.full_step = jax.jit(lambda full, q, k, v, sel: full_kv.full_kv_decode_step(
+        cfg, self.reference, full, q, k, v, sel))
+    self.prev = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1)
+
+  def step(self, sel=None, inputs=None, **kw):
+    """One step of both; returns (tiered out, reference out) as numpy."""
+    q, kn, vn = step_inputs(self.rng, self.cfg) if inputs is None else inputs
+    if sel is None:
+      sel = draw_selection(self.rng, self.cfg, self.decoder.seq_len, self.prev)
+    self.prev = sel
+    out, self.state = self.decoder.step(self.state, q, kn, vn, sel, **kw)
+    ref, self.full = self.full_step(self.full, q, kn, vn, jnp.asarray(sel))
+    return np.asarray(out), np.asarray(ref)
+
+
+def snapshot(tree):
+  return jax.tree.map(lambda x: np.asarray(x).copy(), tree)
+
+
+def assert_same(a, b, fields=None):
+  for name in fields or a.__dataclass_fields__:
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
