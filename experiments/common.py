@@ -41,8 +41,18 @@ def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -
 
 
 def append_row(out: pathlib.Path, row: dict) -> None:
-  with open(out / "rows.jsonl", "a") as f:
+  append_jsonl(out / "rows.jsonl", row)
+
+
+def append_jsonl(path: pathlib.Path, row: dict) -> None:
+  with open(path, "a") as f:
     f.write(json.dumps(row, default=float) + "\n")
+
+
+def platform() -> str:
+  """What the runner computes on, e.g. ``cpu (cpu)`` or ``gpu (NVIDIA H200)``."""
+  dev = jax.devices()[0]
+  return f"{dev.platform} ({dev.device_kind})"
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
@@ -63,6 +73,21 @@ def bar_plot(path: pathlib.Path, labels: Sequence[str], values: Sequence[float],
   fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels)), 3.2))
   ax.bar(range(len(values)), values, color="#4878a8")
   ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def line_plot(path: pathlib.Path, xs: Sequence[float], ys: Sequence[float],
+              xlabel: str, ylabel: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5.0, 3.2))
+  ax.step(xs, ys, where="post", color="#4878a8")
+  ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=9)
   fig.tight_layout()

@@ -11,9 +11,9 @@ Smoke run on CPU (kernels interpreted, tiny shapes, about a minute):
   python -m experiments.gpu_check --smoke --sections=numerics,lookups,io
 
 Sections, in the order given (the most wanted first): ``numerics`` (``pytest --gpu``
-over tests/test_device.py and tests/test_kernels.py: every kernel compiled vs its
-reference, the zero-copy fetch from pinned host memory also past 4 GiB, the tiered
-step vs full KV), ``lookups`` (RESOLVE membership lookups and the kernel, checked
+over tests/test_device.py, tests/test_kernels.py and the tiered step with every
+kernel vs full KV: each kernel compiled vs its reference, the zero-copy fetch from
+pinned host memory also past 4 GiB), ``lookups`` (RESOLVE membership lookups and the kernel, checked
 equal), ``lookup_decode`` (the step per lookup, with a device profile), ``io`` (TPOT
 of the IO-hiding options), ``throughput`` (requests that fit a device KV budget, full
 vs tiered, and tokens/s), ``kernels`` (kernel vs XLA per op), ``decode`` (the default
@@ -102,7 +102,9 @@ def run_numerics():
       ["-k", FLAGS.numerics_filter] if FLAGS.numerics_filter else [])
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          *args, f"--junitxml={report}", "tests/test_device.py",
-                         "tests/test_kernels.py"], capture_output=True, text=True)
+                         "tests/test_kernels.py",
+                         "tests/test_decode.py::test_kernel_paths_match_reference"],
+                        capture_output=True, text=True)
   for case in ET.parse(report).getroot().iter("testcase"):
     failed = case.find("failure") is not None or case.find("error") is not None
     skipped = case.find("skipped") is not None
@@ -265,6 +267,9 @@ def run_io():
                  *[(f"{tag}_index_share_{n}", dict(impl=impl, index_share=n))
                    for n in (2, 4) if bench_cfg(ctx, req).num_layers % n == 0],
                  (f"{tag}_lookahead_cap{cap}", dict(impl=impl, lookahead_cap=cap), True)]
+  if FLAGS.smoke:  # every option once (the zero-copy kernel only interprets here)
+    variants = [v for v in variants if not v[0].startswith("zero_copy_") or
+                v[0] == "zero_copy_sync"]
   bench_step(ctx, req, variants)
 
 

@@ -65,12 +65,17 @@ class TierConfig:
   Attributes:
     num_layers: L, layers with a tiered cache.
     num_requests: R, request slots decoded together.
-    max_len: T, positions per request the host tier holds.
+    max_len: T, positions per request (the longest context a request may reach).
     num_q_heads / num_kv_heads / head_dim: Hq, Hkv, D.
     hot_slots: B, regular hot slots per (layer, request, unit); ``B >= top_k``.
     top_k: k, positions attended per (layer, request, unit) and step.
     per_kv_head: one cache unit per KV head (U = Hkv) instead of per request.
     dtype: KV dtype (host tier and hot cache); bf16, as served.
+    page_size: Pg, positions per host page. The host tier is a pool of pages; a
+      request's page table maps its logical pages to physical ones.
+    host_pages: NH, pages in the host pool. None: every request slot owns the
+      pages of ``max_len`` positions (a fixed batch); the serving engine sizes the
+      pool by a host budget and hands pages out as requests grow.
     warm_start: hot-cache content after a prefill longer than B: ``"first"``
       (positions 0..B-1, SGLang CUDA), ``"head_tail"`` (first B//2 and last
       B - B//2, SGLang NPU) or ``"empty"`` (the first decode step misses all).
@@ -96,6 +101,8 @@ class TierConfig:
   top_k: int
   per_kv_head: bool = False
   dtype: Any = jnp.bfloat16
+  page_size: int = 64
+  host_pages: int | None = None
   warm_start: str = "head_tail"
   index_share: int = 1
   overlap_hit_miss: bool = False
@@ -109,7 +116,8 @@ class TierConfig:
     if isinstance(self.impl, str):
       object.__setattr__(self, "impl", ImplConfig.every(self.impl))
     for name in ("num_layers", "num_requests", "max_len", "num_q_heads",
-                 "num_kv_heads", "head_dim", "hot_slots", "top_k", "index_share"):
+                 "num_kv_heads", "head_dim", "hot_slots", "top_k", "index_share",
+                 "page_size"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
     if self.hot_slots < self.top_k:
@@ -120,6 +128,8 @@ class TierConfig:
       raise ValueError(f"top_k={self.top_k} exceeds max_len={self.max_len}")
     if self.num_q_heads % self.num_kv_heads:
       raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+    if self.host_pages is not None and self.host_pages < 1:
+      raise ValueError(f"host_pages={self.host_pages} must be >= 1 (or None)")
     if self.warm_start not in WARM_STARTS:
       raise ValueError(f"{self.warm_start=} must be one of {WARM_STARTS}")
     if self.num_layers % self.index_share:
@@ -155,6 +165,21 @@ class TierConfig:
     return self.heads_per_unit * self.head_dim * jnp.dtype(self.dtype).itemsize
 
   @property
+  def pages_per_request(self) -> int:  # MP: a page table row
+    return -(-self.max_len // self.page_size)
+
+  @property
+  def num_host_pages(self) -> int:  # NH; page NH is the scratch page
+    if self.host_pages is None:
+      return self.num_requests * self.pages_per_request
+    return self.host_pages
+
+  @property
+  def page_bytes(self) -> int:
+    """Host bytes of one page: K and V of Pg positions, every layer."""
+    return 2 * self.num_layers * self.page_size * self.num_units * self.row_bytes
+
+  @property
   def fetch_rows_per_chunk(self) -> int:
     lanes = self.num_requests * self.num_units * self.top_k
     return min(self.impl.fetch_chunk or max(16, self.top_k // 8), lanes)
@@ -164,9 +189,11 @@ class TierConfig:
     return common.interpret_mode() if self.impl.interpret is None else self.impl.interpret
 
   # Memory accounting (bytes) -------------------------------------------------
-  def host_bytes_per_request(self) -> int:
-    """K+V of every position, plus the one scratch row per layer."""
-    return 2 * self.num_layers * (self.max_len + 1) * self.num_units * self.row_bytes
+  def host_bytes_per_request(self, length: int | None = None) -> int:
+    """Host bytes a request of ``length`` positions (default ``max_len``) holds:
+    its positions rounded up to whole pages."""
+    length = self.max_len if length is None else length
+    return -(-length // self.page_size) * self.page_bytes
 
   def device_bytes_per_request(self) -> int:
     """Hot K+V plus slot_pos/lru/slot_score metadata, per request (selector state

@@ -40,13 +40,15 @@ class TieredCarry:
   ok: jax.Array  # bool[] no layer refused the step so far
   status: jax.Array  # i32[] OR of the layers' status words
   anchor: AnchorResult  # the current anchor's RESOLVE (index sharing)
+  active: jax.Array  # bool[R] requests that decode this step (a serving batch)
   prefetch: Any = None  # i32[L, R, U, kp] positions predicted for the next step
 
 
 def init_carry(cfg: TierConfig, tier: TieredKVState, sel=None, params=None,
-               prefetch=None) -> TieredCarry:
+               prefetch=None, active=None) -> TieredCarry:
+  active = jnp.ones((cfg.num_requests,), bool) if active is None else jnp.asarray(active)
   return TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0),
-                     AnchorResult.empty(cfg), prefetch)
+                     AnchorResult.empty(cfg), active, prefetch)
 
 
 @functools.cache
@@ -85,11 +87,14 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
                                       cfg.lookahead_cap or 0)
     prefetch = None if carry.prefetch is None else carry.prefetch[layer]
     out, _, tier, status, anchor = layer_lib.anchor_layer(
-        cfg, tier, layer, q, k_new, v_new, selected, carry.ok, prefetch=prefetch,
-        ranks=ranks)
+        cfg, tier, layer, q, k_new, v_new, selected, carry.ok, carry.active,
+        prefetch=prefetch, ranks=ranks)
     ok = carry.ok & (status == 0)
-    sel = layer_update(sel, layer, jax.tree.map(lambda n, o: jnp.where(ok, n, o),
-                                                layer_slice(sel, layer), sel_old))
+    # Selector state leaves are [L, R, ...]: keep the rows of refused or inactive
+    # requests as they were.
+    row_ok = ok & carry.active
+    keep = lambda n, o: jnp.where(row_ok.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+    sel = layer_update(sel, layer, jax.tree.map(keep, layer_slice(sel, layer), sel_old))
     return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status,
                               anchor=anchor)
 
@@ -102,9 +107,11 @@ def begin_step(carry: TieredCarry) -> TieredCarry:
 
 
 def commit_step(carry: TieredCarry) -> TieredCarry:
-  """After all layers: the decoded position joins the context unless refused."""
+  """After all layers: the decoded position joins the context of every active
+  request, unless a layer refused."""
   tier = carry.tier
-  return carry.replace(tier=tier.replace(seq_len=tier.seq_len + carry.ok.astype(jnp.int32)))
+  step = (carry.ok & carry.active).astype(jnp.int32)
+  return carry.replace(tier=tier.replace(seq_len=tier.seq_len + step))
 
 
 def finish_draft(before: TieredCarry, after: TieredCarry) -> TieredCarry:
@@ -161,22 +168,49 @@ def append_newest(cfg: TierConfig, tier: TieredKVState, committed):
 
   Runs as its own donated jit after the step (one strided write per request for
   all layers: faster on an H200 than 2R writes per layer inside the scan, and
-  copy-free; docs/DESIGN.md). Writes go to position seq_len - 1 (just committed)
-  or to the scratch row T when not committed.
+  copy-free; docs/DESIGN.md). ``committed`` bool[R] (or []): rows whose position
+  seq_len - 1 was just committed go to its page; the others, and positions
+  without a page, go to the scratch page.
   """
   rows_k = tier.hot_k[:, :, :, cfg.hot_slots]  # [L, R, U, Hg, D]
   rows_v = tier.hot_v[:, :, :, cfg.hot_slots]
-  positions = jnp.where(committed, tier.seq_len - 1, cfg.max_len)
-  host_k, host_v = fetch.append_rows(tier.host_k, tier.host_v, positions, rows_k, rows_v)
+  positions = jnp.where(committed, tier.seq_len - 1, EMPTY)
+  pages, offsets = fetch.host_location(cfg, tier.page_table, positions)
+  host_k, host_v = fetch.append_rows(tier.host_k, tier.host_v, pages, offsets, rows_k,
+                                     rows_v)
+  return tier.replace(host_k=host_k, host_v=host_v)
+
+
+def write_prompt_pages(cfg: TierConfig, tier: TieredKVState, requests, start, k, v):
+  """Write prompt positions ``start .. start + n - 1`` of each request in
+  ``requests`` (i32[R']) to its host pages; ``start`` is page-aligned.
+
+  k, v: [L, R', n, Hkv, D] with n a multiple of the page size. Pages the
+  requests lack (past their length) go to the scratch page.
+  """
+  num_layers, num_req, length = k.shape[:3]
+  size = cfg.page_size
+  if length % size:
+    raise ValueError(f"{length} positions are not whole pages of {size}")
+  num_pages = length // size
+  logical = start // size + jnp.arange(num_pages)  # [n / Pg]
+  table = tier.page_table[requests][:, jnp.minimum(logical, cfg.pages_per_request - 1)]
+  table = jnp.where(logical < cfg.pages_per_request, table, EMPTY)
+  pages = jnp.where(table >= 0, table, cfg.num_host_pages).reshape(-1)
+  shape = (num_layers, num_req * num_pages, size, cfg.num_units, cfg.heads_per_unit,
+           cfg.head_dim)
+  host_k, host_v = fetch.write_pages(tier.host_k, tier.host_v, pages, k.reshape(shape),
+                                     v.reshape(shape))
   return tier.replace(host_k=host_k, host_v=host_v)
 
 
 def warm_positions(cfg: TierConfig, prompt_lens):
-  """Positions a prefill leaves in slots 0..B-1, i32[R, B] (-1 empty)."""
+  """Positions a prefill leaves in slots 0..B-1, i32[R', B] (-1 empty) for
+  prompt_lens i32[R']."""
   slots = jnp.arange(cfg.hot_slots, dtype=jnp.int32)[None, :]
   lens = prompt_lens.astype(jnp.int32)[:, None]
   if cfg.warm_start == "empty":
-    pos = jnp.full((cfg.num_requests, cfg.hot_slots), EMPTY, jnp.int32)
+    pos = jnp.full((lens.shape[0], cfg.hot_slots), EMPTY, jnp.int32)
   elif cfg.warm_start == "first":
     pos = slots
   else:  # head_tail: first B//2 positions, then the most recent ones
@@ -204,11 +238,10 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
   shape6 = (num_layers, num_req, plen, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
   k6 = k_prompt.reshape(shape6).astype(state.host_k.dtype)
   v6 = v_prompt.reshape(shape6).astype(state.host_v.dtype)
-  to_host = ((lambda x: jax.device_put(x, jax.memory.Space.Host))
-             if fetch.is_host_array(state.host_k) else (lambda x: x))
-  zeros = (0,) * 6
-  host_k = jax.lax.dynamic_update_slice(state.host_k, to_host(k6), zeros)
-  host_v = jax.lax.dynamic_update_slice(state.host_v, to_host(v6), zeros)
+  padded = -(-plen // cfg.page_size) * cfg.page_size
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, padded - plen), (0, 0), (0, 0)])
+  state = write_prompt_pages(cfg, state, jnp.arange(num_req), 0, pad(k_prompt),
+                             pad(v_prompt))
 
   pos = warm_positions(cfg, prompt_lens)  # [R, B]
   r = jnp.arange(num_req)[:, None]
@@ -223,7 +256,36 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
   meta_shape = state.slot_pos.shape
   slot_pos = jnp.broadcast_to(pos[None, :, None, :], meta_shape)
   lru = jnp.broadcast_to(jnp.arange(cfg.hot_slots, dtype=jnp.int32), meta_shape)
-  return state.replace(host_k=host_k, host_v=host_v, hot_k=hot_k, hot_v=hot_v,
-                       slot_pos=slot_pos, lru=lru,
+  return state.replace(hot_k=hot_k, hot_v=hot_v, slot_pos=slot_pos, lru=lru,
                        slot_score=jnp.zeros_like(state.slot_score),
                        seq_len=prompt_lens.astype(jnp.int32))
+
+
+def install_request(cfg: TierConfig, state: TieredKVState, slot, k, v, length):
+  """Make request slot ``slot`` decode after a prompt of ``length`` positions.
+
+  Its host pages must hold the prompt already (``write_prompt_pages``); ``k``,
+  ``v`` [L, T', Hkv, D] are the prompt's K/V on the device (T' >= length), from
+  which the hot cache is warmed per ``cfg.warm_start``; the slot's metadata
+  restarts (LRU = slot order, scores 0) and ``seq_len[slot] = length``. The
+  counters stay cumulative.
+  """
+  num_layers, length_all = k.shape[:2]
+  pos = warm_positions(cfg, jnp.reshape(length, (1,)))[0]  # [B]
+  src = jnp.clip(pos, 0, length_all - 1)
+  shape = (num_layers, length_all, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+  valid = (pos >= 0)[None, None, :, None, None]
+
+  def warm(hot, rows):
+    rows = jnp.moveaxis(rows.reshape(shape)[:, src], 2, 1).astype(hot.dtype)  # [L,U,B,..]
+    old = hot[:, slot, :, :cfg.hot_slots]
+    return hot.at[:, slot, :, :cfg.hot_slots].set(jnp.where(valid, rows, old))
+
+  meta = (num_layers, cfg.num_units, cfg.hot_slots)
+  return state.replace(
+      hot_k=warm(state.hot_k, k), hot_v=warm(state.hot_v, v),
+      slot_pos=state.slot_pos.at[:, slot].set(jnp.broadcast_to(pos, meta)),
+      lru=state.lru.at[:, slot].set(
+          jnp.broadcast_to(jnp.arange(cfg.hot_slots, dtype=jnp.int32), meta)),
+      slot_score=state.slot_score.at[:, slot].set(0.0),
+      seq_len=state.seq_len.at[slot].set(length))

@@ -45,7 +45,7 @@ class StepRefused(ValueError):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
 def _append(cfg: TierConfig, carry: decode.TieredCarry):
-  return carry.replace(tier=decode.append_newest(cfg, carry.tier, carry.ok))
+  return carry.replace(tier=decode.append_newest(cfg, carry.tier, carry.ok & carry.active))
 
 
 class TieredDriver:
@@ -66,21 +66,32 @@ class TieredDriver:
     """Set the mirror after a prefill to ``lens`` positions per request."""
     self.seq_len = np.asarray(lens, np.int64).copy()
 
-  def check_room(self) -> None:
-    if (self.seq_len >= self.cfg.max_len).any():
+  def set_length(self, request: int, length: int) -> None:
+    """One request slot starts over at ``length`` positions (a serving engine)."""
+    self.seq_len[request] = length
+
+  def check_room(self, active=None) -> None:
+    full = self.seq_len >= self.cfg.max_len
+    if (full if active is None else full & active).any():
       raise ValueError(describe_status(STATUS_CAPACITY) +
                        f": seq_len={self.seq_len.tolist()}, max_len={self.cfg.max_len}")
 
-  def step(self, carry: decode.TieredCarry, *args):
-    """One step; returns (out, carry) or raises ``StepRefused`` (carry inside)."""
-    self.check_room()
+  def step(self, carry: decode.TieredCarry, *args, active=None):
+    """One step; returns (out, carry) or raises ``StepRefused`` (carry inside).
+
+    ``active`` bool[R] (numpy): the requests that decode (the others keep their
+    state); default all.
+    """
+    self.check_room(active)
+    if active is not None:
+      carry = carry.replace(active=jnp.asarray(active))
     out, carry = self._step(carry, *args)
     carry = _append(self.cfg, carry)
     status = int(carry.status)
     if status:
       raise StepRefused(f"decode step refused, cache unchanged: {describe_status(status)}",
                         carry)
-    self.seq_len += 1
+    self.seq_len += 1 if active is None else np.asarray(active, np.int64)
     return out, carry
 
 

@@ -61,22 +61,35 @@ class MissRows(NamedTuple):
   lane: jax.Array  # i32[R, U, k] row of each selected entry in k/v (misses only)
 
 
+def host_location(cfg: TierConfig, page_table, positions):
+  """(page, offset) i32 of each position i32[R, ...] through the page table
+  i32[R, MP]: the scratch page where a position has no page (or is padding)."""
+  pos = jnp.clip(positions, 0, cfg.max_len - 1)
+  row = jnp.arange(page_table.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+  page = page_table[row, pos // cfg.page_size]
+  has_page = (positions >= 0) & (page >= 0)
+  return (jnp.where(has_page, page, cfg.num_host_pages),
+          jnp.where(has_page, pos % cfg.page_size, 0))
+
+
 class MissPlan(NamedTuple):
   """One layer's misses compacted to the front of N lanes."""
 
-  src: jax.Array  # i32[N, 4] (layer, request, position, unit) in the host tier
+  src: jax.Array  # i32[N, 4] (layer, page, offset, unit) in the host tier
   dest: jax.Array  # i32[N, 4] (layer, request, unit, slot); request = R: unused lane
   count: jax.Array  # i32[] valid lanes
   lane: jax.Array  # i32[R, U, k] lane of each selected entry (>= count: not a miss)
 
 
-def plan_misses(layer, selected, slot, is_miss, lanes_multiple: int = 1) -> MissPlan:
-  """Compact the missed (request, unit, position, slot) of one layer.
+def plan_misses(cfg: TierConfig, page_table, layer, selected, slot, is_miss,
+                lanes_multiple: int = 1) -> MissPlan:
+  """Compact the missed (page, offset, unit, slot) of one layer.
 
   Unused lanes read row (layer, 0, 0, 0), which always exists, and write out of
   range (dropped). N is R*U*k rounded up to ``lanes_multiple``.
   """
   num_req, num_units, num_sel = selected.shape
+  page, offset = host_location(cfg, page_table, selected)
   req = jnp.broadcast_to(jnp.arange(num_req, dtype=jnp.int32)[:, None, None],
                          selected.shape)
   unit = jnp.broadcast_to(jnp.arange(num_units, dtype=jnp.int32)[None, :, None],
@@ -86,7 +99,7 @@ def plan_misses(layer, selected, slot, is_miss, lanes_multiple: int = 1) -> Miss
   miss = is_miss.reshape(-1)
   to = jnp.where(miss, jnp.cumsum(miss, dtype=jnp.int32) - 1, padded)
   layer_col = jnp.full_like(req, layer)
-  src = jnp.stack([layer_col, req, selected, unit], axis=-1).reshape(lanes, 4)
+  src = jnp.stack([layer_col, page, offset, unit], axis=-1).reshape(lanes, 4)
   dest = jnp.stack([layer_col, req, unit, slot], axis=-1).reshape(lanes, 4)
   src = jnp.zeros((padded, 4), jnp.int32).at[to].set(src, mode="drop")
   src = src.at[:, 0].set(layer)
@@ -95,7 +108,7 @@ def plan_misses(layer, selected, slot, is_miss, lanes_multiple: int = 1) -> Miss
   return MissPlan(src, dest, miss.sum(dtype=jnp.int32), to.reshape(selected.shape))
 
 
-def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
+def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, slot,
                   is_miss, first_chunk_always: bool = False) -> MissRows:
   """Gather one layer's missed rows from the host tier (XLA path).
 
@@ -105,7 +118,7 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
   with its other writes (one in-place update of the hot cache per layer).
 
   Args:
-    host_k, host_v: [L, R, T+1, U, Hg, D] host tier.
+    host_k, host_v: [L, NH+1, Pg, U, Hg, D] host tier; page_table: i32[R, MP].
     layer: i32[].
     selected, slot: i32[R, U, k] positions and the slots RESOLVE assigned them.
     is_miss: bool[R, U, k] entries to fetch.
@@ -115,7 +128,7 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
       costs one chunk of transfer per layer even without misses.
   """
   chunk = cfg.fetch_rows_per_chunk
-  plan = plan_misses(layer, selected, slot, is_miss, chunk)
+  plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
   num_chunks = (plan.count + chunk - 1) // chunk
   empty = jnp.zeros(plan.src.shape[:1] + host_k.shape[4:], host_k.dtype)
 
@@ -137,14 +150,14 @@ def gather_misses(cfg: TierConfig, host_k, host_v, layer, selected, slot,
   return MissRows(plan.dest, rows_k, rows_v, num_chunks * chunk, plan.lane)
 
 
-def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, hot_k, hot_v, layer,
-                        selected, slot, is_miss):
+def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_v,
+                        layer, selected, slot, is_miss):
   """Zero-copy path: the Pallas kernel copies exactly the missed rows in place.
 
   Returns (hot_k, hot_v, rows moved).
   """
   from pallas_kernels.fetch import fetch_rows
-  plan = plan_misses(layer, selected, slot, is_miss)
+  plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss)
   hot_k, hot_v = fetch_rows(plan.src, plan.dest, plan.count, host_k, host_v, hot_k,
                             hot_v, interpret=cfg.use_interpret)
   return hot_k, hot_v, plan.count
@@ -156,12 +169,13 @@ def scatter_rows(hot, dest, rows):
       rows.astype(hot.dtype), mode="drop", unique_indices=True)
 
 
-def append_rows(host_k, host_v, positions, rows_k, rows_v):
+def append_rows(host_k, host_v, pages, offsets, rows_k, rows_v):
   """Write one position per request, every layer, into the host tier, in place.
 
   Args:
-    host_k, host_v: [L, R, T+1, U, Hg, D].
-    positions: i32[R] target position per request (T = the scratch row).
+    host_k, host_v: [L, NH+1, Pg, U, Hg, D].
+    pages, offsets: i32[R] where each request's row goes (the scratch page NH for
+      a write that must not land).
     rows_k, rows_v: [L, R, U, Hg, D] the rows (one strided write per request).
   """
   on_host = is_host_array(host_k)
@@ -171,9 +185,32 @@ def append_rows(host_k, host_v, positions, rows_k, rows_v):
     upd_k, upd_v = rows_k[:, r][:, None, None], rows_v[:, r][:, None, None]
     if on_host:
       upd_k, upd_v = jax.device_put(upd_k, Host), jax.device_put(upd_v, Host)
-    start = (0, r, positions[r], 0, 0, 0)
+    start = (0, pages[r], offsets[r], 0, 0, 0)
     hk = jax.lax.dynamic_update_slice(hk, upd_k.astype(hk.dtype), start)
     hv = jax.lax.dynamic_update_slice(hv, upd_v.astype(hv.dtype), start)
     return hk, hv
 
-  return jax.lax.fori_loop(0, positions.shape[0], one_request, (host_k, host_v))
+  return jax.lax.fori_loop(0, pages.shape[0], one_request, (host_k, host_v))
+
+
+def write_pages(host_k, host_v, pages, k_pages, v_pages):
+  """Write whole pages into the host tier, in place: page ``pages[i]`` <-
+  ``k_pages[:, i]`` (i32[N]; the scratch page for pages that must not land).
+
+  k_pages, v_pages: [L, N, Pg, U, Hg, D] on the device; one strided
+  ``dynamic_update_slice`` per page (async and copy-free on XLA:GPU).
+  """
+  on_host = is_host_array(host_k)
+
+  def one_page(i, carry):
+    hk, hv = carry
+    upd_k = jax.lax.dynamic_slice_in_dim(k_pages, i, 1, axis=1)
+    upd_v = jax.lax.dynamic_slice_in_dim(v_pages, i, 1, axis=1)
+    if on_host:
+      upd_k, upd_v = jax.device_put(upd_k, Host), jax.device_put(upd_v, Host)
+    start = (0, pages[i], 0, 0, 0, 0)
+    hk = jax.lax.dynamic_update_slice(hk, upd_k.astype(hk.dtype), start)
+    hv = jax.lax.dynamic_update_slice(hv, upd_v.astype(hv.dtype), start)
+    return hk, hv
+
+  return jax.lax.fori_loop(0, pages.shape[0], one_page, (host_k, host_v))

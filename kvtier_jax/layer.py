@@ -87,8 +87,15 @@ def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None
                              num_positions=cfg.max_len + 1)
 
 
+def has_page(cfg: TierConfig, page_table, positions):
+  """bool[R, ...]: positions (i32[R, ...]) whose host page exists."""
+  pos = jnp.clip(positions, 0, cfg.max_len - 1)
+  row = jnp.arange(page_table.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+  return (positions >= 0) & (page_table[row, pos // cfg.page_size] >= 0)
+
+
 def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                 selected, ok, *, prefetch=None, ranks=None):
+                 selected, ok, active, *, prefetch=None, ranks=None):
   """Sparse attention of one layer that selects (an anchor), through the cache.
 
   Args:
@@ -99,6 +106,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     selected: i32[R, U, k] positions to attend (-1 padding); the newest position
       (``state.seq_len``) is served from reserved slot B.
     ok: bool[] False forbids any change (an earlier layer refused the step).
+    active: bool[R] requests that decode this step; the others' metadata, hot
+      rows (but slot B) and counters stay as they are, and they never refuse.
     prefetch: i32[R, U, kp] positions predicted for the next step (-1 padding;
       kp <= B): after attention, up to ``cfg.lookahead_cap`` of them that are not
       resident are fetched, so the next RESOLVE finds them resident.
@@ -113,11 +122,12 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   if selected.shape != (num_req, num_units, cfg.top_k):
     raise ValueError(f"selector returned {selected.shape}, expected "
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
-  selected = selected.astype(jnp.int32)
+  selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
+  pages = state.page_table
 
   status = _or_reduce(selection_errors(selected, newest_u, cfg.max_len + 1,
                                        cfg.impl.lookup))
-  status |= jnp.where((newest >= cfg.max_len).any(), STATUS_CAPACITY, 0)
+  status |= jnp.where((active & (newest >= cfg.max_len)).any(), STATUS_CAPACITY, 0)
   ok = ok & (status == 0)
 
   # RESOLVE; uncommitted positions left in the metadata by a refused step
@@ -126,11 +136,17 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
   res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
                             selected, newest_u, ranks)
+  # A miss must be read from a host page: one without a page refuses the step.
+  unpaged = res.is_miss & ~has_page(cfg, pages, selected)
+  status |= jnp.where(unpaged.any(), STATUS_CAPACITY, 0)
+  ok = ok & (status == 0)
+  row_ok = ok & active  # [R]: rows whose metadata this step changes
   is_miss = res.is_miss & ok
 
   # Keep the newest token resident while the unit has an empty slot (after
   # RESOLVE, so the slot is neither a hit nor a victim of this step).
   new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest_u)
+  target = jnp.where(active[:, None], target, EMPTY)
   new_score = jnp.where(jnp.arange(cfg.hot_slots) == target[..., None], 1.0, new_score)
 
   # All hot-cache writes of the layer in one scatter: newest -> slot B and the
@@ -139,14 +155,14 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   host_k, host_v, hot_k, hot_v = state.host_k, state.host_v, state.hot_k, state.hot_v
   if cfg.overlap_hit_miss:
     out, lse, hot_k, hot_v, moved = _overlapped_attention(
-        cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res, is_miss,
+        cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, selected, res, is_miss,
         dest, new_k, new_v)
   else:
     if common.use_kernel(cfg.impl.fetch, "fetch"):
       hot_k, hot_v, moved = fetch.fetch_misses_kernel(
-          cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+          cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     else:
-      rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot,
+      rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
                                  is_miss)
       dest = jnp.concatenate([dest, rows.dest])
       new_k = jnp.concatenate([new_k, rows.k])
@@ -159,8 +175,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # Index sharing: the next share - 1 layers' misses are fetched here, ahead of
   # their attention (their RESOLVE would pick the same slots).
   for j in range(1, share):
-    hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v,
-                                                  layer + j, selected, res.slot,
+    hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k,
+                                                  hot_v, layer + j, selected, res.slot,
                                                   is_miss)
     moved += shared_moved
 
@@ -168,15 +184,15 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   prefetched = jnp.zeros((num_req, num_units), jnp.int32)
   if prefetch is not None:
     new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched = _prefetch(
-        cfg, host_k, host_v, hot_k, hot_v, layer, new_slot_pos, new_lru, new_score,
-        prefetch, newest_u, ok, ranks)
+        cfg, host_k, host_v, pages, hot_k, hot_v, layer, new_slot_pos, new_lru,
+        new_score, prefetch, newest_u, row_ok[:, None, None], ranks)
     moved += pf_moved
 
   is_hit = (selected >= 0) & ~res.is_miss
   span = lambda x: jnp.broadcast_to(x, (share,) + x.shape)
   old = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, share)
   put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, layer, 0)
-  keep = lambda new, x: put(x, jnp.where(ok, span(new), old(x)))
+  keep = lambda new, x: put(x, jnp.where(row_ok[None, :, None, None], span(new), old(x)))
   count = lambda x, mask: put(x, old(x) + span(jnp.where(
       ok, mask.sum(-1, dtype=jnp.int32), 0)))
   state = state.replace(
@@ -223,32 +239,35 @@ def cap_misses(cfg: TierConfig, state: TieredKVState, layer, selected, cap: int)
   return jnp.where(resident | fetch_it, selected, EMPTY)
 
 
-def _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer, selected, slot,
+def _fetch_for_layer(cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, slot,
                      is_miss):
   """Fetch ``is_miss`` rows of ``layer`` into ``slot`` (no attention, no metadata)."""
   if common.use_kernel(cfg.impl.fetch, "fetch"):
-    return fetch.fetch_misses_kernel(cfg, host_k, host_v, hot_k, hot_v, layer,
+    return fetch.fetch_misses_kernel(cfg, host_k, host_v, pages, hot_k, hot_v, layer,
                                      selected, slot, is_miss)
-  rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, slot, is_miss,
+  rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, slot, is_miss,
                              first_chunk_always=True)
   return (fetch.scatter_rows(hot_k, rows.dest, rows.k),
           fetch.scatter_rows(hot_v, rows.dest, rows.v), rows.moved)
 
 
 def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, ok=True,
-                     ranks=None):
+                     ranks=None, page_table=None):
   """Which predicted positions to fetch ahead, and the metadata after it.
 
   A RESOLVE over the prediction: predicted positions already resident are hits
   (protected, promoted), the first ``cfg.lookahead_cap`` others become misses
   that take victims. Positions >= ``newest`` (not in the host tier yet) are
-  skipped. Returns (ResolveOutputs, score).
+  skipped, and so are positions without a host page (``page_table``).
+  Returns (ResolveOutputs, score).
   """
   if predicted.shape[-1] > cfg.hot_slots:
     raise ValueError(f"{predicted.shape[-1]} predicted positions exceed "
                      f"B={cfg.hot_slots}")
   resident = lookup.resident_mask(slot_pos, predicted, **_positions(cfg))
   usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
+  if page_table is not None:
+    usable &= has_page(cfg, page_table, predicted)
   wanted = usable & ~resident
   if cfg.lookahead_cap is not None:
     wanted &= jnp.cumsum(wanted, axis=-1) <= cfg.lookahead_cap
@@ -257,22 +276,23 @@ def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, o
                   jnp.full_like(newest, EMPTY), ranks)
 
 
-def _prefetch(cfg, host_k, host_v, hot_k, hot_v, layer, slot_pos, lru, score,
+def _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v, layer, slot_pos, lru, score,
               predicted, newest, ok, ranks=None):
   """Fetch predicted, not-yet-resident positions into victims (capped).
 
   Returns (slot_pos, lru, score, hot_k, hot_v, rows moved, prefetched per unit
   i32[R, U]).
   """
-  res, score = prefetch_resolve(cfg, slot_pos, lru, score, predicted, newest, ok, ranks)
-  hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, hot_k, hot_v, layer,
-                                         predicted, res.slot, res.is_miss)
+  res, score = prefetch_resolve(cfg, slot_pos, lru, score, predicted, newest, ok, ranks,
+                                pages)
+  hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k, hot_v,
+                                         layer, predicted, res.slot, res.is_miss)
   return (res.slot_pos, res.lru, score, hot_k, hot_v, moved,
           res.is_miss.sum(-1, dtype=jnp.int32))
 
 
-def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected, res,
-                          is_miss, dest, new_k, new_v):
+def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, selected,
+                          res, is_miss, dest, new_k, new_v):
   """Attention over resident rows while the misses are fetched, then over the
   misses, merged by log-sum-exp (SGLang PR #22313's split).
 
@@ -287,12 +307,12 @@ def _overlapped_attention(cfg, q, host_k, host_v, hot_k, hot_v, layer, selected,
   out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   if common.use_kernel(cfg.impl.fetch, "fetch"):
     hot_k, hot_v, moved = fetch.fetch_misses_kernel(
-        cfg, host_k, host_v, hot_k, hot_v, layer, selected, res.slot, is_miss)
+        cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
                                            jnp.where(is_miss, res.slot, EMPTY))
   else:
-    rows = fetch.gather_misses(cfg, host_k, host_v, layer, selected, res.slot, is_miss,
-                               first_chunk_always=True)
+    rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
+                               is_miss, first_chunk_always=True)
     lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
     out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
     hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)

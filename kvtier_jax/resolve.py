@@ -9,6 +9,7 @@ the retention key of ``policies.py``. This module validates and dispatches.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -144,6 +145,7 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
   return _resolve_xla(*args, method=lookup_method, num_positions=num_positions)
 
 
+@functools.partial(jax.jit, static_argnames=("method", "num_positions"))
 def _resolve_xla(slot_pos, lru, selected, newest, key=None, *, method, num_positions):
   wanted = (selected >= 0) & (selected != newest[..., None])
   held = lookup.find_held(slot_pos, selected, wanted, method=method,

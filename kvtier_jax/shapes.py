@@ -5,7 +5,10 @@ jaxtyping aliases below:
 
 * ``L``   layers that own a tiered cache.
 * ``R``   request slots in the batch.
-* ``T``   host-tier capacity in positions per request (``max_len``).
+* ``T``   positions per request at most (``max_len``).
+* ``Pg``  positions per host page; ``MP = ceil(T / Pg)`` pages per request;
+          ``NH`` pages in the host pool (one more, the scratch page, absorbs
+          writes that must not land).
 * ``U``   cache units per request: 1 when one selection serves all KV heads of a
           request (DSA, SGLang-Quest), ``Hkv`` when each KV head selects its own
           positions (original Quest, NSA per group). Each unit has its own hot
@@ -22,10 +25,10 @@ jaxtyping aliases below:
 * ``NP`` / ``NB`` / ``NC``  Quest pages / NSA selection blocks / NSA compression
           blocks per request; ``H_I``, ``d_I`` DSA index heads and index dim.
 
-A *row* is the KV of one position for one unit: ``[Hg, D]``. The host tier is
-``[L, R, T + 1, U, Hg, D]`` (a position's rows for all units are contiguous;
-position ``T`` is a scratch row that absorbs the writes of a refused step), the hot
-cache ``[L, R, U, B + 1, Hg, D]``.
+A *row* is the KV of one position for one unit: ``[Hg, D]``. The host tier is a
+page pool ``[L, NH + 1, Pg, U, Hg, D]`` (a position's rows for all units are
+contiguous) read through the page table ``i32[R, MP]``; the hot cache is
+``[L, R, U, B + 1, Hg, D]``.
 
 The single sentinel is ``-1`` (``EMPTY``): an empty slot in ``slot_pos``, a padding
 entry in ``selected``, "no slot" in resolve outputs.
@@ -35,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 EMPTY = -1
 
-HostKV = Float[Array, "L R Tp1 U Hg D"]
+HostKV = Float[Array, "L NHp1 Pg U Hg D"]
 HotKV = Float[Array, "L R U Bp1 Hg D"]
 SlotPos = Int[Array, "*batch B"]
 LruOrder = Int[Array, "*batch B"]

@@ -19,15 +19,18 @@ from kvtier_jax.shapes import EMPTY, HostKV, HotKV
 
 @flax.struct.dataclass
 class TieredKVState:
-  """Per (layer, request, unit) hot cache over a per-request host tier.
+  """Per (layer, request, unit) hot cache over a paged host tier.
 
-  The host tier has ``T + 1`` positions per request: position ``T`` is a scratch
-  row that absorbs writes which must not land (a rejected step), because
-  ``dynamic_update_slice`` clamps instead of dropping. It is never read.
+  The host tier is a pool of ``NH + 1`` pages of ``Pg`` positions; position ``p`` of
+  request ``r`` lives in page ``page_table[r, p // Pg]`` at offset ``p % Pg``. Page
+  ``NH`` is a scratch page that absorbs writes which must not land (a refused step,
+  an inactive request, a position with no page), because ``dynamic_update_slice``
+  clamps instead of dropping. It is never read.
   """
 
-  host_k: HostKV  # f[L, R, T+1, U, Hg, D]  memory_kind=pinned_host where supported
-  host_v: HostKV  # f[L, R, T+1, U, Hg, D]
+  host_k: HostKV  # f[L, NH+1, Pg, U, Hg, D]  memory_kind=pinned_host where supported
+  host_v: HostKV  # f[L, NH+1, Pg, U, Hg, D]
+  page_table: jax.Array  # i32[R, MP]  physical page of each logical page, -1 none
   hot_k: HotKV  # f[L, R, U, B+1, Hg, D]  slot B: the newest token
   hot_v: HotKV  # f[L, R, U, B+1, Hg, D]
   slot_pos: jax.Array  # i32[L, R, U, B]  position held by each slot, -1 empty
@@ -59,8 +62,17 @@ def is_host_array(x) -> bool:
 
 
 def host_tier_shape(cfg: TierConfig) -> tuple[int, ...]:
-  return (cfg.num_layers, cfg.num_requests, cfg.max_len + 1, cfg.num_units,
+  return (cfg.num_layers, cfg.num_host_pages + 1, cfg.page_size, cfg.num_units,
           cfg.heads_per_unit, cfg.head_dim)
+
+
+def fixed_page_table(cfg: TierConfig) -> np.ndarray:
+  """i32[R, MP]: request r owns pages r*MP .. (r+1)*MP - 1 (a fixed batch), or no
+  pages at all when ``cfg.host_pages`` sizes a shared pool (the engine allocates)."""
+  shape = (cfg.num_requests, cfg.pages_per_request)
+  if cfg.host_pages is not None:
+    return np.full(shape, EMPTY, np.int32)
+  return np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
 
 
 def hot_cache_shape(cfg: TierConfig) -> tuple[int, ...]:
@@ -87,6 +99,7 @@ def init_state(cfg: TierConfig, *, fill: float = 0.0,
   return TieredKVState(
       host_k=jax.device_put(host, hs),
       host_v=jax.device_put(host, hs),
+      page_table=put(fixed_page_table(cfg)),
       hot_k=put(np.full(hot_cache_shape(cfg), fill, dtype)),
       hot_v=put(np.full(hot_cache_shape(cfg), fill, dtype)),
       slot_pos=put(np.full(meta_shape, EMPTY, np.int32)),
@@ -98,6 +111,18 @@ def init_state(cfg: TierConfig, *, fill: float = 0.0,
       prefetched=put(np.zeros(counters, np.int32)),
       fetched_rows=put(np.zeros((cfg.num_layers,), np.int32)),
   )
+
+
+def host_rows(cfg: TierConfig, state: TieredKVState, request: int, length: int):
+  """(k, v) numpy [L, length, U, Hg, D]: a request's positions read through its
+  page table (tests and snapshots; one device->host read)."""
+  table, host_k, host_v = jax.device_get((state.page_table[request], state.host_k,
+                                          state.host_v))
+  pos = np.arange(length)
+  pages, offsets = table[pos // cfg.page_size], pos % cfg.page_size
+  if (pages < 0).any():
+    raise ValueError(f"request {request} has no page for some of its {length} positions")
+  return host_k[:, pages, offsets], host_v[:, pages, offsets]
 
 
 def cache_stats(cfg: TierConfig, state: TieredKVState) -> dict:

@@ -3,8 +3,8 @@
 Counts exactly what this project allocates (kvtier_jax.state): a hot cache of
 ``B + 1`` rows per layer (slot B holds the newest token), int32 ``slot_pos`` and
 ``lru`` and a float32 ``slot_score`` per slot, and the selector's resident state, which grows with the context
-and is never offloaded (docs/DESIGN.md, "Invariants"). The host tier holds every position plus
-one scratch row per layer.
+and is never offloaded (docs/DESIGN.md, "Invariants"). The host tier holds every
+position, in whole pages (the pool's one scratch page is not per request).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class RequestBytes:
   selector_state: int  # device, both ways (indexer keys / page summaries)
   hot_kv: int  # device, tiered: B + 1 rows per layer
   metadata: int  # device, tiered: slot_pos + lru (int32) + slot_score (f32)
-  host: int  # host tier
+  host: int  # host tier: the context rounded up to whole pages
 
   @property
   def full_device(self) -> int:
@@ -39,7 +39,8 @@ class RequestBytes:
     return self.full_device / self.tiered_device
 
 
-def request_bytes(cfg: ModelConfig, context: int, hot_slots: int) -> RequestBytes:
+def request_bytes(cfg: ModelConfig, context: int, hot_slots: int,
+                  page_size: int = 64) -> RequestBytes:
   row = cfg.kv_bytes_per_token_per_layer
   layers = cfg.num_layers
   units = 1  # one selection per request per layer (DSA, SGLang-Quest)
@@ -49,7 +50,7 @@ def request_bytes(cfg: ModelConfig, context: int, hot_slots: int) -> RequestByte
       selector_state=math.ceil(layers * context * cfg.selector_bytes_per_token_per_layer),
       hot_kv=layers * units * (hot_slots + 1) * row,
       metadata=layers * units * hot_slots * 3 * 4,
-      host=layers * (context + 1) * row,
+      host=layers * -(-context // page_size) * page_size * row,  # whole pages
   )
 
 

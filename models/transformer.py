@@ -422,6 +422,72 @@ def apply_prefill_with_inputs(cfg: ModelConfig, weights, tokens, lens,
   return _lm_head(cfg, weights, last), k, v, h
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",),
+                   donate_argnames=("stage_k", "stage_v", "stage_x"))
+def apply_prefill_chunk(cfg: ModelConfig, weights, stage_k, stage_v, stage_x, tokens,
+                        start, count):
+  """One chunk of one request's prompt, attending to its earlier chunks.
+
+  The request's K/V and normalised attention inputs are staged on the device as
+  the chunks run (chunked prefill); each query attends causally over the staged
+  positions, so a token's numbers do not depend on the other tokens of its chunk
+  beyond causality.
+
+  Args:
+    stage_k, stage_v: [L, Ts, Hkv, D] staged post-RoPE keys and values; stage_x:
+      [L, Ts, E] staged normalised inputs (for selectors that build their state
+      from them; None: not staged). Positions ``< start`` hold this request's
+      earlier chunks. Donated.
+    tokens: i32[C] prompt tokens of positions ``start .. start + C - 1``, rows past
+      ``count`` padding (their outputs are garbage, nothing valid attends to them).
+    start, count: i32[]; ``start + C <= Ts``.
+
+  Returns:
+    (logits f32[V] of position ``start + count - 1``, stage_k, stage_v, stage_x)
+    with the chunk's rows written.
+  """
+  num_tokens = tokens.shape[0]
+  length = stage_k.shape[1]
+  group = cfg.num_q_heads // cfg.num_kv_heads
+  positions = start + jnp.arange(num_tokens)
+  cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [C, D/2]
+  key_pos = jnp.arange(length)
+  causal = (key_pos[None, :] <= positions[:, None])[None, None, None]  # [1,1,1,C,Ts]
+  mine = (key_pos < start + count)[:, None, None]  # keys of this request
+
+  def layer(carry, xs):
+    x, stage_k, stage_v, stage_x = carry
+    w, index = xs
+    h = rms_norm(x, w["attn_norm"], cfg.rms_eps)  # [C, E]
+    q = apply_rope(jnp.einsum("ce,ehd->chd", h, w["wq"], precision=PRECISION), cos, sin)
+    k = apply_rope(jnp.einsum("ce,ehd->chd", h, w["wk"], precision=PRECISION), cos, sin)
+    v = jnp.einsum("ce,ehd->chd", h, w["wv"], precision=PRECISION)
+    stage_k = jax.lax.dynamic_update_slice(stage_k, k[None].astype(stage_k.dtype),
+                                           (index, start, 0, 0))
+    stage_v = jax.lax.dynamic_update_slice(stage_v, v[None].astype(stage_v.dtype),
+                                           (index, start, 0, 0))
+    if stage_x is not None:
+      stage_x = jax.lax.dynamic_update_slice(stage_x, h[None].astype(stage_x.dtype),
+                                             (index, start, 0))
+    keys = stage_k[index]  # [Ts, Hkv, D]
+    values = jnp.where(mine, stage_v[index], 0)  # stale rows never multiply in
+    attn = _masked_softmax_attention(
+        q.reshape(1, num_tokens, cfg.num_kv_heads, group, cfg.head_dim), keys[None],
+        values[None], causal)  # [1, C, Hkv, G, D]
+    attn = attn.reshape(num_tokens, cfg.num_q_heads, cfg.head_dim)
+    x = x + jnp.einsum("chd,hde->ce", attn, w["wo"], precision=PRECISION)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
+    x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+    return (x, stage_k, stage_v, stage_x), None
+
+  x = weights["embed"][tokens]  # [C, E]
+  (x, stage_k, stage_v, stage_x), _ = jax.lax.scan(
+      layer, (x, stage_k, stage_v, stage_x),
+      (_layer_weights(weights), jnp.arange(cfg.num_layers)))
+  last = jax.lax.dynamic_index_in_dim(x, count - 1, keepdims=False)
+  return _lm_head(cfg, weights, last), stage_k, stage_v, stage_x
+
+
 class LayerTrace(NamedTuple):
   """Every layer's attention inputs and output of one decode step, [L, ...]."""
 

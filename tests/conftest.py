@@ -18,12 +18,23 @@ settings.load_profile("ci")
 def pytest_addoption(parser):
   parser.addoption("--gpu", action="store_true", default=False,
                    help="run the device tests compiled on the GPU at device shapes")
+  parser.addoption("--runslow", action="store_true", default=False,
+                   help="also run the tests marked slow (long soaks)")
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "gpu: also runs compiled on a GPU under --gpu")
+  config.addinivalue_line("markers", "slow: long; skipped unless --runslow")
   if not config.getoption("--gpu"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--runslow"):
+    return
+  skip = pytest.mark.skip(reason="slow: run with --runslow")
+  for item in items:
+    if "slow" in item.keywords:
+      item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

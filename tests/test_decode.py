@@ -33,10 +33,11 @@ def test_tiered_decode_equals_full_kv_sparse_attention(slots_per_k, per_kv_head)
   stats = kv_state.cache_stats(cfg, h.state)
   assert stats["misses"] > 0 and stats["hits"] > 0
   # Nothing lost: the host tier holds every committed position, bit for bit.
-  host_k = np.asarray(h.state.host_k)
-  full_k = np.asarray(h.full.k)
+  full_k, full_v = np.asarray(h.full.k), np.asarray(h.full.v)
   for r, n in enumerate(h.decoder.seq_len):
-    np.testing.assert_array_equal(host_k[:, r, :n], full_k[:, r, :n])
+    host_k, host_v = kv_state.host_rows(cfg, h.state, r, int(n))
+    np.testing.assert_array_equal(host_k, full_k[:, r, :n])
+    np.testing.assert_array_equal(host_v, full_v[:, r, :n])
   np.testing.assert_array_equal(np.asarray(h.state.seq_len), h.decoder.seq_len)
 
 
@@ -151,7 +152,9 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable():
   for name in ("slot_pos", "lru", "hits", "misses"):
     np.testing.assert_array_equal(getattr(after, name)[2:], getattr(before, name)[2:])
   for r, n in enumerate(h.decoder.seq_len):  # committed host rows untouched
-    np.testing.assert_array_equal(after.host_k[:, r, :n], before.host_k[:, r, :n])
+    for a, b in zip(kv_state.host_rows(cfg, after, r, int(n)),
+                    kv_state.host_rows(cfg, before, r, int(n))):
+      np.testing.assert_array_equal(a, b)
   h.state = err.value.state
   for _ in range(20):
     out, ref = h.step()
@@ -220,11 +223,12 @@ def test_host_tier_lives_in_host_memory_and_is_accounted():
   state = kv_state.init_state(cfg)
   assert state.host_k.sharding.memory_kind == kv_state.host_memory_kind()
   by_kind = kv_state.array_bytes_by_memory_kind(state)
-  host = cfg.num_requests * cfg.host_bytes_per_request()
+  host = cfg.num_requests * cfg.host_bytes_per_request() + cfg.page_bytes  # + scratch
   assert by_kind[kv_state.host_memory_kind()] == host
   device = sum(v for k, v in by_kind.items() if k != kv_state.host_memory_kind())
   counters = (3 * cfg.num_layers * cfg.num_requests * cfg.num_units + cfg.num_layers +
               cfg.num_requests) * 4
+  counters += cfg.num_requests * cfg.pages_per_request * 4  # the page table
   assert device == cfg.num_requests * cfg.device_bytes_per_request() + counters
 
 

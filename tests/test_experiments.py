@@ -2,6 +2,7 @@
 report collects them. Subprocesses: each runner defines its own absl flags."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,3 +94,28 @@ def test_trace_smoke_records_rankings(tmp_path):
     np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
   assert "nsa_ranks" not in data.files
   assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}
+
+
+def test_serve_smoke_checks_every_request_against_sparse(tmp_path):
+  """A JSONL workload (text and token-id prompts, staggered arrivals) served by the
+  tiered engine; --check_exact runs each request alone with the sparse backend."""
+  from pydoc_data.topics import topics
+  words = topics["assert"].split()
+  workload = tmp_path / "requests.jsonl"
+  workload.write_text("\n".join(json.dumps(r) for r in [
+      dict(id="text", prompt=" ".join(words[:90]), max_new_tokens=4),
+      dict(id="ids", prompt_ids=list(range(1000, 1150)), max_new_tokens=5, arrival_s=0.5),
+      dict(id="short", prompt_ids=[42] * 20, max_new_tokens=3, arrival_s=1.0)]) + "\n")
+  out = run("experiments.serve", "--smoke", "--check_exact", f"--workload={workload}",
+            f"--out_root={tmp_path}")
+  last = out.strip().splitlines()[-1]
+  pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
+             r"tok/s ttft_p50=[\d.e+-]+ s ttft_p99=[\d.e+-]+ s tpot_p50=[\d.e+-]+ ms "
+             r"max_concurrency=\d+ prefill_tokens=\d+ exact=(\d+)/(\d+)")
+  match = re.fullmatch(pattern, last)
+  assert match, last
+  requests, matched, finished = map(int, match.groups())
+  assert matched == finished == requests > 0
+  run_dir, rows = only_run(tmp_path, "serve")
+  assert rows[0]["misses"] > 0  # contexts past the hot cache fetched from the host
+  assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests

@@ -46,6 +46,9 @@ class Selector(Protocol):
 
   num_units: int  # U: 1 (one selection per request) or Hkv (one per KV head)
   top_k: int  # k: positions per unit per step
+  # Optional: True when ``prefill`` reads the layers' hidden inputs (``x``), not only
+  # the keys (DSA's indexer); a chunked prefill then stages them.
+  reads_hidden: bool
 
   def init_state(self, num_layers: int, num_requests: int, max_len: int) -> Any:
     """Empty resident state for ``num_layers`` layers."""
@@ -141,13 +144,15 @@ def prefill_state(selector, num_layers: int, max_len: int, params, x, k, lens):
   """A selector's resident state after prompts: every layer's ``prefill``.
 
   Args:
-    x: [L, R, P, Dm] each layer's normalised prompt inputs; k: [L, R, P, Hkv, D]
+    x: [L, R, P, Dm] each layer's normalised prompt inputs (None for selectors
+      that do not read them, ``reads_hidden`` False); k: [L, R, P, Hkv, D]
       post-RoPE keys; lens: i32[R]; params: per-layer selector params or None.
   """
-  state = selector.init_state(num_layers, x.shape[1], max_len)
+  state = selector.init_state(num_layers, k.shape[1], max_len)
 
   def one_layer(layer, state):
     p = None if params is None else layer_slice(params, layer)
-    return selector.prefill(state, layer, PrefillInputs(x[layer], k[layer], lens), p)
+    x_l = None if x is None else x[layer]
+    return selector.prefill(state, layer, PrefillInputs(x_l, k[layer], lens), p)
 
   return jax.lax.fori_loop(0, num_layers, one_layer, state)

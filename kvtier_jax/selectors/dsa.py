@@ -195,6 +195,7 @@ class DSASelector:
   index_dim: int = 64
 
   num_units = 1  # U
+  reads_hidden = True  # the indexer keys come from the hidden inputs
 
   def __post_init__(self):
     for name in ("top_k", "index_dim"):

@@ -25,7 +25,7 @@ from pallas_kernels.fetch.config import BlockSizes
 def _fetch_kernel(src_ref, dest_ref, count_ref, host_k_ref, host_v_ref, _hot_k_in,
                   _hot_v_in, hot_k_ref, hot_v_ref, *, block_rows, heads, head_dim):
   # src_ref, dest_ref: i32[N, 4]; count_ref: i32[1]
-  # host_*_ref: [L, R, T+1, U, Hg, D] (host memory on GPU)
+  # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on GPU)
   # hot_*_ref:  [L, R, U, S, Hg, D] (aliased to the _hot_*_in inputs)
   first = pl.program_id(0) * block_rows
   count = count_ref[0]

@@ -9,10 +9,10 @@ def fetch_rows_reference(src, dest, count, host_k, host_v, hot_k, hot_v):
   """Copy ``count`` planned rows.
 
   Args:
-    src: i32[N, 4] (layer, request, position, unit) rows of the host tier.
+    src: i32[N, 4] (layer, page, offset, unit) rows of the host tier.
     dest: i32[N, 4] (layer, request, unit, slot) rows of the hot cache.
     count: i32[] lanes 0..count-1 are valid (compacted plan).
-    host_k, host_v: [L, R, T+1, U, Hg, D].
+    host_k, host_v: [L, NH+1, Pg, U, Hg, D].
     hot_k, hot_v: [L, R, U, S, Hg, D].
 
   Returns:

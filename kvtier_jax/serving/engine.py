@@ -1,0 +1,329 @@
+"""The serving engine: continuous batching over a fixed set of request slots.
+
+Each ``step()``:
+
+1. **Admit** waiting requests in arrival order (FCFS, no overtaking) while a slot
+   is free, the prefill staging buffer is free (one prompt is prefilled at a
+   time), the device budget covers the request's state for its whole life
+   (``ServingModel.device_bytes`` of prompt + max_new_tokens positions, plus the
+   staging buffer once) and the host pool has pages for its prompt.
+2. **Decode first**: every decoding request advances one token in one batched,
+   statically shaped step (inactive slots are masked, so requests joining and
+   leaving never recompile). A request whose next position needs a host page gets
+   one; when the pool is empty the newest running request is preempted (slot and
+   pages freed, re-queued first) and later resumes exactly: its prompt is
+   prefilled again and its earlier outputs are fed back through decode steps, not
+   re-sampled, so it yields the same tokens.
+3. **Chunked prefill** with the step's leftover token budget (at least one chunk
+   per step): the prompt runs in chunks of C tokens at fixed boundaries, so a
+   prompt's numbers do not depend on the schedule; after the last chunk the
+   request samples its first token and joins the decode batch.
+
+Requests are validated at ``submit`` (clear ``ValueError``s; the engine is not
+touched). A request whose logits turn non-finite fails with the reason; the others
+continue. Nothing here assumes one device: per-slot state lives in the model's
+arrays, and the scheduler only counts slots, bytes and pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvtier_jax.driver import StepRefused
+from kvtier_jax.serving import sampling
+from kvtier_jax.serving.model import ServingModel
+from kvtier_jax.serving.pages import PagePool
+from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
+                                        check_prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Scheduling limits.
+
+  Attributes:
+    max_step_tokens: tokens per step: one per decoding request, the rest for
+      prefill chunks (at least one chunk runs whenever a prompt is waiting for it).
+    kv_budget_bytes: device bytes for per-request state (KV or hot cache and
+      metadata, selector state) and the prefill staging buffer; None: no limit
+      beyond the slots.
+    eos_ids: token ids that end every request (added to each request's stop ids).
+  """
+
+  max_step_tokens: int = 512
+  kv_budget_bytes: int | None = None
+  eos_ids: tuple[int, ...] = ()
+
+
+class Engine:
+  """Serves requests through a ``ServingModel`` (see the module docstring)."""
+
+  def __init__(self, model: ServingModel, config: EngineConfig = EngineConfig(), *,
+               clock: Callable[[], float] = time.perf_counter,
+               on_step: Callable[[dict], None] | None = None):
+    if config.kv_budget_bytes is not None and config.kv_budget_bytes < model.staging_bytes():
+      raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} is below the prefill "
+                       f"staging buffer ({model.staging_bytes()} bytes)")
+    self.model, self.config = model, config
+    self._clock, self._t0 = clock, clock()
+    self._on_step = on_step
+    self.state = model.init()
+    pages_per_slot = -(-model.max_len // model.page_size)
+    self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot)
+    self.slots: list[Request | None] = [None] * model.num_slots
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.requests: dict[str, Request] = {}
+    self._admitted = 0
+    self._device_in_use = 0
+    self._last_stats = model.stats(self.state)
+    self.steps = 0
+
+  # Submission and abort --------------------------------------------------------
+
+  def now(self) -> float:
+    return self._clock() - self._t0
+
+  def submit(self, prompt: Iterable[int], max_new_tokens: int,
+             sampling_params: SamplingParams = SamplingParams(), *,
+             stop_ids: Iterable[int] = (), request_id: str | None = None,
+             on_token: Callable[[Request, int], None] | None = None,
+             arrival: float | None = None) -> Request:
+    """Queue a request; raises ``ValueError`` (engine untouched) on bad input."""
+    model = self.model
+    ids = check_prompt(prompt, model.vocab_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens={max_new_tokens} must be a positive int")
+    sampling_params.check()
+    total = len(ids) + max_new_tokens
+    if total > model.max_len:
+      raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = "
+                       f"{total} exceeds the context of {model.max_len} positions")
+    if self._host_pages(total) > model.num_host_pages:
+      raise ValueError(f"{total} positions need {self._host_pages(total)} host pages; "
+                       f"the host tier has {model.num_host_pages}")
+    budget = self.config.kv_budget_bytes
+    if budget is not None and model.device_bytes(total) + model.staging_bytes() > budget:
+      raise ValueError(f"{total} positions need {model.device_bytes(total)} device bytes;"
+                       f" the KV budget is {budget} (staging {model.staging_bytes()})")
+    stops = frozenset(int(t) for t in stop_ids) | frozenset(self.config.eos_ids)
+    if any(not 0 <= t < model.vocab_size for t in stops):
+      raise ValueError(f"stop ids {sorted(stops)} must be in the vocabulary")
+    request_id = request_id or f"req-{len(self.requests)}"
+    if request_id in self.requests:
+      raise ValueError(f"request id {request_id!r} already exists")
+    req = Request(request_id, ids, max_new_tokens, sampling_params, stops,
+                  Metrics(self.now() if arrival is None else arrival), on_token)
+    self.requests[request_id] = req
+    self.waiting.append(req)
+    return req
+
+  def abort(self, request_id: str) -> None:
+    """End a request now; its slot, pages and device bytes are free at once."""
+    req = self.requests[request_id]
+    if req.state.done:
+      return
+    if req.state is State.WAITING:
+      self.waiting.remove(req)
+    else:
+      self._release(req)
+    self._end(req, State.ABORTED, "aborted")
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self.waiting) or any(self.slots)
+
+  # The step ------------------------------------------------------------------
+
+  def step(self) -> dict:
+    """Admit, decode, prefill; returns this step's metrics."""
+    start = self.now()
+    self._admit()
+    decoded = self._decode()
+    prefilled = self._prefill(self.config.max_step_tokens - decoded)
+    stats = self.model.stats(self.state)
+    delta = {k: stats[k] - self._last_stats.get(k, 0) for k in stats}
+    self._last_stats = stats
+    self.steps += 1
+    row = dict(step=self.steps, t=start, seconds=self.now() - start, decode_batch=decoded,
+               prefill_tokens=prefilled, waiting=len(self.waiting),
+               running=sum(r is not None for r in self.slots),
+               host_pages_in_use=self.pool.in_use, device_bytes_in_use=self._device_in_use,
+               **delta)
+    if self._on_step:
+      self._on_step(row)
+    return row
+
+  def run(self, until: Callable[[], bool] | None = None) -> None:
+    """Step until nothing is left (or ``until()``)."""
+    while self.has_work and not (until and until()):
+      self.step()
+
+  # Admission -----------------------------------------------------------------
+
+  def _host_pages(self, length: int) -> int:
+    """Pages a request of ``length`` positions holds at most (0: device-resident)."""
+    if self.model.num_host_pages == 0 or length <= getattr(self.model, "hot_slots", 0):
+      return 0
+    return -(-length // self.model.page_size)
+
+  def _admit(self) -> None:
+    budget = self.config.kv_budget_bytes
+    while self.waiting:
+      if any(r is not None and r.state is State.PREFILLING for r in self.slots):
+        return  # one prompt at a time uses the staging buffer
+      free = [i for i, r in enumerate(self.slots) if r is None]
+      req = self.waiting[0]
+      charge = self.model.device_bytes(req.total_length)
+      staging = self.model.staging_bytes()
+      if not free or (budget is not None and
+                      self._device_in_use + charge + staging > budget):
+        return
+      slot = free[0]
+      if self._host_pages(req.total_length) and not self.pool.grow(
+          slot, -(-len(req.prompt) // self.model.page_size)):
+        return
+      self.waiting.popleft()
+      req.slot, req.device_bytes, req.cached = slot, charge, 0
+      req.state, req.admit_order = State.PREFILLING, self._admitted
+      self._admitted += 1
+      self._device_in_use += charge
+      if req.metrics.admitted is None:
+        req.metrics.admitted = self.now()
+      self.slots[slot] = req
+
+  def _release(self, req: Request) -> None:
+    self.pool.release(req.slot)
+    self.slots[req.slot] = None
+    self._device_in_use -= req.device_bytes
+    req.slot, req.device_bytes = None, 0
+
+  def _preempt(self, req: Request) -> None:
+    """Free ``req``'s slot and pages; it resumes first, replaying its outputs."""
+    self._release(req)
+    req.state, req.cached = State.WAITING, 0
+    req.metrics.preemptions += 1
+    self.waiting.appendleft(req)
+
+  def _end(self, req: Request, state: State, reason: str) -> None:
+    req.state, req.reason = state, reason
+    req.metrics.finished = self.now()
+
+  # Decode ----------------------------------------------------------------------
+
+  def _ensure_pages(self) -> None:
+    """Every decoding request gets the page of the position it writes next,
+    preempting the newest running requests while the pool is empty."""
+    for req in sorted((r for r in self.slots if r is not None and r.state is State.DECODING),
+                      key=lambda r: r.admit_order):
+      if req.slot is None or not self._host_pages(req.total_length):
+        continue
+      need = req.cached // self.model.page_size + 1
+      while not self.pool.grow(req.slot, need):
+        holders = [r for r in self.slots if r is not None and
+                   (r is req or (self.pool.table[r.slot] >= 0).any())]
+        victim = max(holders, key=lambda r: r.admit_order)
+        self._preempt(victim)
+        if victim is req:
+          break
+
+  def _upload_pages(self) -> None:
+    if self.pool.dirty:
+      self.state = self.model.set_pages(self.state, self.pool.table)
+      self.pool.dirty = False
+
+  def _decode(self) -> int:
+    self._ensure_pages()
+    batch = [r for r in self.slots if r is not None and r.state is State.DECODING]
+    if not batch:
+      return 0
+    self._upload_pages()
+    num_slots = self.model.num_slots
+    tokens = np.zeros((num_slots,), np.int32)
+    active = np.zeros((num_slots,), bool)
+    for req in batch:
+      tokens[req.slot] = req.output[req.cached - len(req.prompt)]
+      active[req.slot] = True
+    try:
+      self.state, logits = self.model.decode(self.state, tokens, active)
+    except StepRefused as err:
+      self.state = err.state
+      for req in batch:
+        self._release(req)
+        self._end(req, State.FAILED, f"decode step refused: {err}")
+      return len(batch)
+    for req in batch:
+      req.cached += 1
+    self._sample(batch, logits, [r.slot for r in batch], [r.cached for r in batch])
+    return len(batch)
+
+  def _sample(self, batch: list[Request], logits, rows: list[int],
+              positions: list[int]) -> None:
+    """Sample the token at ``positions`` for each request from its row of
+    ``logits``; outputs already known (a resumed request replaying) are kept, not
+    re-sampled."""
+    num = logits.shape[0]
+    params = np.zeros((4, num), np.float64)
+    pos = np.zeros((num,), np.int32)
+    for row, req, p in zip(rows, batch, positions):
+      sp = req.sampling
+      params[:, row] = (sp.temperature, sp.top_k, sp.top_p, sp.seed)
+      pos[row] = p
+    tokens, finite = sampling.sample(logits, params[0].astype(np.float32),
+                                     params[1].astype(np.int32),
+                                     params[2].astype(np.float32),
+                                     params[3].astype(np.int32), pos)
+    tokens, finite = np.asarray(tokens), np.asarray(finite)
+    now = self.now()
+    for row, req, p in zip(rows, batch, positions):
+      if not finite[row]:
+        self._release(req)
+        self._end(req, State.FAILED, f"non-finite logits at position {p}")
+        continue
+      index = p - len(req.prompt)  # the output this position holds
+      if index < len(req.output):
+        continue  # replaying after a preemption: known already
+      token = int(tokens[row])
+      req.output.append(token)
+      req.metrics.token_times.append(now)
+      if req.metrics.first_token is None:
+        req.metrics.first_token = now
+      if req.on_token:
+        req.on_token(req, token)
+      if len(req.output) >= req.max_new_tokens or token in req.stop_ids:
+        self._release(req)
+        self._end(req, State.FINISHED, "stop id" if token in req.stop_ids else "length")
+
+  # Prefill ---------------------------------------------------------------------
+
+  def _prefill(self, budget: int) -> int:
+    req = next((r for r in self.slots if r is not None and r.state is State.PREFILLING),
+               None)
+    chunk, ran = self.model.chunk_size, 0
+    while req is not None and (ran == 0 or budget >= chunk):
+      self._upload_pages()
+      start = req.cached
+      count = min(chunk, len(req.prompt) - start)
+      tokens = np.zeros((chunk,), np.int32)
+      tokens[:count] = req.prompt[start:start + count]
+      self.state, logits = self.model.prefill(self.state, req.slot, tokens, start, count)
+      req.cached += count
+      budget -= chunk
+      ran += count
+      if req.cached == len(req.prompt):
+        self.state = self.model.start_decoding(self.state, req.slot, req.cached)
+        req.state = State.DECODING
+        self._sample([req], logits[None], [0], [req.cached])
+        req = None
+    return ran
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> dict:
+  """{"p50": ..., ...} of the finite values (None when empty)."""
+  vals = [v for v in values if v is not None and math.isfinite(v)]
+  return {f"p{q}": (float(np.percentile(vals, q)) if vals else None) for q in qs}

@@ -1,0 +1,69 @@
+"""What the serving engine needs from a model: the interface ``models/`` implements.
+
+The engine never sees weights, layers or caches: only ``S`` request slots decoded
+together (static shapes), prompt chunks of ``C`` tokens, logits, and the device and
+host memory each request costs. The cache backends (full KV on the device, or the
+tiered host tier + hot cache) live behind it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class ServingModel(Protocol):
+  """A model with a cache backend, decoding ``num_slots`` requests together.
+
+  Attributes:
+    num_slots: S, requests decoded together (the compiled batch).
+    max_len: T, positions a request may reach (prompt + outputs).
+    chunk_size: C, prompt tokens per prefill call.
+    page_size: host page size (also the granularity of host accounting).
+    num_host_pages: pages in the host pool (0: no host tier).
+    vocab_size: V.
+  """
+
+  num_slots: int
+  max_len: int
+  chunk_size: int
+  page_size: int
+  num_host_pages: int
+  vocab_size: int
+
+  def device_bytes(self, length: int) -> int:
+    """Device bytes a request of ``length`` positions holds while it runs (KV or
+    hot cache, metadata, selector state)."""
+
+  def staging_bytes(self) -> int:
+    """Device bytes the prefill staging buffer holds (one request at a time)."""
+
+  def host_pages(self, length: int) -> int:
+    """Host pages a request of ``length`` positions needs (0: it never leaves the
+    device, e.g. a context that fits the hot cache)."""
+
+  def init(self) -> Any:
+    """The state of every slot (empty)."""
+
+  def set_pages(self, state: Any, table: np.ndarray) -> Any:
+    """Install the page table i32[S, MP] (the engine allocates pages)."""
+
+  def prefill(self, state: Any, slot: int, tokens: np.ndarray, start: int,
+              count: int) -> tuple[Any, Any]:
+    """Run prompt positions ``start .. start + count - 1`` of ``slot`` (``tokens``
+    i32[C], zero-padded past ``count``; ``start`` a multiple of C). Returns
+    (state, logits f32[V] of position ``start + count - 1``)."""
+
+  def start_decoding(self, state: Any, slot: int, length: int) -> Any:
+    """After the last prompt chunk: ``slot`` decodes next, ``length`` positions in."""
+
+  def decode(self, state: Any, tokens: np.ndarray, active: np.ndarray
+             ) -> tuple[Any, Any]:
+    """One decode step of the active slots: ``tokens`` i32[S] at each active
+    slot's next position. Returns (state, logits f32[S, V]); inactive rows are
+    garbage and their slots unchanged. Raises ``StepRefused`` (with the state
+    unchanged) when the step refused its input."""
+
+  def stats(self, state: Any) -> dict:
+    """Cumulative counters: hits, misses, host-to-device bytes (tiered)."""

@@ -1,0 +1,103 @@
+"""A request's parameters, its lifecycle, and what it measured along the way."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Callable, Sequence
+
+
+class State(enum.Enum):
+  WAITING = "waiting"  # submitted (or preempted), no slot yet
+  PREFILLING = "prefilling"  # has a slot and pages; its prompt runs in chunks
+  DECODING = "decoding"  # in the decode batch
+  FINISHED = "finished"  # reached max_new_tokens or a stop id
+  ABORTED = "aborted"  # abort() was called
+  FAILED = "failed"  # non-finite logits, or the step refused it
+
+  @property
+  def done(self) -> bool:
+    return self in (State.FINISHED, State.ABORTED, State.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Greedy when ``temperature == 0``; else softmax(logits / temperature) over the
+  ``top_k`` most likely tokens (0: all) whose cumulative probability first reaches
+  ``top_p``. ``seed`` fixes the draws: the token at position p depends only on
+  (seed, p, logits), never on the rest of the batch."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+
+  def check(self) -> None:
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature={self.temperature} must be finite and >= 0")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be an int >= 0 (0: no limit)")
+    if not (0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+      raise ValueError(f"seed={self.seed} must be an int in [0, 2**31)")
+
+
+@dataclasses.dataclass
+class Metrics:
+  """Wall-clock times (seconds on the engine's clock) and counts of one request."""
+
+  arrival: float
+  admitted: float | None = None  # first admission
+  first_token: float | None = None
+  token_times: list[float] = dataclasses.field(default_factory=list)
+  finished: float | None = None
+  preemptions: int = 0
+
+  def summary(self) -> dict:
+    times = self.token_times
+    itl = [b - a for a, b in zip(times, times[1:])]
+    return dict(
+        queue_s=None if self.admitted is None else self.admitted - self.arrival,
+        ttft_s=None if self.first_token is None else self.first_token - self.arrival,
+        tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+        itl_s=itl,
+        e2e_s=None if self.finished is None else self.finished - self.arrival,
+        preemptions=self.preemptions)
+
+
+@dataclasses.dataclass
+class Request:
+  """One request and everything the engine tracks about it."""
+
+  id: str
+  prompt: list[int]
+  max_new_tokens: int
+  sampling: SamplingParams
+  stop_ids: frozenset[int]
+  metrics: Metrics
+  on_token: Callable[["Request", int], None] | None = None
+  state: State = State.WAITING
+  output: list[int] = dataclasses.field(default_factory=list)
+  reason: str = ""
+  # Engine bookkeeping (host side).
+  slot: int | None = None
+  device_bytes: int = 0  # charged to the device budget while it holds a slot
+  cached: int = 0  # positions in the cache (prompt chunks run, then decoded tokens)
+  admit_order: int = -1
+
+  @property
+  def total_length(self) -> int:
+    """The longest this request can get."""
+    return len(self.prompt) + self.max_new_tokens
+
+
+def check_prompt(prompt: Sequence[int], vocab_size: int) -> list[int]:
+  ids = [int(t) for t in prompt]
+  if not ids:
+    raise ValueError("the prompt is empty")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+  return ids

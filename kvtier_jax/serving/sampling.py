@@ -1,0 +1,38 @@
+"""Per-request sampling on the device: greedy, temperature, top-k, top-p, seeded.
+
+Every row draws with its own key, ``fold_in(fold_in(key(0), seed), position)``, and
+its own parameters, so a request's tokens depend on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _sample_row(logits, temperature, top_k, top_p, seed, position):
+  # logits: f32[V]; the rest are scalars. Returns (token i32[], finite bool[]).
+  logits = logits.astype(jnp.float32)
+  finite = jnp.isfinite(logits).all()
+  greedy = jnp.argmax(logits).astype(jnp.int32)
+  order = jnp.argsort(-logits, stable=True)  # best first, ties to the lower id
+  ranked = logits[order] / jnp.maximum(temperature, 1e-6)
+  vocab = logits.shape[0]
+  rank = jnp.arange(vocab)
+  keep = rank < jnp.where(top_k > 0, top_k, vocab)
+  probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
+  # Keep the smallest prefix whose mass reaches top_p (the first token always).
+  keep &= (jnp.cumsum(probs) - probs) < top_p
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), position)
+  pick = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf))
+  sampled = order[pick].astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy), finite
+
+
+@functools.partial(jax.jit)
+def sample(logits, temperature, top_k, top_p, seed, position):
+  """tokens i32[S] and finite bool[S] from logits f32[S, V] and per-row
+  parameters f32/i32[S] (``position``: where the sampled token will sit)."""
+  return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, seed, position)

@@ -1,0 +1,301 @@
+"""The Flax decoder behind the serving engine (``kvtier_jax.serving.ServingModel``).
+
+One class serves all three cache backends over ``S`` request slots:
+
+* ``dense``: full KV per slot on the device, full attention;
+* ``sparse``: full KV per slot on the device, the selector's positions attended
+  (the exactness reference);
+* ``tiered``: the paged host tier + per-slot hot caches, the same selector, the
+  library's one tiered step (``backends.tiered_step``) driven by ``TieredDriver``.
+
+Prompts run in chunks (``transformer.apply_prefill_chunk``) against a device
+staging buffer that holds the prefilling request's K/V and normalised inputs (one
+request at a time; its bytes are charged to the device budget). The tiered
+backend writes each chunk through to the request's host pages; after the last
+chunk ``start_decoding`` warms the slot's hot cache (tiered) or copies the
+staged K/V into the slot (dense, sparse) and builds the slot's selector state.
+Decode steps run every slot with an active mask: inactive slots write nowhere
+that matters and keep their state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvtier_jax import decode as kv_decode
+from kvtier_jax import state as kv_state
+from kvtier_jax.driver import StepRefused, TieredDriver
+from kvtier_jax.selectors.base import prefill_state
+from models import cache as cache_lib
+from models.backends import BACKENDS, SparseCarry, sparse_attend, tier_config, tiered_step
+from models.config import ModelConfig
+from models.transformer import Transformer, apply_decode, apply_prefill_chunk
+
+
+@flax.struct.dataclass
+class Staging:
+  """The prefilling request's prompt on the device."""
+
+  k: jax.Array  # [L, Ts, Hkv, D] post-RoPE keys
+  v: jax.Array  # [L, Ts, Hkv, D]
+  x: Any  # [L, Ts, E] normalised attention inputs, for selectors that read them, or None
+
+
+@flax.struct.dataclass
+class ServingState:
+  cache: Any  # DenseKV (dense), SparseCarry (sparse) or TieredCarry (tiered)
+  staging: Staging
+
+
+def _insert_slot(full, one, slot):
+  """Selector state leaves [L, S, ...] <- a one-request state [L, 1, ...] at ``slot``."""
+  return jax.tree.map(lambda a, b: a.at[:, slot].set(b[:, 0]), full, one)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("staging",))
+def _prefill(cfg: ModelConfig, weights, staging: Staging, tokens, start, count):
+  logits, k, v, x = apply_prefill_chunk(cfg, weights, staging.k, staging.v, staging.x,
+                                        tokens, start, count)
+  return logits, Staging(k, v, x)
+
+
+@functools.partial(jax.jit, static_argnames=("tier_cfg", "size"), donate_argnames=("carry",))
+def _write_through(tier_cfg, carry, staging: Staging, slot, start, size: int):
+  """Copy the staged chunk ``start .. start + size - 1`` into ``slot``'s host pages."""
+  chunk = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)[:, None]
+  tier = kv_decode.write_prompt_pages(tier_cfg, carry.tier, jnp.reshape(slot, (1,)),
+                                      start, chunk(staging.k), chunk(staging.v))
+  return carry.replace(tier=tier)
+
+
+@functools.partial(jax.jit, static_argnames=("selector", "max_len"),
+                   donate_argnames=("sel",))
+def _selector_install(selector, max_len: int, sel, params, staging: Staging, slot,
+                      length):
+  x = None if staging.x is None else staging.x[:, None, :max_len]
+  one = prefill_state(selector, staging.k.shape[0], max_len, params, x,
+                      staging.k[:, None, :max_len], jnp.reshape(length, (1,)))
+  return _insert_slot(sel, one, slot)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def _kv_install(kv: cache_lib.DenseKV, staging: Staging, slot, length):
+  max_len = kv.k.shape[2]
+  return kv.replace(k=kv.k.at[:, slot].set(staging.k[:, :max_len].astype(kv.k.dtype)),
+                    v=kv.v.at[:, slot].set(staging.v[:, :max_len].astype(kv.v.dtype)),
+                    lens=kv.lens.at[slot].set(length))
+
+
+@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("carry",))
+def _tier_install(tier_cfg, carry, staging: Staging, slot, length):
+  tier = kv_decode.install_request(tier_cfg, carry.tier, slot, staging.k, staging.v,
+                                   length)
+  return carry.replace(tier=tier)
+
+
+def _masked_positions(lens, active, max_len):
+  """Inactive slots decode at position T: their K/V writes are dropped."""
+  return jnp.where(active, lens, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def _dense_step(cfg: ModelConfig, weights, tokens, active, kv: cache_lib.DenseKV):
+  positions = _masked_positions(kv.lens, active, kv.max_len)
+  logits, out = apply_decode(cfg, weights, tokens, positions, kv.replace(lens=positions),
+                             cache_lib.dense_attend)
+  return logits, out.replace(lens=kv.lens + active.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "selector", "index_share"),
+                   donate_argnames=("carry",))
+def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens, active,
+                 carry: SparseCarry):
+  lens = carry.kv.lens
+  positions = _masked_positions(lens, active, carry.kv.max_len)
+  carry = carry.replace(kv=carry.kv.replace(lens=positions))
+  logits, carry = apply_decode(cfg, weights, tokens, positions, carry,
+                               sparse_attend(selector, index_share))
+  return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)))
+
+
+class ServingBackend:
+  """A ``ServingModel``: the Flax decoder with one cache backend over S slots.
+
+  Args:
+    model: the Transformer.
+    backend: "dense", "sparse" or "tiered".
+    num_slots: S, requests decoded together.
+    max_len: T, positions a request may reach.
+    selector, selector_params: the sparse-attention rule (sparse, tiered).
+    hot_slots: B (tiered).
+    chunk_size: C, prompt tokens per prefill call (a multiple of ``page_size``).
+    page_size: host page size (tiered).
+    host_pages: pages in the host pool (tiered; default: every slot can hold
+      ``max_len``).
+    index_share: layers per selection (sparse, tiered).
+    tier_overrides: more ``TierConfig`` fields (impl, policy, warm start...).
+  """
+
+  def __init__(self, model: Transformer, backend: str, num_slots: int, max_len: int, *,
+               selector=None, selector_params=None, hot_slots: int | None = None,
+               chunk_size: int = 128, page_size: int = 64, host_pages: int | None = None,
+               index_share: int = 1, **tier_overrides):
+    if backend not in BACKENDS:
+      raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if backend != "dense" and selector is None:
+      raise ValueError(f"the {backend} backend needs a selector")
+    if backend == "tiered" and hot_slots is None:
+      raise ValueError("the tiered backend needs hot_slots (B)")
+    if chunk_size % page_size:
+      raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="
+                       f"{page_size} (a chunk writes whole host pages)")
+    cfg = model.cfg
+    self.model, self.cfg, self.backend = model, cfg, backend
+    self.weights = model.weights()
+    self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
+    self.page_size, self.vocab_size = page_size, cfg.vocab_size
+    self.selector, self.params, self.index_share = selector, selector_params, index_share
+    self.hot_slots = hot_slots if backend == "tiered" else 0
+    self.stage_len = -(-max_len // chunk_size) * chunk_size
+    self.tier_cfg = None
+    self.num_host_pages = 0
+    if backend == "tiered":
+      pages = host_pages if host_pages is not None else (
+          num_slots * -(-max_len // page_size))
+      self.tier_cfg = tier_config(cfg, selector, num_slots, max_len, hot_slots,
+                                  page_size=page_size, host_pages=pages,
+                                  index_share=index_share, **tier_overrides)
+      self.num_host_pages = pages
+      self.driver = TieredDriver(self.tier_cfg, functools.partial(
+          _tiered_run, cfg, self.tier_cfg, selector, self.weights))
+
+  # Accounting ----------------------------------------------------------------
+
+  @staticmethod
+  def pages_for_bytes(cfg: ModelConfig, page_size: int, host_bytes: float) -> int:
+    """Host pages (K and V of ``page_size`` positions, every layer) in a budget."""
+    page = cfg.num_layers * page_size * cfg.kv_bytes_per_token_per_layer
+    return int(host_bytes // page)
+
+  def _selector_bytes(self, length: int) -> int:
+    if self.selector is None:
+      return 0
+    return math.ceil(self.selector.state_bytes_per_token() * length) * self.cfg.num_layers
+
+  def device_bytes(self, length: int) -> int:
+    """Full KV of ``length`` positions (dense, sparse; as a paged device pool would
+    hold it) or the hot cache and its metadata (tiered), plus selector state."""
+    if self.backend == "tiered":
+      return self.tier_cfg.device_bytes_per_request() + self._selector_bytes(length)
+    kv = self.cfg.num_layers * length * self.cfg.kv_bytes_per_token_per_layer
+    return kv + self._selector_bytes(length)
+
+  @property
+  def _stages_hidden(self) -> bool:
+    return getattr(self.selector, "reads_hidden", False)
+
+  def staging_bytes(self) -> int:
+    cfg = self.cfg
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim
+    per_token += cfg.embed_dim if self._stages_hidden else 0
+    return cfg.num_layers * self.stage_len * per_token * jnp.dtype(cfg.dtype).itemsize
+
+  def host_pages(self, length: int) -> int:
+    if self.backend != "tiered" or length <= self.hot_slots:
+      return 0
+    return -(-length // self.page_size)
+
+  # State -----------------------------------------------------------------------
+
+  def init(self) -> ServingState:
+    cfg, slots = self.cfg, self.num_slots
+    dtype = jnp.dtype(cfg.dtype)
+    shape = (cfg.num_layers, self.stage_len)
+    staging = Staging(jnp.zeros(shape + (cfg.num_kv_heads, cfg.head_dim), dtype),
+                      jnp.zeros(shape + (cfg.num_kv_heads, cfg.head_dim), dtype),
+                      jnp.zeros(shape + (cfg.embed_dim,), dtype)
+                      if self._stages_hidden else None)
+    if self.backend == "dense":
+      return ServingState(cache_lib.init_dense(cfg, slots, self.max_len), staging)
+    sel = self.selector.init_state(cfg.num_layers, slots, self.max_len)
+    params = jax.tree.map(jnp.copy, self.params)  # the state is donated each step
+    if self.backend == "sparse":
+      kv = cache_lib.init_dense(cfg, slots, self.max_len)
+      shared = jnp.full((slots, self.selector.num_units, self.selector.top_k), -1,
+                        jnp.int32)
+      return ServingState(SparseCarry(kv, sel, params, shared), staging)
+    tier = kv_state.init_state(self.tier_cfg)
+    return ServingState(kv_decode.init_carry(self.tier_cfg, tier, sel, params), staging)
+
+  def set_pages(self, state: ServingState, table: np.ndarray) -> ServingState:
+    if self.backend != "tiered":
+      return state
+    old = state.cache.tier.page_table  # same placement: the step must not recompile
+    tier = state.cache.tier.replace(page_table=jax.device_put(
+        np.asarray(table, np.int32), old.sharding))
+    return state.replace(cache=state.cache.replace(tier=tier))
+
+  # Prefill -----------------------------------------------------------------------
+
+  def prefill(self, state: ServingState, slot: int, tokens: np.ndarray, start: int,
+              count: int):
+    logits, staging = _prefill(self.cfg, self.weights, state.staging,
+                               jnp.asarray(tokens, jnp.int32), jnp.int32(start),
+                               jnp.int32(count))
+    cache = state.cache
+    if self.backend == "tiered":
+      cache = _write_through(self.tier_cfg, cache, staging, jnp.int32(slot),
+                             jnp.int32(start), self.chunk_size)
+    return ServingState(cache, staging), logits
+
+  def start_decoding(self, state: ServingState, slot: int, length: int) -> ServingState:
+    cache, staging = state.cache, state.staging
+    slot_, length_ = jnp.int32(slot), jnp.int32(length)
+    if self.backend == "dense":
+      return ServingState(_kv_install(cache, staging, slot_, length_), staging)
+    sel = _selector_install(self.selector, self.max_len, cache.sel, cache.params, staging,
+                            slot_, length_)
+    cache = cache.replace(sel=sel)
+    if self.backend == "sparse":
+      cache = cache.replace(kv=_kv_install(cache.kv, staging, slot_, length_))
+    else:
+      cache = _tier_install(self.tier_cfg, cache, staging, slot_, length_)
+      self.driver.set_length(slot, length)
+    return ServingState(cache, staging)
+
+  # Decode --------------------------------------------------------------------------
+
+  def decode(self, state: ServingState, tokens: np.ndarray, active: np.ndarray):
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if self.backend == "dense":
+      logits, cache = _dense_step(self.cfg, self.weights, tokens, jnp.asarray(active),
+                                  state.cache)
+    elif self.backend == "sparse":
+      logits, cache = _sparse_step(self.cfg, self.selector, self.index_share,
+                                   self.weights, tokens, jnp.asarray(active), state.cache)
+    else:
+      try:
+        logits, cache = self.driver.step(state.cache, tokens, active=np.asarray(active))
+      except StepRefused as err:  # hand the returned (uncommitted) state back
+        err.state = ServingState(err.state, state.staging)
+        raise
+    return ServingState(cache, state.staging), logits
+
+  def stats(self, state: ServingState) -> dict:
+    if self.backend != "tiered":
+      return {}
+    stats = kv_state.cache_stats(self.tier_cfg, state.cache.tier)
+    return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
+                                  "host_to_device_bytes")}
+
+
+def _tiered_run(cfg, tier_cfg, selector, weights, carry, tokens):
+  return tiered_step(cfg, tier_cfg, selector, weights, tokens, carry)
+

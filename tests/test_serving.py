@@ -1,0 +1,271 @@
+"""The serving engine: scheduling, paging, preemption, sampling, bad input, and
+exactness on SmolLM2 (tiered == sparse == the same request alone).
+
+Most engine properties are checked against ``FakeModel``, a numpy model whose next
+token is a pure function of the request's own sequence: any bookkeeping error of
+the engine (a wrong token fed, a position skipped, one slot's state leaking into
+another, a replay that re-samples) changes the tokens. The real model checks the
+cache backends."""
+
+import dataclasses
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.serving import sampling
+
+VOCAB = 64
+POISON = VOCAB - 1  # FakeModel's logits turn NaN once this token is in a sequence
+
+
+@dataclasses.dataclass
+class FakeModel:
+  """A ``ServingModel`` in numpy: logits hash the slot's whole sequence."""
+
+  num_slots: int = 3
+  max_len: int = 96
+  chunk_size: int = 8
+  page_size: int = 4
+  num_host_pages: int = 40
+  hot_slots: int = 12
+  vocab_size: int = VOCAB
+
+  def device_bytes(self, length):
+    return 10 * length
+
+  def staging_bytes(self):
+    return 0
+
+  def host_pages(self, length):
+    return 0 if length <= self.hot_slots else -(-length // self.page_size)
+
+  def init(self):
+    return dict(seq=[[] for _ in range(self.num_slots)], table=None)
+
+  def set_pages(self, state, table):
+    return dict(state, table=np.array(table))
+
+  def _logits(self, seq):
+    if POISON in seq:
+      return np.full((VOCAB,), np.nan, np.float32)
+    digest = hashlib.sha256(np.asarray(seq, np.int64).tobytes()).digest()
+    logits = np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(
+        VOCAB).astype(np.float32)
+    logits[POISON] = -1e9  # only a prompt can carry it
+    return logits
+
+  def prefill(self, state, slot, tokens, start, count):
+    seq = state["seq"][slot]
+    if start == 0:
+      seq.clear()
+    assert start == len(seq) and start % self.chunk_size == 0 and len(tokens) == self.chunk_size
+    seq.extend(int(t) for t in tokens[:count])
+    return state, jnp.asarray(self._logits(seq))
+
+  def start_decoding(self, state, slot, length):
+    assert len(state["seq"][slot]) == length
+    return state
+
+  def decode(self, state, tokens, active):
+    logits = np.zeros((self.num_slots, VOCAB), np.float32)
+    for slot in np.flatnonzero(active):
+      seq = state["seq"][slot]
+      if len(seq) > self.hot_slots and state["table"] is not None:
+        # A host-backed request writes position len(seq): its page must exist.
+        assert state["table"][slot, len(seq) // self.page_size] >= 0
+      seq.append(int(tokens[slot]))
+      logits[slot] = self._logits(seq)
+    return state, jnp.asarray(logits)
+
+  def stats(self, state):
+    return {}
+
+
+def solo(model_factory, prompt, new, sp=SamplingParams()):
+  engine = Engine(model_factory())
+  req = engine.submit(prompt, new, sp)
+  engine.run()
+  return req.output
+
+
+def test_page_pool_hands_out_and_takes_back_every_page():
+  pool = PagePool(10, num_slots=3, pages_per_slot=6)
+  assert pool.grow(0, 4) and pool.grow(1, 5)
+  assert not pool.grow(2, 2) and pool.num_free == 1  # refused: nothing changed
+  assert pool.table[0].tolist()[:4] == [0, 1, 2, 3]
+  pool.release(0)
+  assert pool.grow(2, 5) and pool.num_free == 0
+  pool.check()
+  pool.release(1)
+  pool.release(2)
+  assert pool.num_free == 10 and (pool.table == -1).all()
+  pool.check()
+
+
+def test_sampling_draws_depend_on_seed_and_position_not_on_the_batch():
+  rng = np.random.default_rng()
+  logits = rng.standard_normal((4, 300)).astype(np.float32)
+  params = dict(temperature=np.float32([0.0, 0.8, 1.3, 0.7]), top_k=np.int32([0, 0, 5, 0]),
+                top_p=np.float32([1.0, 0.9, 1.0, 1.0]), seed=np.int32([1, 2, 3, 4]),
+                position=np.int32([10, 11, 12, 13]))
+  tokens, finite = (np.asarray(x) for x in sampling.sample(jnp.asarray(logits), **params))
+  assert finite.all() and tokens[0] == logits[0].argmax()
+  assert tokens[2] in np.argsort(-logits[2])[:5]
+  # Row 1 alone, in another batch position, with different neighbours: same draw.
+  perm = [3, 1, 0, 2]
+  moved = {k: v[perm] for k, v in params.items()}
+  other = logits[perm].copy()
+  other[[0, 2, 3]] = rng.standard_normal((3, 300))
+  again, _ = sampling.sample(jnp.asarray(other), **moved)
+  assert int(np.asarray(again)[1]) == tokens[1]
+
+
+def test_sampling_frequencies_follow_the_truncated_softmax():
+  """top_k, top_p and temperature give the renormalised distribution (2000 draws
+  per case, every count within 5 sigma of its expectation)."""
+  logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
+  cases = [(1.0, 0, 1.0, [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]),
+           (1.0, 3, 1.0, np.array([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8),
+           (1.0, 0, 0.7, np.array([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8),  # mass 0.65 < 0.7
+           (0.5, 0, 1.0, np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]) ** 2)]
+  n = 2000
+  for temperature, top_k, top_p, want in cases:
+    want = np.asarray(want, np.float64) / np.sum(want)
+    draw = sampling.sample(jnp.asarray(np.tile(logits, (n, 1))),
+                           np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
+                           np.full(n, top_p, np.float32), np.arange(n, dtype=np.int32),
+                           np.zeros(n, np.int32))[0]
+    counts = np.bincount(np.asarray(draw), minlength=6)
+    sigma = np.sqrt(n * want * (1 - want)) + 1e-9
+    assert (np.abs(counts - n * want) <= 5 * sigma + (want == 0) * 0).all(), (
+        temperature, top_k, top_p, counts)
+
+
+def test_submit_rejects_bad_input_and_the_engine_carries_on():
+  engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
+  bad = [(([], 4), "empty"), (([1, 2], 0), "max_new_tokens"),
+         (([1, VOCAB], 4), "vocabulary"), (([1] * 90, 10), "exceeds the context"),
+         (([1] * 80, 15), "device bytes")]
+  for (prompt, new), match in bad:
+    with pytest.raises(ValueError, match=match):
+      engine.submit(prompt, new)
+  for sp, match in [(SamplingParams(temperature=-1), "temperature"),
+                    (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-2), "top_k"),
+                    (SamplingParams(seed=2**40), "seed")]:
+    with pytest.raises(ValueError, match=match):
+      engine.submit([1, 2, 3], 4, sp)
+  with pytest.raises(ValueError, match="host pages"):
+    Engine(FakeModel(num_host_pages=5)).submit([1] * 30, 4)
+  req = engine.submit([5, 6, 7], 4)
+  with pytest.raises(ValueError, match="already exists"):
+    engine.submit([1], 1, request_id=req.id)
+  engine.run()
+  assert req.state is State.FINISHED and len(req.output) == 4
+  assert not engine.waiting and engine.requests.keys() == {req.id}
+
+
+def test_non_finite_logits_fail_one_request_and_the_others_finish():
+  model = FakeModel()
+  engine = Engine(model)
+  streamed = []
+  good = engine.submit([3, 4, 5, 6, 7, 8, 9, 10, 11], 6,
+                       on_token=lambda req, token: streamed.append((req.id, token)))
+  poisoned = engine.submit([2, POISON, 4], 6)
+  engine.run()
+  assert poisoned.state is State.FAILED and "non-finite" in poisoned.reason
+  assert good.state is State.FINISHED and good.output == solo(FakeModel, good.prompt, 6)
+  assert streamed == [(good.id, t) for t in good.output]  # streamed as sampled
+  engine.pool.check()
+
+
+def test_abort_frees_the_slot_and_pages_at_once():
+  engine = Engine(FakeModel(num_slots=1))
+  first = engine.submit(list(range(1, 40)), 20)
+  second = engine.submit([7, 8, 9], 5)
+  for _ in range(8):
+    engine.step()
+  assert first.state is State.DECODING and engine.pool.in_use > 0
+  engine.abort(first.id)
+  assert first.state is State.ABORTED and engine.pool.in_use == 0
+  assert engine.slots == [None]
+  engine.run()
+  assert second.state is State.FINISHED and second.output == solo(FakeModel, [7, 8, 9], 5)
+
+
+def random_workload(rng, num, vocab=VOCAB - 1):
+  out = []
+  for _ in range(num):
+    plen = int(rng.integers(1, 50))
+    new = int(rng.integers(1, 30))
+    sp = SamplingParams() if rng.random() < 0.5 else SamplingParams(
+        temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.integers(0, 10)),
+        top_p=float(rng.uniform(0.5, 1.0)), seed=int(rng.integers(1000)))
+    out.append((rng.integers(0, vocab, plen).tolist(), new, sp, int(rng.integers(0, 6))))
+  return out
+
+
+def soak(num, seed, pages=24):
+  """Random arrivals, lengths, sampling, aborts and page pressure; returns the
+  engine and {id: (request, solo output)}."""
+  rng = np.random.default_rng(seed)
+  factory = lambda: FakeModel(num_host_pages=pages)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=20))
+  pending = random_workload(rng, num)
+  reqs = []
+  while pending or engine.has_work:
+    for _ in range(min(len(pending), int(rng.integers(0, 3)))):
+      prompt, new, sp, _ = pending.pop()
+      reqs.append(engine.submit(prompt, new, sp))
+    live = [r for r in reqs if not r.state.done]
+    if live and rng.random() < 0.05:
+      engine.abort(live[int(rng.integers(len(live)))].id)
+    engine.step()
+    engine.pool.check()
+  return engine, {r.id: (r, solo(factory, r.prompt, r.max_new_tokens, r.sampling))
+                  for r in reqs if r.state is State.FINISHED}
+
+
+def check_soak(engine, done):
+  assert engine.pool.in_use == 0 and engine.pool.num_free == engine.pool.num_pages
+  assert engine.slots == [None] * len(engine.slots) and not engine.waiting
+  assert engine._device_in_use == 0
+  for req, alone in done.values():
+    assert req.output == alone, req.id
+  assert sum(r.metrics.preemptions for r, _ in done.values()) > 0, "no page pressure"
+
+
+def test_soak_nothing_leaks_and_every_request_equals_its_solo_run():
+  engine, done = soak(120, seed=1)
+  check_soak(engine, done)
+  states = [r.state for r in engine.requests.values()]
+  assert states.count(State.FINISHED) == len(done) > 60
+  assert states.count(State.ABORTED) + len(done) == len(states)
+
+
+@pytest.mark.slow
+def test_long_soak():
+  for seed in range(5):
+    check_soak(*soak(400, seed=100 + seed))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_random_schedules_equal_solo_runs(seed):
+  rng = np.random.default_rng(seed)
+  engine = Engine(FakeModel(num_host_pages=int(rng.integers(20, 40))),
+                  EngineConfig(max_step_tokens=int(rng.integers(8, 40))))
+  work = random_workload(rng, 10)
+  reqs = []
+  for prompt, new, sp, delay in work:
+    for _ in range(delay):
+      engine.step()
+    reqs.append(engine.submit(prompt, new, sp))
+  engine.run()
+  for req in reqs:
+    assert req.state is State.FINISHED
+    assert req.output == solo(lambda: FakeModel(num_host_pages=40), req.prompt,
+                              req.max_new_tokens, req.sampling)
