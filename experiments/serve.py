@@ -5,8 +5,8 @@ Paper context (HiSparse): with the KV in host memory a server admits several tim
 more concurrent long-context requests into the same device memory, which is where
 its throughput and TTFT-under-load gains come from (docs/DESIGN.md, "The problem").
 
-Command (a few minutes on a 2-core CPU at the defaults; ``--check_exact`` adds one
-solo run per request):
+Command (~3 min on a 2-core CPU at the defaults; ``--check_exact`` adds one solo
+run per request, ~2 min):
   python -m experiments.serve --cache=tiered --check_exact
   python -m experiments.serve --workload=requests.jsonl --cache=sparse
 Workload JSONL, one request per line: ``{"id", "prompt": text | "prompt_ids": [...],
@@ -51,7 +51,8 @@ flags.DEFINE_float("request_rate", 0.0, "Synthetic: Poisson arrivals per second 
                    "(0: all at once).")
 flags.DEFINE_integer("seed", 0, "Synthetic workload seed.")
 flags.DEFINE_bool("check_exact", False, "Decode every finished request alone with "
-                  "the sparse backend and compare tokens.")
+                  "the sparse backend (the dense one for --cache=dense, which attends "
+                  "to every position) and compare tokens.")
 flags.DEFINE_string("out_root", None, "Results root.")
 flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
@@ -170,6 +171,8 @@ def last_line(row: dict) -> str:
 
 def main(argv):
   del argv
+  if FLAGS["top_k"].using_default_value:
+    FLAGS.top_k = FLAGS.hot_slots // 2  # B = 2k, the paper's default
   if FLAGS.smoke:
     FLAGS.num_requests, FLAGS.prompt_range, FLAGS.output_range = 4, ["40", "150"], ["3", "6"]
     FLAGS.max_len, FLAGS.hot_slots, FLAGS.top_k, FLAGS.max_batch = 256, 64, 32, 3
@@ -189,14 +192,12 @@ def main(argv):
   done = {k: r for k, r in reqs.items() if r.state is State.FINISHED}
   exact = f"-/{len(done)}"
   if FLAGS.check_exact:
-    if selector is None:
-      selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
-                                              FLAGS.indexer_ckpt)
+    reference = "dense" if FLAGS.cache == "dense" else "sparse"
     matched = 0
     rows = {r["id"]: r for r in workload}
-    warm_up(lambda: build(model, "sparse", selector, params), workload)
+    warm_up(lambda: build(model, reference, selector, params), workload)
     for rid, req in done.items():
-      alone = run(build(model, "sparse", selector, params), [dict(rows[rid], arrival_s=0.0)])
+      alone = run(build(model, reference, selector, params), [dict(rows[rid], arrival_s=0.0)])
       matched += alone[rid].output == req.output
     exact = f"{matched}/{len(done)}"
   for req in reqs.values():

@@ -31,7 +31,8 @@ def describe_status(status: int) -> str:
   if status & STATUS_DUPLICATE:
     reasons.append("a selection repeats a position")
   if status & STATUS_CAPACITY:
-    reasons.append("a request's context exceeds the host tier (max_len)")
+    reasons.append("a request's context exceeds max_len, or a position to fetch has "
+                   "no host page")
   return "; ".join(reasons) or "ok"
 
 

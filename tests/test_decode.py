@@ -13,7 +13,8 @@ from kvtier_jax import decode, driver, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
-from tests.util import Harness, assert_same, draw_selection, random_kv, snapshot, tier_cfg
+from tests.util import (Harness, assert_same, draw_selection, random_kv, snapshot,
+                        step_inputs, tier_cfg)
 
 make_cfg = tier_cfg
 
@@ -119,11 +120,33 @@ def test_capacity_exceeded_is_refused():
   h = Harness(cfg, [60, 63, 10])
   h.step()  # request 1 reaches 64 = max_len
   before = snapshot(h.state)
-  with pytest.raises(ValueError, match="exceeds the host tier"):
+  with pytest.raises(ValueError, match="exceeds max_len"):
     h.step()
   assert_same(before, snapshot(h.state))
   with pytest.raises(ValueError, match="exceed"):
     h.decoder.prefill(h.state, *random_kv(h.rng, cfg, 80), [70, 5, 5])
+
+
+def test_a_miss_without_a_host_page_is_refused_not_read():
+  """A position whose page is missing from the page table is never read from the
+  scratch page: the step refuses (capacity), and nothing is committed."""
+  cfg = make_cfg()
+  h = Harness(cfg, [200, 260, 300], seed=4)
+  h.step()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  held = np.asarray(h.state.slot_pos)[0, 1, 0]
+  missing = next(p for p in range(200) if p not in held)
+  others = [p for p in sel[0, 1, 0] if p != missing][:cfg.top_k - 1]
+  sel[0, 1, 0] = [missing] + others + [-1] * (cfg.top_k - 1 - len(others))
+  table = np.asarray(h.state.page_table).copy()
+  table[1, missing // cfg.page_size] = -1
+  h.state = h.state.replace(page_table=jnp.asarray(table))
+  before = snapshot(h.state)
+  with pytest.raises(driver.StepRefused, match="host page") as err:
+    h.decoder.step(h.state, *step_inputs(h.rng, cfg), sel)
+  after = snapshot(err.value.state)
+  np.testing.assert_array_equal(after.seq_len, before.seq_len)
+  np.testing.assert_array_equal(after.misses, before.misses)
 
 
 def test_selector_bug_inside_jit_is_refused_and_recoverable():
