@@ -267,9 +267,10 @@ def run_io():
                  *[(f"{tag}_index_share_{n}", dict(impl=impl, index_share=n))
                    for n in (2, 4) if bench_cfg(ctx, req).num_layers % n == 0],
                  (f"{tag}_lookahead_cap{cap}", dict(impl=impl, lookahead_cap=cap), True)]
-  if FLAGS.smoke:  # every option once (the zero-copy kernel only interprets here)
-    variants = [v for v in variants if not v[0].startswith("zero_copy_") or
-                v[0] == "zero_copy_sync"]
+  if FLAGS.smoke:  # each fetch and each IO option once (CPU compiles are slow)
+    variants = [v for v in variants if v[0] in (
+        "full_kv", "zero_copy_sync",
+        "host_exec_index_share_2", f"host_exec_lookahead_cap{cap}")]
   bench_step(ctx, req, variants)
 
 

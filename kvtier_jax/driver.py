@@ -96,6 +96,12 @@ class TieredDriver:
     return out, carry
 
 
+# Shared by every TieredDecoder: decoders with equal configs and selectors (both
+# hashable) compile once.
+_decode_step = jax.jit(decode.decode_step, static_argnums=(0, 1), donate_argnums=(2,))
+_prefill = jax.jit(decode.prefill, static_argnums=(0,), donate_argnums=(1,))
+
+
 class TieredDecoder:
   """Prefill and step a tiered cache from precomputed per-layer q/k/v.
 
@@ -107,10 +113,7 @@ class TieredDecoder:
   def __init__(self, cfg: TierConfig, selector=None):
     self.cfg = cfg
     self.selector = selector or GivenSelector(cfg.select_width, cfg.num_units)
-    self._step = jax.jit(functools.partial(decode.decode_step, cfg, self.selector),
-                         donate_argnums=(0,))
-    self._driver = TieredDriver(cfg, self._step)
-    self._prefill = jax.jit(functools.partial(decode.prefill, cfg), donate_argnums=(0,))
+    self._driver = TieredDriver(cfg, functools.partial(_decode_step, cfg, self.selector))
 
   @property
   def seq_len(self) -> np.ndarray:
@@ -125,7 +128,7 @@ class TieredDecoder:
     if (lens > self.cfg.max_len).any() or (lens > k_prompt.shape[2]).any():
       raise ValueError(f"prompt_lens {lens} exceed the prompt ({k_prompt.shape[2]}) "
                        f"or the host tier (max_len={self.cfg.max_len})")
-    state = self._prefill(state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
+    state = _prefill(self.cfg, state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
     self._driver.start(lens)
     return state
 
@@ -154,6 +157,8 @@ class TieredDecoder:
       raise StepRefused(str(err), err.state.tier) from None
     return out, carry.tier
 
-  def compiled_steps(self) -> int:
-    """Compiled variants of the step (a new value must not retrace)."""
-    return self._step._cache_size()
+  @staticmethod
+  def compiled_steps() -> int:
+    """Compiled variants of the step, all decoders together (a new value must not
+    retrace)."""
+    return _decode_step._cache_size()

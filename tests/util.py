@@ -3,6 +3,8 @@ that steps the tiered cache beside the full-KV reference."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,10 @@ def step_inputs(rng, cfg):
   return q, kn, vn
 
 
+# One compiled reference step per (config, selector), shared by every Harness.
+_full_step = jax.jit(full_kv.full_kv_decode_step, static_argnums=(0, 1))
+
+
 class Harness:
   """Steps the tiered cache and the full-KV reference side by side.
 
@@ -75,9 +81,8 @@ class Harness:
     self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
                                       prompt_lens)
     self.full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(prompt_lens), fill=np.nan)
-    self.reference = selectors.GivenSelector(cfg.select_width, cfg.num_units)
-    self.full_step = jax.jit(lambda full, q, k, v, sel: full_kv.full_kv_decode_step(
-        cfg, self.reference, full, q, k, v, sel))
+    reference = selectors.GivenSelector(cfg.select_width, cfg.num_units)
+    self.full_step = functools.partial(_full_step, cfg, reference)
     self.prev = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1)
 
   def step(self, sel=None, inputs=None, **kw):
