@@ -40,6 +40,12 @@ def test_separate_append_writes_in_place():
   assert copies == 0 and writes > 0 and aliased == NUM_STATE
 
 
+def test_prompt_write_through_writes_pages_in_place():
+  _, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  copies, writes, aliased = hlo_audit.audit_prompt_write(cfg, chunk=2 * cfg.page_size)
+  assert copies == 0 and writes > 0 and aliased == NUM_STATE
+
+
 def test_audit_detects_a_whole_tier_copy():
   """The negative control: the counter is not blind."""
   _, cfg = hlo_audit.audit_configs(smoke=True)[0]
