@@ -3,14 +3,16 @@ r"""Device check on one CUDA GPU: the numerics tests compiled, then timings.
 Paper reference: HiSparse (arXiv 2608.07009): the decode-step cost of the tiered
 cache vs full-KV sparse attention, and throughput at a fixed device budget.
 
-Command (from the repo root on the GPU machine; 2-5 min on one H200 depending on
+Command (from the repo root on the GPU machine; 2-10 min on one H200 depending on
 ``--sections``; rows are appended to $OUT/gpu_check.jsonl as they come):
   python -m experiments.gpu_check --out_dir=$OUT \
-      --sections=numerics,decode,io,throughput --budget_s=420
-Smoke run on CPU (kernels interpreted, tiny shapes, about a minute):
-  python -m experiments.gpu_check --smoke --sections=numerics,lookups,io
+      --sections=serve,numerics,decode --serve_budget_s=240 --budget_s=420
+Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
+  python -m experiments.gpu_check --smoke --sections=serve,numerics,lookups,io
 
-Sections, in the order given (the most wanted first): ``numerics`` (``pytest --gpu``
+Sections, in the order given (the most wanted first): ``serve`` (the newest: the
+serving engine with a Qwen3-8B-like dummy-weight model at a fixed HBM budget for
+KV, sparse vs tiered, ``experiments.serve_sweep`` in a subprocess), ``numerics`` (``pytest --gpu``
 over tests/test_device.py, tests/test_kernels.py and the tiered step with every
 kernel vs full KV: each kernel compiled vs its reference, the zero-copy fetch from
 pinned host memory also past 4 GiB), ``lookups`` (RESOLVE membership lookups and the kernel, checked
@@ -31,6 +33,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import json
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -59,9 +62,9 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps per variant.")
 flags.DEFINE_integer("iters", 10, "Timed steps per variant.")
 flags.DEFINE_float("budget_s", 420.0, "Stop starting new timings after this.")
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
-flags.DEFINE_list("sections", ["numerics", "kernels", "decode"],
-                  "What to run, in this order: numerics, lookups, lookup_decode, io, "
-                  "throughput, kernels, decode.")
+flags.DEFINE_list("sections", ["serve", "numerics", "kernels", "decode"],
+                  "What to run, in this order: serve, numerics, lookups, lookup_decode, "
+                  "io, throughput, kernels, decode.")
 flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
                   "context:requests of the decode timings.")
 flags.DEFINE_float("kv_budget_gb", 8.0, "throughput: device bytes for KV (full KV, or "
@@ -69,6 +72,20 @@ flags.DEFINE_float("kv_budget_gb", 8.0, "throughput: device bytes for KV (full K
 flags.DEFINE_string("numerics_filter", None, "numerics: a pytest -k expression.")
 flags.DEFINE_float("host_budget_gb", 24.0, "throughput: pinned host bytes for the "
                    "tiered configuration's host tier.")
+# A Qwen3-8B-like model (16 GB of bf16 weights, 144 KiB of KV per token) with dummy
+# weights; 24 GiB of HBM for KV: full KV holds 4 requests at 32K and none at 128K,
+# the tiered cache 13 / 3 (host-bound by the 64 GiB pinned pool of a 128 GiB host).
+# Long outputs so that decode, the phase HiSparse serves, dominates. Sized by
+# estimate: see WORKSPACE_NOTES.md, "Serving benchmark".
+SERVE_ARGS = ("--model=qwen3_8b_like --contexts=32768,131072 --concurrency=16 "
+              "--num_requests=16 --output_len=512 --kv_budget_mib=24576 "
+              "--host_budget_mib=65536 --max_batch=16 --hot_slots=4096 --page_size=64 "
+              "--chunk_size=8192 --max_step_tokens=8192")
+SERVE_SMOKE_ARGS = ("--model=smollm2_135m --num_layers=2 --contexts=256 --concurrency=3 "
+                    "--num_requests=3 --output_len=4 --kv_budget_mib=2 --max_batch=3 "
+                    "--hot_slots=64 --chunk_size=64 --max_step_tokens=128")
+flags.DEFINE_string("serve_args", SERVE_ARGS, "serve: experiments.serve_sweep flags.")
+flags.DEFINE_float("serve_budget_s", 300.0, "serve: start no new point after this.")
 
 T0 = time.perf_counter()
 
@@ -305,6 +322,32 @@ def run_throughput():
           tiered_over_full=round(tput_tier / tput_full, 3))
 
 
+def run_serve():
+  """Serving at a fixed HBM budget for KV, weights included: a Qwen3-8B-like model
+  with dummy weights, sparse vs tiered, closed loop (experiments/serve_sweep.py in a
+  subprocess; it appends each point to points.jsonl as it ends, so a run cut short
+  keeps what it measured)."""
+  out = pathlib.Path(FLAGS.out_dir or "results/gpu_check") / "serve"
+  args = shlex.split(SERVE_SMOKE_ARGS if FLAGS.smoke else FLAGS.serve_args)
+  cmd = [sys.executable, "-m", "experiments.serve_sweep", f"--out_root={out}",
+         f"--budget_s={FLAGS.serve_budget_s}", *args]
+  print(" ".join(cmd), flush=True)
+  try:
+    proc = subprocess.run(cmd, timeout=FLAGS.serve_budget_s + 300, capture_output=True,
+                          text=True)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    if proc.returncode:
+      log("serve", error=f"exit {proc.returncode}", tail=tail)
+  except subprocess.TimeoutExpired:
+    log("serve", error="timed out")
+  for points in sorted(out.glob("serve_sweep/*/points.jsonl")):
+    for line in points.read_text().splitlines():
+      log("serve", **json.loads(line))
+    table = points.parent / "table.md"
+    if table.exists():
+      print(table.read_text(), flush=True)
+
+
 def run_decode():
   """The default step against full KV per shape, plus the keyed policies' cost."""
   variants = [("full_kv", None), ("tiered", {}),
@@ -327,7 +370,8 @@ def main(argv):
         xc.get_topology_for_devices(jax.devices()).target_config)
   sections = {"numerics": run_numerics, "lookups": bench_lookups,
               "lookup_decode": run_lookup_decode, "io": run_io,
-              "throughput": run_throughput, "kernels": bench_kernels, "decode": run_decode}
+              "throughput": run_throughput, "kernels": bench_kernels, "decode": run_decode,
+              "serve": run_serve}
   unknown = set(FLAGS.sections) - set(sections)
   if unknown:
     raise app.UsageError(f"unknown --sections {sorted(unknown)}; known: {list(sections)}")

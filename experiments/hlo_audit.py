@@ -14,8 +14,10 @@ cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
 
 Command (~1-2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
   python -m experiments.hlo_audit
-Prints one table row per variant and a final line
-``hlo_audit: whole_host_copies=N host_to_device_bytes_per_miss=M``; exits 1 if N > 0.
+Prints one table row per variant (with the kernel launches of one trip of the layer
+loop, and the same for the full-KV step) and a final line
+``hlo_audit: whole_host_copies=N host_to_device_bytes_per_miss=M
+kernels_per_layer=T/F`` (T: the GPU default tiered step, F: full KV); exits 1 if N > 0.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import deviceless
-from kvtier_jax import decode, selectors
+from kvtier_jax import decode, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
 
@@ -55,6 +57,7 @@ class Audit:
   host_executes: int
   async_host_writes: int
   overlapped_ops: int  # compute ops scheduled while a HostExecute fetch is in flight
+  launches_per_layer: float  # kernel launches per layer (one trip of the layer loop)
 
 
 def _instructions(hlo: str):
@@ -129,6 +132,81 @@ def ops_overlapping_host_fetch(hlo: str) -> int:
   return best
 
 
+# Instructions that launch nothing on an XLA:GPU stream (bookkeeping, the ends of
+# async pairs, and loops/calls, whose bodies are counted instead).
+_NO_LAUNCH = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+              "after-all", "opt-barrier", "copy-done", "custom-call-done",
+              "dynamic-update-slice-done", "all-reduce-done", "send-done", "recv-done",
+              "async-done", "while", "call", "conditional"}
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """Computation name -> its text."""
+  out = {}
+  for block in re.split(r"\n(?=\S)", hlo):
+    m = re.match(r"(?:ENTRY )?(%[\w.\-]+)", block)
+    if m:
+      out[m.group(1)] = block
+  return out
+
+
+def _opcodes(text: str):
+  """(opcode, line) of every instruction, whatever its result type (tuples too)."""
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (.*)", line)
+    if not m:
+      continue
+    rest, depth = m.group(1), 0
+    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+      for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+          rest = rest[i + 1:]
+          break
+    op = re.match(r"\s*(?:\S+\s)?([a-z][a-z0-9\-]*)\(", rest)
+    if op:
+      yield op.group(1), line
+
+
+def launches(comps: dict[str, str], name: str) -> int:
+  """Kernel launches of one run of computation ``name``: every instruction that
+  launches (fusions, custom calls: Triton kernels, cuBLAS; copies, sorts, async
+  starts), plus one pass of each loop / called computation inside it (a nested
+  loop counts once, not per trip)."""
+  total = 0
+  for op, line in _opcodes(comps[name]):
+    if op == "while":
+      for key in ("condition", "body"):
+        total += launches(comps, re.search(key + r"=(%[\w.\-]+)", line).group(1))
+    elif op in ("call", "conditional"):
+      called = re.findall(r"(?:to_apply|branch_computations=\{|true_computation|"
+                          r"false_computation)=?(%[\w.\-]+)", line)
+      total += max((launches(comps, c) for c in called), default=0)
+    elif op not in _NO_LAUNCH:
+      total += 1
+  return total
+
+
+def layer_loop_launches(hlo: str, num_layers: int) -> float:
+  """Launches per layer: one trip of the entry's loop over the layers (its body
+  and its condition) over the layers one trip covers. With index sharing the loop
+  runs over groups of layers (trip count L / N); a loop XLA unrolled away leaves
+  the whole entry, divided by L."""
+  comps = _computations(hlo)
+  entry_name = next(n for n, b in comps.items() if b.startswith("ENTRY"))
+  loops = []
+  for op, line in _opcodes(comps[entry_name]):
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    if op == "while" and trips and num_layers % int(trips.group(1)) == 0:
+      loops.append((int(trips.group(1)), line))
+  if not loops:
+    return launches(comps, entry_name) / num_layers
+  trips, line = max(loops, key=lambda t: t[0])
+  per_trip = sum(launches(comps, re.search(key + r"=(%[\w.\-]+)", line).group(1))
+                 for key in ("condition", "body"))
+  return per_trip * trips / num_layers
+
+
 def _shardings():
   """(host, device) shardings of a one-device mesh, for abstract H200 inputs."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
@@ -179,7 +257,24 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   aliased = aliased_parameters(hlo) & set(range(num_state))
   return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
                len(gathers), hlo.count("dynamic-update-slice-start"),
-               ops_overlapping_host_fetch(hlo))
+               ops_overlapping_host_fetch(hlo), layer_loop_launches(hlo, L))
+
+
+def audit_full_kv(cfg: TierConfig) -> float:
+  """Kernel launches per layer of the full-KV sparse-attention step (the same
+  selector and shapes, every position resident on the device)."""
+  _, dev = _shardings()
+  sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
+  L, R = cfg.num_layers, cfg.num_requests
+  state_shape = (L, R, cfg.max_len, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
+  state = full_kv.FullKVState(sds(state_shape), sds(state_shape), sds((R,), jnp.int32))
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+  step = jax.jit(lambda s, q, k, v: full_kv.full_kv_decode_step(cfg, selector, s, q, k, v),
+                 donate_argnums=(0,))
+  heads = lambda h: sds((L, R, h, cfg.head_dim))
+  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
+      step, state, heads(cfg.num_q_heads), heads(cfg.num_kv_heads), heads(cfg.num_kv_heads)))
+  return layer_loop_launches(hlo, L)
 
 
 def audit_separate_append(cfg: TierConfig) -> tuple[int, int, int]:
@@ -258,13 +353,17 @@ def main(argv):
   control = audit_config_bad_pattern(configs[0][1])
   app_copies, app_writes, app_aliased = audit_separate_append(configs[0][1])
   pw_copies, pw_writes, pw_aliased = audit_prompt_write(configs[0][1])
+  full_launches = audit_full_kv(configs[0][1])
   print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
-        "HostExecute | async host writes | ops overlapping the fetch |")
-  print("|---|---|---|---|---|---|---|---|")
+        "HostExecute | async host writes | ops overlapping the fetch | launches/layer |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for a in rows:
     print(f"| {a.variant} | {a.whole_host_copies} | {a.host_to_device_bytes_per_miss:.0f} | "
           f"{a.aliased_params}/{a.state_params} | {', '.join(a.kernels) or '-'} | "
-          f"{a.host_executes} | {a.async_host_writes} | {a.overlapped_ops} |")
+          f"{a.host_executes} | {a.async_host_writes} | {a.overlapped_ops} | "
+          f"{a.launches_per_layer:g} |")
+  print(f"| full-KV sparse attention (the reference step) | - | - | - | - | - | - | - | "
+        f"{full_launches:g} |")
   print(f"separate host append jit (the default): {app_copies} whole-host copies, "
         f"{app_writes} async host writes, {app_aliased} state buffers aliased")
   print(f"negative control (device_put of the whole tier, then gather): "
@@ -278,7 +377,8 @@ def main(argv):
   print(f"host->device bytes per layer per step: host-gather fetch "
         f"ceil(misses/{chunk})*{chunk}*{configs[0][1].row_bytes * 2} (+{chunk}*16 index "
         f"bytes device->host per gather); zero-copy fetch misses*{per_miss:.0f}")
-  print(f"hlo_audit: whole_host_copies={copies} host_to_device_bytes_per_miss={per_miss:.0f}")
+  print(f"hlo_audit: whole_host_copies={copies} host_to_device_bytes_per_miss={per_miss:.0f}"
+        f" kernels_per_layer={rows[0].launches_per_layer:g}/{full_launches:g}")
   if copies or unaliased or control == 0:
     sys.exit(1)
 

@@ -20,6 +20,7 @@ import time
 
 from absl import app, flags
 import numpy as np
+from tqdm import tqdm
 
 from experiments import common
 from experiments.analysis import cache_sim
@@ -52,7 +53,7 @@ def main(argv):
   out = common.start_run("miss_rate", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []
-  for name in names:
+  for name in tqdm(names, desc="selectors"):
     sel = common.trace_streams(data[name])
     k = sel.shape[-1]
     for mult in map(float, FLAGS.slots_per_k):

@@ -21,6 +21,7 @@ import pathlib
 
 from absl import app, flags
 import numpy as np
+from tqdm import tqdm
 
 from experiments import common
 from experiments.analysis import cache_sim
@@ -42,7 +43,7 @@ def main(argv):
   out = common.start_run("policies", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []
-  for name in names:
+  for name in tqdm(names, desc="selectors"):
     ranked = f"{name}_ranks"  # without it "rank" falls back to the row order
     ranks = common.trace_streams(data[ranked]) if ranked in data.files else None
     trace = (common.trace_streams(data[name]), None, ranks)

@@ -28,12 +28,12 @@ Command (~10 min on a 2-core CPU):
 from __future__ import annotations
 
 import functools
-import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
 from experiments.analysis import io_model
@@ -150,8 +150,8 @@ def main(argv):
           for s in selectors]
   drafted = [np.full_like(t, -1) for t in true]
   recall = np.zeros((steps, len(selectors)), np.float32)
-  draft_hits, start = 0, time.perf_counter()
-  for t in range(steps):
+  draft_hits = 0
+  for t in tqdm(range(steps), desc="decode steps", unit="step"):
     position = prompt + t
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[None, position]), carry)
     picks_t, recall_t = jax.device_get((carry.picks, carry.recall))
@@ -165,9 +165,6 @@ def main(argv):
                             carry)
     for trace, pick in zip(drafted, jax.device_get(ahead)):
       trace[t] = np.where(pick[:, 0] > position, -1, pick[:, 0])  # next-step guess
-    print(f"\rstep {t + 1}/{steps} ({(t + 1) / (time.perf_counter() - start):.2f}/s)",
-          end="", flush=True)
-  print()
   rows = []
   for name, sel, real, guess in zip(FLAGS.selectors, selectors, true, drafted):
     k = sel.top_k

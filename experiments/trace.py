@@ -30,6 +30,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
 from experiments.analysis.tracing import TraceCarry, trace_step
@@ -104,8 +105,7 @@ def main(argv):
   select_k = tuple(s.top_k * FLAGS.top_k // depth[n]
                    for n, s in zip(FLAGS.selectors, selectors))
   recall = np.zeros((steps, len(selectors), cfg.num_layers), np.float32)
-  start = time.perf_counter()
-  for t in range(steps):
+  for t in tqdm(range(steps), desc="decode steps", unit="step"):
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry,
                        select_k)
     newest = prompt + t
@@ -113,9 +113,6 @@ def main(argv):
     for trace, pick in zip(traces, picks_t):
       trace[t] = np.where(pick[:, 0] == newest, -1, pick[:, 0])
     recall[t] = recall_t[:, :, 0]
-    rate = (t + 1) / (time.perf_counter() - start)
-    print(f"\rstep {t + 1}/{steps} ({rate:.2f} steps/s)", end="", flush=True)
-  print()
   arrays = {}
   for name, trace, k in zip(FLAGS.selectors, traces, select_k):
     arrays[name] = trace[..., :k]

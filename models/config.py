@@ -303,9 +303,27 @@ class ModelConfig:
     ).replace(**override)
 
   @classmethod
+  def qwen3_8b_like(cls, **override: Any) -> "ModelConfig":
+    """Qwen3-8B's shapes, runnable, for dummy-weight performance runs only.
+
+    Public ``config.json``: 36 layers, 32 query / 8 KV heads, head_dim 128, hidden
+    4096, intermediate 12288, vocab 151936, rope theta 1e6, untied LM head; BF16;
+    131072 positions (the YaRN-extended context). "Like": Qwen3's per-head q/k
+    RMSNorm is not modelled (an elementwise scale per head, a negligible share of a
+    step). Quest selection, pages of 16, token budget 2048 (as ``qwen3_30b_a3b``).
+    """
+    return cls(
+        name="qwen3_8b_like", vocab_size=151936, embed_dim=4096, num_layers=36,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden_dim=12288,
+        rope_theta=1e6, rms_eps=1e-6, max_context=131072, tied_embeddings=False,
+        dtype="bfloat16", selector="quest", top_k=2048, quest_page_size=16,
+    ).replace(**override)
+
+  @classmethod
   def from_name(cls, name: str, **override: Any) -> "ModelConfig":
     presets = {"smollm2_135m": cls.smollm2_135m, "glm_5_1": cls.glm_5_1,
-               "deepseek_v3_2": cls.deepseek_v3_2, "qwen3_30b_a3b": cls.qwen3_30b_a3b}
+               "deepseek_v3_2": cls.deepseek_v3_2, "qwen3_30b_a3b": cls.qwen3_30b_a3b,
+               "qwen3_8b_like": cls.qwen3_8b_like}
     if name not in presets:
       raise ValueError(f"unknown preset {name!r}; known: {sorted(presets)}")
     return presets[name](**override)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvtier_jax import decode as kv_decode
+from kvtier_jax import fetch
 from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import prefill_state
@@ -100,6 +101,28 @@ def _tier_install(tier_cfg, carry, staging: Staging, slot, length):
   return carry.replace(tier=tier)
 
 
+@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("staging",))
+def _load_prefix(tier_cfg, tier, staging: Staging, slot, length):
+  """Staged K/V of positions ``0 .. length - 1`` <- ``slot``'s host pages (a cached
+  prefix); only those rows cross the host link (``fetch.gather_rows``)."""
+  num_layers, stage_len = staging.k.shape[:2]
+  units, size = tier_cfg.num_units, tier_cfg.page_size
+  pos = jnp.arange(stage_len)
+  page = tier.page_table[slot, jnp.minimum(pos // size, tier_cfg.pages_per_request - 1)]
+  valid = (pos < length) & (page >= 0)
+  page = jnp.where(valid, page, tier_cfg.num_host_pages)  # the scratch page
+  grid = jnp.meshgrid(jnp.arange(num_layers), page, jnp.arange(units), indexing="ij")
+  offset = jnp.broadcast_to((pos % size)[None, :, None], grid[0].shape)
+  index = jnp.stack([grid[0], grid[1], offset, grid[2]], -1).reshape(-1, 4)
+  k, v = fetch.gather_rows(tier.host_k, tier.host_v, index.astype(jnp.int32))
+  shape = staging.k.shape  # [L, Ts, Hkv, D]
+  keep = valid[None, :, None, None]
+  return staging.replace(k=jnp.where(keep, k.reshape(shape).astype(staging.k.dtype),
+                                     staging.k),
+                         v=jnp.where(keep, v.reshape(shape).astype(staging.v.dtype),
+                                     staging.v))
+
+
 def _masked_positions(lens, active, max_len):
   """Inactive slots decode at position T: their K/V writes are dropped."""
   return jnp.where(active, lens, max_len)
@@ -166,6 +189,7 @@ class ServingBackend:
     self.stage_len = -(-max_len // chunk_size) * chunk_size
     self.tier_cfg = None
     self.num_host_pages = 0
+    self.host_page_bytes = 0
     if backend == "tiered":
       pages = host_pages if host_pages is not None else (
           num_slots * -(-max_len // page_size))
@@ -173,16 +197,21 @@ class ServingBackend:
                                   page_size=page_size, host_pages=pages,
                                   index_share=index_share, **tier_overrides)
       self.num_host_pages = pages
+      self.host_page_bytes = self.page_bytes(cfg, page_size)
       self.driver = TieredDriver(self.tier_cfg, functools.partial(
           _tiered_run, cfg, self.tier_cfg, selector, self.weights))
 
   # Accounting ----------------------------------------------------------------
 
   @staticmethod
-  def pages_for_bytes(cfg: ModelConfig, page_size: int, host_bytes: float) -> int:
-    """Host pages (K and V of ``page_size`` positions, every layer) in a budget."""
-    page = cfg.num_layers * page_size * cfg.kv_bytes_per_token_per_layer
-    return int(host_bytes // page)
+  def page_bytes(cfg: ModelConfig, page_size: int) -> int:
+    """Bytes of one host page: K and V of ``page_size`` positions, every layer."""
+    return cfg.num_layers * page_size * cfg.kv_bytes_per_token_per_layer
+
+  @classmethod
+  def pages_for_bytes(cls, cfg: ModelConfig, page_size: int, host_bytes: float) -> int:
+    """Host pages in a budget of ``host_bytes``."""
+    return int(host_bytes // cls.page_bytes(cfg, page_size))
 
   def _selector_bytes(self, length: int) -> int:
     if self.selector is None:
@@ -211,6 +240,13 @@ class ServingBackend:
     if self.backend != "tiered" or length <= self.hot_slots:
       return 0
     return -(-length // self.page_size)
+
+  @property
+  def supports_prefix_cache(self) -> bool:
+    """A cached prefix is restaged from the host pages: the tiered backend, with a
+    selector that needs nothing but K/V (DSA's indexer reads hidden states, which
+    the host tier does not keep)."""
+    return self.backend == "tiered" and not self._stages_hidden
 
   # State -----------------------------------------------------------------------
 
@@ -254,6 +290,13 @@ class ServingBackend:
       cache = _write_through(self.tier_cfg, cache, staging, jnp.int32(slot),
                              jnp.int32(start), self.chunk_size)
     return ServingState(cache, staging), logits
+
+  def load_prefix(self, state: ServingState, slot: int, length: int) -> ServingState:
+    if not self.supports_prefix_cache:
+      raise ValueError(f"the {self.backend} backend cannot load a cached prefix")
+    staging = _load_prefix(self.tier_cfg, state.cache.tier, state.staging,
+                           jnp.int32(slot), jnp.int32(length))
+    return ServingState(state.cache, staging)
 
   def start_decoding(self, state: ServingState, slot: int, length: int) -> ServingState:
     cache, staging = state.cache, state.staging

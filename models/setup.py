@@ -16,7 +16,7 @@ import jax
 from kvtier_jax import selectors as sel_lib
 from models import text
 from models.config import ModelConfig
-from models.transformer import load_smollm2
+from models.transformer import Transformer, dummy_params, load_smollm2
 
 SELECTORS = ("quest", "quest_kv", "dsa", "nsa", "oracle")
 DEFAULT_INDEXER = pathlib.Path("results/indexer/smollm2")
@@ -64,3 +64,11 @@ def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: i
   ids = text.tokenize_prompt(tokenizer, text.load_text(prompt_file), prompt_tokens,
                              offset=offset)
   return model, tokenizer, ids
+
+
+def dummy_model(name: str, seed: int = 0, **override) -> Transformer:
+  """A runnable preset (``ModelConfig.from_name``) with dummy weights, for
+  performance runs only: its tokens mean nothing, so never for exactness."""
+  cfg = ModelConfig.from_name(name, **override)
+  cfg.check_runnable()
+  return Transformer.from_params(cfg, dummy_params(cfg, jax.random.key(seed)))

@@ -248,6 +248,27 @@ def _random_params(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
   return params
 
 
+DUMMY_BLOCK = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def dummy_params(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+  """Dummy weights for performance runs (vLLM's / SGLang's ``--load-format
+  dummy``): one normal block of at most 4M values, tiled into every matrix, so
+  an 8B-parameter model costs seconds, not a multi-GB draw. Never for exactness."""
+  dtype = jnp.dtype(cfg.dtype)
+  shapes = Transformer.param_shapes(cfg)
+  largest = max(math.prod(shape) for shape in shapes.values())
+  block = 0.02 * jax.random.normal(key, (min(largest, DUMMY_BLOCK),), dtype)
+  params = {}
+  for n, (name, shape) in enumerate(shapes.items()):
+    if name.endswith("norm"):
+      params[name] = jnp.ones(shape, dtype)
+    else:  # a different phase per matrix, so no two are the same
+      params[name] = jnp.resize(jnp.roll(block, 7919 * n), shape)
+  return params
+
+
 class Transformer(nnx.Module):
   """SmolLM2-style decoder; weights as ``nnx.Param`` with layers stacked on axis 0.
 

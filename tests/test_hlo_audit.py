@@ -55,3 +55,57 @@ def test_audit_detects_a_whole_tier_copy():
 def test_f32_tier_shape_is_matched():
   _, cfg = hlo_audit.audit_configs(smoke=True)[0]
   assert hlo_audit.audit_config_bad_pattern(cfg.replace(dtype=jnp.float32)) > 0
+
+
+TOY_HLO = """HloModule toy, is_scheduled=true
+
+%cond.1 (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] fusion(%p), kind=kLoop, calls=%lt_f
+}
+
+%inner_cond (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  ROOT %c = pred[] fusion(%p), kind=kLoop, calls=%c_f
+}
+
+%inner_body (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] fusion(%i), kind=kLoop, calls=%n_f
+  ROOT %t = (s32[]) tuple(%n)
+}
+
+%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %a = f32[4]{0} fusion(%x), kind=kLoop, calls=%a_f
+  %b = (f32[4]{0}, s32[4]{0}) fusion(%a), kind=kInput, calls=%b_f
+  %s = ((f32[4]{0}), f32[4]{0}, u32[]) custom-call-start(%a), custom_call_target="__gpu$xla.gpu.triton"
+  %d = f32[4]{0} custom-call-done(%s)
+  %w = (s32[]) while(%t0), condition=%inner_cond, body=%inner_body
+  %c = f32[4]{0} copy(%d)
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %c)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %t = (s32[], f32[4]{0}) tuple(%z, %x)
+  %loop = (s32[], f32[4]{0}) while(%t), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %o = f32[4]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
+  # body: fusion, tuple-typed fusion, custom-call-start, copy (4) + the nested loop's
+  # body and condition once (2) + the layer loop's condition (1).
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 3) == 7
+  # A loop over groups of 2 layers (index sharing): 7 launches cover 2 layers.
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 6) == 3.5
+  # No loop over the layers (unrolled): the entry's own launches, per layer.
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 5) == 7 / 5
+  name, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  tiered = hlo_audit.audit_config(cfg, name).launches_per_layer
+  full = hlo_audit.audit_full_kv(cfg)
+  assert tiered > full > 0

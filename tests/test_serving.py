@@ -31,6 +31,7 @@ class FakeModel:
   chunk_size: int = 8
   page_size: int = 4
   num_host_pages: int = 40
+  host_page_bytes: int = 100
   hot_slots: int = 12
   vocab_size: int = VOCAB
 
@@ -43,8 +44,13 @@ class FakeModel:
   def host_pages(self, length):
     return 0 if length <= self.hot_slots else -(-length // self.page_size)
 
+  supports_prefix_cache: bool = True
+
   def init(self):
-    return dict(seq=[[] for _ in range(self.num_slots)], table=None)
+    # "host pages": page -> {offset: token}, written by prefill and decode through
+    # the page table, read back by load_prefix (a wrong or overwritten shared page
+    # changes the tokens).
+    return dict(seq=[[] for _ in range(self.num_slots)], table=None, pages={})
 
   def set_pages(self, state, table):
     return dict(state, table=np.array(table))
@@ -58,13 +64,29 @@ class FakeModel:
     logits[POISON] = -1e9  # only a prompt can carry it
     return logits
 
+  def _write(self, state, slot, position, token):
+    if state["table"] is None or (state["table"][slot] < 0).all():
+      return  # a device-resident request
+    page = state["table"][slot, position // self.page_size]
+    assert page >= 0, (slot, position)
+    state["pages"].setdefault(int(page), {})[position % self.page_size] = token
+
   def prefill(self, state, slot, tokens, start, count):
     seq = state["seq"][slot]
     if start == 0:
       seq.clear()
     assert start == len(seq) and start % self.chunk_size == 0 and len(tokens) == self.chunk_size
+    for i, t in enumerate(tokens[:count]):
+      self._write(state, slot, start + i, int(t))
     seq.extend(int(t) for t in tokens[:count])
     return state, jnp.asarray(self._logits(seq))
+
+  def load_prefix(self, state, slot, length):
+    assert length % self.chunk_size == 0
+    table = state["table"][slot]
+    state["seq"][slot] = [state["pages"][int(table[p // self.page_size])][p % self.page_size]
+                          for p in range(length)]
+    return state
 
   def start_decoding(self, state, slot, length):
     assert len(state["seq"][slot]) == length
@@ -77,6 +99,7 @@ class FakeModel:
       if len(seq) > self.hot_slots and state["table"] is not None:
         # A host-backed request writes position len(seq): its page must exist.
         assert state["table"][slot, len(seq) // self.page_size] >= 0
+      self._write(state, slot, len(seq), int(tokens[slot]))
       seq.append(int(tokens[slot]))
       logits[slot] = self._logits(seq)
     return state, jnp.asarray(logits)

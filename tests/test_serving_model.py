@@ -40,9 +40,11 @@ def backend(model, name, host_pages=None):
 BUDGET = 24 * 2**20  # device bytes: the staging buffer (11.8 MB) + ~13 MB of requests
 
 
-def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None):
+def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
+          prefix_cache=False):
   engine = Engine(backend(model, name, host_pages),
-                  EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET))
+                  EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET,
+                               prefix_cache=prefix_cache))
   pending = list(enumerate(workload))
   reqs, arrived = {}, {}
   while pending or engine.has_work:
@@ -56,7 +58,7 @@ def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None):
     engine.step()
     if probe:
       probe(engine)
-  engine.pool.check()
+  engine.pool.check(engine.radix.held_pages() if engine.radix else ())
   return engine, reqs
 
 
@@ -94,3 +96,29 @@ def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
   # prefill.
   assert len(sizes) > 20 and sizes == [sizes[0]] * len(sizes)
   assert tiered.pool.in_use == 0 and tiered.slots == [None] * 3
+
+
+def test_prefix_cache_reuses_shared_prompt_chunks_with_the_same_tokens(model_and_ids):
+  """Requests sharing a 150-token prefix: with the prefix cache the later ones
+  restage its two whole 64-token chunks from the host pages instead of computing
+  them, and every request's tokens equal the sparse engine's (no cache). The
+  request admitted between them has another prompt, so the staging buffer holds
+  nothing of the prefix when the next sharer loads it."""
+  model, ids = model_and_ids
+  prefix = ids[:150].tolist()
+  workload = [(prefix + ids[300:330].tolist(), 10, SamplingParams(), 0),
+              (ids[1000:1100].tolist(), 6, SamplingParams(), 0),  # shares nothing
+              (prefix + ids[400:412].tolist(), 8, SamplingParams(temperature=0.7, seed=3), 1),
+              (prefix + ids[500:540].tolist(), 10, SamplingParams(), 4)]
+  # serve() slices prompts out of ``ids``: hand it the prompts as their own id list.
+  flat, rows = [], []
+  for prompt, new, sp, at in workload:
+    rows.append((len(flat), len(prompt), new, sp, at))
+    flat += list(prompt)
+  cached, got = serve(model, flat, "tiered", rows, host_pages=60, prefix_cache=True)
+  _, want = serve(model, flat, "sparse", rows)
+  assert cached.cached_tokens == 2 * 128  # the later sharers hit both whole chunks
+  assert cached.radix.num_pages > 0
+  for i in got:
+    assert got[i].state is State.FINISHED, (i, got[i].reason)
+    assert got[i].output == want[i].output, i

@@ -17,7 +17,15 @@ Each ``step()``:
 3. **Chunked prefill** with the step's leftover token budget (at least one chunk
    per step): the prompt runs in chunks of C tokens at fixed boundaries, so a
    prompt's numbers do not depend on the schedule; after the last chunk the
-   request samples its first token and joins the decode batch.
+   request samples its first token and joins the decode batch. With
+   ``prefill_policy="blocking"`` a step with a prompt to prefill runs all of it
+   and no decode (the baseline an engine without chunked prefill is).
+
+With ``prefix_cache`` (radix.py) admission shares the longest cached prefix of
+whole chunks (its pages, by reference count) and the prefill starts after it, the
+model restaging it from the host pages; a finished prefill caches the prompt's
+whole chunks; cached prefixes nobody runs are evicted (LRU leaves first) when the
+page pool runs short, before anyone is preempted.
 
 Requests are validated at ``submit`` (clear ``ValueError``s; the engine is not
 touched). A request whose logits turn non-finite fails with the reason; the others
@@ -39,8 +47,12 @@ from kvtier_jax.driver import StepRefused
 from kvtier_jax.serving import sampling
 from kvtier_jax.serving.model import ServingModel
 from kvtier_jax.serving.pages import PagePool
+from kvtier_jax.serving.radix import RadixCache
 from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
                                         check_prompt)
+
+
+PREFILL_POLICIES = ("decode_first", "blocking")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +66,28 @@ class EngineConfig:
       metadata, selector state) and the prefill staging buffer; None: no limit
       beyond the slots.
     eos_ids: token ids that end every request (added to each request's stop ids).
+    prefill_policy: ``"decode_first"`` (the decode batch advances every step and
+      prompt chunks fill the rest of the token budget: in-place P/D multiplexing)
+      or ``"blocking"`` (a step with a prompt to prefill runs the whole prompt and
+      no decode: what an engine without chunked prefill does).
+    prefix_cache: reuse cached prompt prefixes in the host tier (``radix.py``):
+      a request's longest cached prefix of whole chunks is shared, not recomputed,
+      and its own prompt chunks are cached when its prefill ends. Needs a model
+      with ``load_prefix`` (the tiered backend).
   """
 
   max_step_tokens: int = 512
   kv_budget_bytes: int | None = None
   eos_ids: tuple[int, ...] = ()
+  prefill_policy: str = "decode_first"
+  prefix_cache: bool = False
+
+  def __post_init__(self):
+    if self.prefill_policy not in PREFILL_POLICIES:
+      raise ValueError(f"prefill_policy={self.prefill_policy!r} must be one of "
+                       f"{PREFILL_POLICIES}")
+    if self.max_step_tokens <= 0:
+      raise ValueError(f"max_step_tokens={self.max_step_tokens} must be positive")
 
 
 class Engine:
@@ -76,6 +105,15 @@ class Engine:
     self.state = model.init()
     pages_per_slot = -(-model.max_len // model.page_size)
     self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot)
+    self.radix = None
+    if config.prefix_cache:
+      if not getattr(model, "supports_prefix_cache", False):
+        raise ValueError("prefix_cache needs a model that stages a cached prefix from "
+                         "its host pages (the tiered backend; not a selector that reads "
+                         "hidden states)")
+      self.radix = RadixCache(model.chunk_size, model.page_size)
+    self.prompt_tokens = 0  # prompt tokens of every admission
+    self.cached_tokens = 0  # of those, served from the prefix cache
     self.slots: list[Request | None] = [None] * model.num_slots
     self.waiting: collections.deque[Request] = collections.deque()
     self.requests: dict[str, Request] = {}
@@ -144,8 +182,11 @@ class Engine:
     """Admit, decode, prefill; returns this step's metrics."""
     start = self.now()
     self._admit()
-    decoded = self._decode()
-    prefilled = self._prefill(self.config.max_step_tokens - decoded)
+    if self.config.prefill_policy == "blocking" and self._prefilling() is not None:
+      decoded, prefilled = 0, self._prefill(math.inf)
+    else:
+      decoded = self._decode()
+      prefilled = self._prefill(self.config.max_step_tokens - decoded)
     stats = self.model.stats(self.state)
     delta = {k: stats[k] - self._last_stats.get(k, 0) for k in stats}
     self._last_stats = stats
@@ -153,8 +194,10 @@ class Engine:
     row = dict(step=self.steps, t=start, seconds=self.now() - start, decode_batch=decoded,
                prefill_tokens=prefilled, waiting=len(self.waiting),
                running=sum(r is not None for r in self.slots),
-               host_pages_in_use=self.pool.in_use, device_bytes_in_use=self._device_in_use,
-               **delta)
+               host_pages_in_use=self.pool.in_use,
+               cached_pages=0 if self.radix is None else self.radix.num_pages,
+               host_bytes_in_use=self.pool.in_use * self.model.host_page_bytes,
+               device_bytes_in_use=self._device_in_use, **delta)
     if self._on_step:
       self._on_step(row)
     return row
@@ -172,10 +215,14 @@ class Engine:
       return 0
     return -(-length // self.model.page_size)
 
+  def _prefilling(self) -> Request | None:
+    return next((r for r in self.slots if r is not None and r.state is State.PREFILLING),
+                None)
+
   def _admit(self) -> None:
     budget = self.config.kv_budget_bytes
     while self.waiting:
-      if any(r is not None and r.state is State.PREFILLING for r in self.slots):
+      if self._prefilling() is not None:
         return  # one prompt at a time uses the staging buffer
       free = [i for i, r in enumerate(self.slots) if r is None]
       req = self.waiting[0]
@@ -185,11 +232,20 @@ class Engine:
                       self._device_in_use + charge + staging > budget):
         return
       slot = free[0]
-      if self._host_pages(req.total_length) and not self.pool.grow(
-          slot, -(-len(req.prompt) // self.model.page_size)):
-        return
+      matched = 0
+      if self._host_pages(req.total_length):
+        shared, node = self._match(req)
+        if not self._take_pages(slot, -(-len(req.prompt) // self.model.page_size), shared):
+          if node is not None:
+            self.radix.unlock(node)
+          return
+        req.radix_node, matched = node, len(shared) * self.model.page_size
       self.waiting.popleft()
-      req.slot, req.device_bytes, req.cached = slot, charge, 0
+      req.slot, req.device_bytes, req.cached, req.staged = slot, charge, matched, 0
+      self.prompt_tokens += len(req.prompt)
+      self.cached_tokens += matched
+      if req.metrics.cached_tokens is None:
+        req.metrics.cached_tokens = matched
       req.state, req.admit_order = State.PREFILLING, self._admitted
       self._admitted += 1
       self._device_in_use += charge
@@ -197,7 +253,32 @@ class Engine:
         req.metrics.admitted = self.now()
       self.slots[slot] = req
 
+  def _match(self, req: Request) -> tuple[list[int], object]:
+    """(pages, locked node) of the request's longest cached prefix; at least one
+    prompt token is left to prefill (its logits give the first output)."""
+    if self.radix is None:
+      return [], None
+    usable = (len(req.prompt) - 1) // self.model.chunk_size * self.model.chunk_size
+    pages, node = self.radix.match_prefix(req.prompt[:usable])
+    self.radix.lock(node)
+    return pages, node
+
+  def _take_pages(self, slot: int, num_pages: int, shared: list[int]) -> bool:
+    """``slot`` holds ``shared`` then fresh pages up to ``num_pages``, evicting
+    unused cached prefixes when the pool is short; False (nothing held) if it
+    cannot."""
+    fresh = num_pages - len(shared)
+    if fresh > self.pool.num_free and self.radix is not None:
+      self.radix.evict(fresh - self.pool.num_free, self.pool.drop)
+    if fresh > self.pool.num_free:
+      return False
+    self.pool.share(slot, shared)
+    return self.pool.grow(slot, num_pages)
+
   def _release(self, req: Request) -> None:
+    if req.radix_node is not None:
+      self.radix.unlock(req.radix_node)
+      req.radix_node = None
     self.pool.release(req.slot)
     self.slots[req.slot] = None
     self._device_in_use -= req.device_bytes
@@ -225,6 +306,8 @@ class Engine:
         continue
       need = req.cached // self.model.page_size + 1
       while not self.pool.grow(req.slot, need):
+        if self.radix is not None and self.radix.evict(1, self.pool.drop):
+          continue
         holders = [r for r in self.slots if r is not None and
                    (r is req or (self.pool.table[r.slot] >= 0).any())]
         victim = max(holders, key=lambda r: r.admit_order)
@@ -301,26 +384,44 @@ class Engine:
 
   # Prefill ---------------------------------------------------------------------
 
-  def _prefill(self, budget: int) -> int:
-    req = next((r for r in self.slots if r is not None and r.state is State.PREFILLING),
-               None)
+  def _prefill(self, budget: float) -> int:
+    req = self._prefilling()
     chunk, ran = self.model.chunk_size, 0
     while req is not None and (ran == 0 or budget >= chunk):
       self._upload_pages()
+      if req.staged < req.cached:  # a cached prefix: staged from the host, not computed
+        self.state = self.model.load_prefix(self.state, req.slot, req.cached)
+        req.staged = req.cached
       start = req.cached
       count = min(chunk, len(req.prompt) - start)
       tokens = np.zeros((chunk,), np.int32)
       tokens[:count] = req.prompt[start:start + count]
       self.state, logits = self.model.prefill(self.state, req.slot, tokens, start, count)
-      req.cached += count
+      req.cached = req.staged = req.cached + count
       budget -= chunk
       ran += count
       if req.cached == len(req.prompt):
+        self._cache_prompt(req)
         self.state = self.model.start_decoding(self.state, req.slot, req.cached)
         req.state = State.DECODING
         self._sample([req], logits[None], [0], [req.cached])
         req = None
     return ran
+
+  def _cache_prompt(self, req: Request) -> None:
+    """After its prefill: cache the request's whole prompt chunks (their pages)."""
+    if self.radix is None or not self._host_pages(req.total_length):
+      return
+    length = len(req.prompt) // self.model.chunk_size * self.model.chunk_size
+    if not length:
+      return
+    pages = self.pool.table[req.slot, :length // self.model.page_size].tolist()
+    adopted, node = self.radix.insert(req.prompt[:length], pages)
+    self.pool.retain(adopted)
+    self.radix.lock(node)
+    if req.radix_node is not None:
+      self.radix.unlock(req.radix_node)
+    req.radix_node = node
 
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> dict:

@@ -22,6 +22,7 @@ class ServingModel(Protocol):
     chunk_size: C, prompt tokens per prefill call.
     page_size: host page size (also the granularity of host accounting).
     num_host_pages: pages in the host pool (0: no host tier).
+    host_page_bytes: bytes of one host page (every layer's K and V).
     vocab_size: V.
   """
 
@@ -30,6 +31,7 @@ class ServingModel(Protocol):
   chunk_size: int
   page_size: int
   num_host_pages: int
+  host_page_bytes: int
   vocab_size: int
 
   def device_bytes(self, length: int) -> int:
@@ -64,6 +66,13 @@ class ServingModel(Protocol):
     slot's next position. Returns (state, logits f32[S, V]); inactive rows are
     garbage and their slots unchanged. Raises ``StepRefused`` (with the state
     unchanged) when the step refused its input."""
+
+  # Optional: a prefix cache (``EngineConfig.prefix_cache``) needs both.
+  supports_prefix_cache: bool
+
+  def load_prefix(self, state: Any, slot: int, length: int) -> Any:
+    """Stage positions ``0 .. length - 1`` of ``slot`` from its host pages (a cached
+    prefix; ``length`` a multiple of C) so its next prefill chunk attends to them."""
 
   def stats(self, state: Any) -> dict:
     """Cumulative counters: hits, misses, host-to-device bytes (tiered)."""

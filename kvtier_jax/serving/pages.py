@@ -11,13 +11,16 @@ class PagePool:
   """Free pages of a host tier of ``num_pages`` pages, and each slot's table.
 
   Pages are handed out lowest id first (deterministic); ``table`` i32[S, MP] is
-  what the device state's page table must equal (``dirty`` until uploaded).
+  what the device state's page table must equal (``dirty`` until uploaded). A page
+  may be shared (a cached prefix): ``refs`` counts the slots listing it plus the
+  prefix cache's reference, and a page is free again when its count reaches 0.
   """
 
   def __init__(self, num_pages: int, num_slots: int, pages_per_slot: int):
     self.num_pages = num_pages
     self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() = lowest id
     self.table = np.full((num_slots, pages_per_slot), EMPTY, np.int32)
+    self.refs = np.zeros((num_pages,), np.int64)
     self.dirty = True
 
   @property
@@ -40,21 +43,60 @@ class PagePool:
       return False
     for j in range(held, num_pages):
       row[j] = self._free.pop()
+      self.refs[row[j]] = 1
     self.dirty = True
     return True
 
+  def share(self, slot: int, pages: list[int]) -> None:
+    """``slot`` (holding nothing) starts with the shared ``pages``."""
+    row = self.table[slot]
+    if (row >= 0).any():
+      raise ValueError(f"slot {slot} already holds pages")
+    if pages and self.refs[pages].min() <= 0:
+      raise ValueError("sharing a page nobody holds")
+    row[:len(pages)] = pages
+    self.refs[pages] += 1
+    self.dirty = True
+
+  def retain(self, pages: list[int]) -> None:
+    """One more reference to each of ``pages`` (the prefix cache adopts them)."""
+    if pages and self.refs[pages].min() <= 0:
+      raise ValueError("retaining a free page")
+    self.refs[pages] += 1
+
+  def drop(self, pages) -> int:
+    """One reference fewer to each of ``pages``; returns how many became free."""
+    freed = []
+    for page in pages:
+      if self.refs[page] <= 0:
+        raise AssertionError(f"page {page} dropped more often than held")
+      self.refs[page] -= 1
+      if self.refs[page] == 0:
+        freed.append(int(page))
+    self._free.extend(freed)
+    self._free.sort(reverse=True)
+    return len(freed)
+
   def release(self, slot: int) -> None:
     row = self.table[slot]
-    held = row[row >= 0]
-    self._free.extend(sorted(held.tolist(), reverse=True))
-    self._free.sort(reverse=True)
+    self.drop(row[row >= 0].tolist())
     row[:] = EMPTY
     self.dirty = True
 
-  def check(self) -> None:
-    """No page lost or held twice (tests, soak)."""
-    held = self.table[self.table >= 0].tolist()
-    if len(held) != len(set(held)) or set(held) & set(self._free):
-      raise AssertionError("a page is held twice")
-    if len(held) + len(self._free) != self.num_pages:
-      raise AssertionError(f"{self.num_pages - len(held) - len(self._free)} pages lost")
+  def check(self, cached: list[int] = ()) -> None:
+    """Every page is free or referenced exactly by the slots listing it and the
+    prefix cache (``cached``: the pages it holds); none lost (tests, soak)."""
+    counts = np.bincount(np.concatenate([self.table[self.table >= 0],
+                                         np.asarray(cached, np.int32)]).astype(np.int64),
+                         minlength=self.num_pages)
+    if (counts != self.refs).any():
+      bad = np.flatnonzero(counts != self.refs)[:5].tolist()
+      raise AssertionError(f"pages {bad}: references {self.refs[bad].tolist()} != "
+                           f"holders {counts[bad].tolist()}")
+    for row in self.table:
+      held = row[row >= 0]
+      if len(set(held.tolist())) != held.size:
+        raise AssertionError("a slot lists a page twice")
+    free = set(self._free)
+    if len(free) != len(self._free) or free != set(np.flatnonzero(self.refs == 0).tolist()):
+      raise AssertionError("the free list disagrees with the reference counts")

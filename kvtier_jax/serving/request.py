@@ -54,6 +54,7 @@ class Metrics:
   token_times: list[float] = dataclasses.field(default_factory=list)
   finished: float | None = None
   preemptions: int = 0
+  cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first admission)
 
   def summary(self) -> dict:
     times = self.token_times
@@ -64,7 +65,7 @@ class Metrics:
         tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
         itl_s=itl,
         e2e_s=None if self.finished is None else self.finished - self.arrival,
-        preemptions=self.preemptions)
+        preemptions=self.preemptions, cached_tokens=self.cached_tokens)
 
 
 @dataclasses.dataclass
@@ -85,7 +86,9 @@ class Request:
   slot: int | None = None
   device_bytes: int = 0  # charged to the device budget while it holds a slot
   cached: int = 0  # positions in the cache (prompt chunks run, then decoded tokens)
+  staged: int = 0  # prompt positions in the model's staging buffer
   admit_order: int = -1
+  radix_node: object = None  # the prefix-cache node it locks
 
   @property
   def total_length(self) -> int:

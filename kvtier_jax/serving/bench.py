@@ -1,0 +1,223 @@
+"""Load generation and serving metrics, as ``vllm bench serve`` and SGLang's
+``bench_serving`` measure a server.
+
+* **Arrivals** (``arrival_times``): all at once (``rate=inf``), Poisson at a rate,
+  or Gamma with a burstiness (shape; 1 is Poisson, < 1 burstier), as vLLM draws
+  them. **Closed loop**: ``drive(..., max_concurrency=N)`` keeps at most N requests
+  outstanding and sends the next when one ends (what the HiSparse paper ran).
+* **Workloads**: ``RequestSpec`` (one request) and ``Rollout`` (an RL trajectory:
+  generation turns separated by environment turns; each continuation is a new
+  request whose prompt is the whole trajectory so far, sent after the
+  environment's delay, so continuation prefills keep arriving while others decode).
+* **Metrics** (``summarize``): request / output / total token throughput, goodput
+  under TTFT and TPOT SLOs (DistServe's definition: requests meeting every SLO
+  per second), peak concurrency, decode throughput (tokens per second of the steps
+  that ran no prompt chunk: what a decode instance of a P/D deployment, where
+  HiSparse runs, sustains) and its mean batch; TTFT, TPOT, ITL and end-to-end latency as mean /
+  median / P90 / P99; peak device and host bytes; makespan.
+
+Times are the engine's clock (seconds); workload times are relative to the start
+of ``drive``. A request's arrival (what its TTFT counts from) is its scheduled send
+time, or under a closed loop the later of that and the moment a concurrency slot
+freed: queueing for a slot is the client's, as in vLLM. The engine is stepped
+synchronously, so a request due during a step is submitted after it, but its
+arrival (and TTFT) keeps the due time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier_jax.serving.engine import Engine
+from kvtier_jax.serving.request import Request, SamplingParams, State
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+  """One request of a workload; ``arrival_s`` is when the client sends it."""
+
+  id: str
+  prompt: tuple[int, ...]
+  max_new_tokens: int
+  arrival_s: float = 0.0
+  sampling: SamplingParams = SamplingParams()
+  stop_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """An RL trajectory or a chat / agent session: ``prompt``, then for each turn a
+  generation of up to ``max_new_tokens[i]`` tokens; between turns the environment
+  (or the user) appends ``env_tokens[i]`` after ``env_seconds`` (len(env_tokens) =
+  turns - 1). Turn i's request id is ``turn_ids[i]`` (default ``<id>/t<i>``)."""
+
+  id: str
+  prompt: tuple[int, ...]
+  max_new_tokens: tuple[int, ...]
+  env_tokens: tuple[tuple[int, ...], ...]
+  arrival_s: float = 0.0
+  env_seconds: float = 0.0
+  sampling: SamplingParams = SamplingParams()
+  turn_ids: tuple[str, ...] | None = None
+
+  def __post_init__(self):
+    if len(self.env_tokens) != len(self.max_new_tokens) - 1:
+      raise ValueError(f"rollout {self.id}: {len(self.max_new_tokens)} turns need "
+                       f"{len(self.max_new_tokens) - 1} environment turns, got "
+                       f"{len(self.env_tokens)}")
+
+  def turn(self, index: int, history: Sequence[int], arrival_s: float) -> RequestSpec:
+    """Generation turn ``index`` whose prompt is ``history`` (the trajectory so far)."""
+    rid = self.turn_ids[index] if self.turn_ids else f"{self.id}/t{index}"
+    return RequestSpec(rid, tuple(history), self.max_new_tokens[index], arrival_s,
+                       self.sampling)
+
+
+def arrival_times(num: int, rate: float, burstiness: float = 1.0,
+                  rng: np.random.Generator | None = None) -> np.ndarray:
+  """f64[num] send times: 0 for ``rate=inf``, else Gamma gaps of mean 1/rate and
+  shape ``burstiness`` (vLLM: scale 1 / (rate * burstiness); 1 is Poisson)."""
+  if rate <= 0 or burstiness <= 0:
+    raise ValueError(f"rate={rate} and burstiness={burstiness} must be > 0 (inf: at once)")
+  if math.isinf(rate):
+    return np.zeros((num,))
+  rng = rng or np.random.default_rng(0)
+  gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=num)
+  return np.cumsum(gaps) - gaps[0]  # the first request at t = 0
+
+
+@dataclasses.dataclass
+class Served:
+  """What ``drive`` observed: every request sent (in send order) and every step."""
+
+  requests: list[Request]
+  steps: list[dict]
+  start: float
+  end: float
+
+
+def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
+          max_concurrency: int | None = None,
+          on_finish: Callable[[Request], None] | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> Served:
+  """Send ``workload`` to ``engine`` as a client would and step it until every
+  request (and every rollout turn) has ended.
+
+  ``max_concurrency``: at most this many requests outstanding (closed loop); a
+  request is sent at its arrival time or when a slot frees, whichever is later.
+  A rollout's next turn is sent ``env_seconds`` after its previous turn ends; a
+  turn that does not finish (aborted, failed) ends its rollout.
+  """
+  if max_concurrency is not None and max_concurrency <= 0:
+    raise ValueError(f"max_concurrency={max_concurrency} must be positive")
+  # (send time, order, spec, rollout or None, turn index)
+  pending = [(float(w.arrival_s), n, w, None, 0) for n, w in enumerate(workload)]
+  order = len(pending)
+  outstanding: dict[str, tuple[Request, Rollout | None, int]] = {}
+  sent: list[Request] = []
+  steps: list[dict] = []
+  start = engine.now()
+  # When each closed-loop slot last freed (a request sent to it arrives no earlier).
+  freed = [start] * (max_concurrency or 0)
+  while pending or outstanding:
+    pending.sort(key=lambda p: (p[0], p[1]))
+    now = engine.now()
+    while pending and pending[0][0] <= now - start and (
+        max_concurrency is None or len(outstanding) < max_concurrency):
+      send, _, item, rollout, turn = pending.pop(0)
+      arrival = start + send
+      if max_concurrency is not None:
+        arrival = max(arrival, heapq.heappop(freed))
+      if isinstance(item, Rollout):
+        rollout, spec = item, item.turn(0, item.prompt, send)
+      else:
+        spec = item
+      req = engine.submit(spec.prompt, spec.max_new_tokens, spec.sampling,
+                          stop_ids=spec.stop_ids, request_id=spec.id, arrival=arrival)
+      outstanding[req.id] = (req, rollout, turn)
+      sent.append(req)
+    if engine.has_work:
+      steps.append(engine.step())
+    elif pending:
+      sleep(max(0.0, min(0.05, start + pending[0][0] - engine.now())))
+    for rid, (req, rollout, turn) in list(outstanding.items()):
+      if not req.state.done:
+        continue
+      del outstanding[rid]
+      if max_concurrency is not None:
+        heapq.heappush(freed, req.metrics.finished)
+      if on_finish:
+        on_finish(req)
+      if (rollout is not None and req.state is State.FINISHED
+          and turn + 1 < len(rollout.max_new_tokens)):
+        history = [*req.prompt, *req.output, *rollout.env_tokens[turn]]
+        send = req.metrics.finished - start + rollout.env_seconds
+        pending.append((send, order, rollout.turn(turn + 1, history, send), rollout,
+                        turn + 1))
+        order += 1
+  return Served(sent, steps, start, engine.now())
+
+
+# Metrics -----------------------------------------------------------------------
+
+PERCENTILES = (50, 90, 99)
+
+
+def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
+  """mean / median / p90 / p99 of the finite values times ``scale`` (None: empty)."""
+  vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
+  if not vals.size:
+    return dict(mean=None, median=None, p90=None, p99=None)
+  vals = vals * scale
+  return dict(mean=float(vals.mean()), median=float(np.median(vals)),
+              **{f"p{q}": float(np.percentile(vals, q)) for q in PERCENTILES[1:]})
+
+
+def summarize(served: Served, *, host_page_bytes: int = 0,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+  """One flat row of serving metrics (latencies in ms, bytes in MiB)."""
+  reqs, steps = served.requests, served.steps
+  done = [r for r in reqs if r.state is State.FINISHED]
+  per = [r.metrics.summary() for r in done]
+  duration = max(served.end - served.start, 1e-9)
+  prompt_tokens = sum(len(r.prompt) for r in done)
+  output_tokens = sum(len(r.output) for r in done)
+  # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
+  decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
+
+  def good(p):
+    return ((slo_ttft_s is None or (p["ttft_s"] is not None and p["ttft_s"] <= slo_ttft_s))
+            and (slo_tpot_s is None or p["tpot_s"] is None or p["tpot_s"] <= slo_tpot_s))
+
+  row = dict(requests=len(reqs), finished=len(done),
+             failed=sum(r.state is State.FAILED for r in reqs),
+             duration_s=duration, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+             request_throughput=len(done) / duration,
+             output_throughput=output_tokens / duration,
+             total_token_throughput=(prompt_tokens + output_tokens) / duration,
+             goodput=sum(map(good, per)) / duration,
+             peak_concurrency=max((s["running"] for s in steps), default=0),
+             decode_throughput=sum(s["decode_batch"] for s in decode_only)
+             / max(sum(s["seconds"] for s in decode_only), 1e-9) if decode_only else None,
+             mean_decode_batch=float(np.mean([s["decode_batch"] for s in decode_only]))
+             if decode_only else None,
+             preemptions=sum(r.metrics.preemptions for r in reqs),
+             peak_device_mib=max((s["device_bytes_in_use"] for s in steps), default=0)
+             / 2**20,
+             peak_host_mib=max((s["host_pages_in_use"] for s in steps), default=0)
+             * host_page_bytes / 2**20,
+             prefix_hit=(sum(p["cached_tokens"] or 0 for p in per) / prompt_tokens
+                         if prompt_tokens else None),
+             misses=sum(s.get("misses", 0) for s in steps))
+  for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s")):
+    for stat, value in distribution([p[key] for p in per], 1e3).items():
+      row[f"{name}_{stat}_ms"] = value
+  for stat, value in distribution([t for p in per for t in p["itl_s"]], 1e3).items():
+    row[f"itl_{stat}_ms"] = value
+  return row

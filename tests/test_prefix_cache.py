@@ -1,0 +1,149 @@
+"""The radix prefix cache (kvtier_jax/serving/radix.py) against a brute-force
+dictionary of cached prefixes, and the engine with it on: shared pages are never
+written, nothing leaks, and every request's tokens equal its solo run without a
+cache (FakeModel reads a cached prefix back from its "host pages", so a wrong or
+overwritten shared page changes the tokens)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.serving.radix import RadixCache
+from tests.test_serving import VOCAB, FakeModel, solo
+
+UNIT, PAGE = 4, 2
+
+
+def test_radix_matches_the_longest_cached_prefix_brute_force():
+  rng = np.random.default_rng()
+  tree, page_ids = RadixCache(UNIT, PAGE), itertools.count()
+  cached: dict[tuple, list[int]] = {}  # every cached unit-prefix -> its last unit's pages
+  bases = [rng.integers(0, 3, 24).tolist() for _ in range(3)]
+
+  def draw():
+    base = bases[int(rng.integers(3))]
+    cut = int(rng.integers(0, len(base) + 1))
+    return base[:cut] + rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+
+  def expected(tokens):
+    pages, k = [], 0
+    while tuple(tokens[:(k + 1) * UNIT]) in cached and (k + 1) * UNIT <= len(tokens):
+      k += 1
+      pages += cached[tuple(tokens[:k * UNIT])]
+    return pages
+
+  for _ in range(200):
+    tokens = draw()
+    if rng.random() < 0.5:
+      whole = tokens[:len(tokens) // UNIT * UNIT]
+      pages = [next(page_ids) for _ in range(len(whole) // PAGE)]
+      want_adopted = [p for k in range(len(whole) // UNIT)
+                      if tuple(whole[:(k + 1) * UNIT]) not in cached
+                      for p in pages[k * UNIT // PAGE:(k + 1) * UNIT // PAGE]]
+      adopted, _ = tree.insert(whole, pages)
+      assert adopted == want_adopted
+      for k in range(len(whole) // UNIT):
+        cached.setdefault(tuple(whole[:(k + 1) * UNIT]),
+                          pages[k * UNIT // PAGE:(k + 1) * UNIT // PAGE])
+    else:
+      got, _ = tree.match_prefix(tokens)
+      assert got == expected(tokens)
+  assert sorted(tree.held_pages()) == sorted(p for v in cached.values() for p in v)
+  with pytest.raises(ValueError, match="whole units"):
+    tree.insert([1, 2, 3], [0])
+
+
+def test_radix_evicts_unlocked_leaves_lru_first_and_shared_prefixes_last():
+  pool = PagePool(16, num_slots=1, pages_per_slot=8)
+  tree = RadixCache(UNIT, PAGE)
+
+  def cache(tokens):
+    assert pool.grow(0, len(tokens) // PAGE)
+    adopted, node = tree.insert(tokens, pool.table[0, :len(tokens) // PAGE].tolist())
+    pool.retain(adopted)
+    pool.release(0)
+    return adopted, node
+
+  prefix = [7, 7, 7, 7]
+  _, a = cache(prefix + [1, 1, 1, 1])
+  _, b = cache(prefix + [2, 2, 2, 2])
+  _, c = cache([5, 5, 5, 5])
+  pool.check(tree.held_pages())
+  assert pool.in_use == 8 and tree.num_pages == 8
+  tree.match_prefix(prefix + [1, 1, 1, 1])  # a is now the most recently used
+  tree.lock(b)
+  assert tree.evict(2, pool.drop) == 2  # the LRU unlocked leaf: c
+  assert tree.match_prefix([5, 5, 5, 5])[0] == []
+  assert tree.evict(100, pool.drop) == 2  # a goes; the prefix is b's (locked)
+  assert tree.match_prefix(prefix + [2, 2, 2, 2])[0] and not tree.match_prefix(
+      prefix + [1, 1, 1, 1])[0][2:]
+  pool.check(tree.held_pages())
+  tree.unlock(b)
+  assert tree.evict(100, pool.drop) == 4 and pool.in_use == 0 and tree.num_pages == 0
+  pool.check(tree.held_pages())
+  with pytest.raises(AssertionError, match="unlock"):
+    tree.unlock(b)
+
+
+def shared_prefix_workload(rng, num, groups=3):
+  prefixes = [rng.integers(0, VOCAB - 1, int(rng.integers(8, 40))).tolist()
+              for _ in range(groups)]
+  out = []
+  for _ in range(num):
+    prompt = prefixes[int(rng.integers(groups))] + rng.integers(
+        0, VOCAB - 1, int(rng.integers(1, 12))).tolist()
+    sp = SamplingParams() if rng.random() < 0.5 else SamplingParams(
+        temperature=1.0, top_k=5, seed=int(rng.integers(1000)))
+    out.append((prompt, int(rng.integers(1, 20)), sp))
+  return out
+
+
+def run_with_prefix_cache(rng, num, pages, abort_rate=0.0):
+  factory = lambda: FakeModel(num_host_pages=pages)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=20, prefix_cache=True))
+  pending, reqs = shared_prefix_workload(rng, num), []
+  while pending or engine.has_work:
+    for _ in range(min(len(pending), int(rng.integers(0, 3)))):
+      prompt, new, sp = pending.pop()
+      reqs.append(engine.submit(prompt, new, sp))
+    live = [r for r in reqs if not r.state.done]
+    if live and rng.random() < abort_rate:
+      engine.abort(live[int(rng.integers(len(live)))].id)
+    step = engine.step()
+    assert step["cached_pages"] == engine.radix.num_pages
+    engine.pool.check(engine.radix.held_pages())
+  for req in reqs:
+    if req.state is State.FINISHED:
+      assert req.output == solo(factory, req.prompt, req.max_new_tokens, req.sampling), req.id
+  return engine, reqs
+
+
+def test_prefix_cache_reuses_prompt_chunks_and_tokens_equal_solo_runs():
+  rng = np.random.default_rng()
+  engine, reqs = run_with_prefix_cache(rng, 40, pages=200)
+  assert all(r.state is State.FINISHED for r in reqs)
+  assert engine.cached_tokens > 0.3 * engine.prompt_tokens  # groups share their prefixes
+  computed = engine.prompt_tokens - engine.cached_tokens
+  assert sum(r.metrics.cached_tokens for r in reqs) == engine.cached_tokens
+  # Nothing running: only the cache holds pages, and it can give them all back.
+  assert engine.pool.in_use == engine.radix.num_pages > 0
+  engine.radix.evict(10**9, engine.pool.drop)
+  assert engine.pool.in_use == 0 and computed > 0
+
+
+def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions():
+  rng = np.random.default_rng()
+  engine, reqs = run_with_prefix_cache(rng, 120, pages=24, abort_rate=0.05)
+  states = [r.state for r in reqs]
+  assert states.count(State.FINISHED) > 60 and State.FAILED not in states
+  assert sum(r.metrics.preemptions for r in reqs) > 0, "no page pressure"
+  assert engine.cached_tokens > 0
+  assert engine.slots == [None] * len(engine.slots) and engine._device_in_use == 0
+  engine.pool.check(engine.radix.held_pages())
+
+
+def test_prefix_cache_needs_a_model_that_loads_prefixes():
+  with pytest.raises(ValueError, match="prefix_cache"):
+    Engine(FakeModel(supports_prefix_cache=False), EngineConfig(prefix_cache=True))

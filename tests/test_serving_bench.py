@@ -1,0 +1,174 @@
+"""Load generation and serving metrics (kvtier_jax/serving/bench.py) on the numpy
+``FakeModel``, with a step clock: every engine step takes one second, so send
+times, arrivals and latencies are exact numbers the test can derive itself."""
+
+import numpy as np
+import pytest
+
+from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State
+from kvtier_jax.serving import bench
+from kvtier_jax.serving.request import Metrics, Request
+from tests.test_serving import VOCAB, FakeModel, solo
+
+
+class StepClock:
+  """Engine time: +1 s per step; ``sleep`` jumps ahead."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+  def on_step(self, row):
+    self.t += 1.0
+
+  def sleep(self, seconds):
+    self.t += max(seconds, 1e-3)
+
+
+def engine_with_clock(model=None, **config):
+  clock = StepClock()
+  engine = Engine(model or FakeModel(), EngineConfig(**config), clock=clock,
+                  on_step=clock.on_step)
+  return engine, clock
+
+
+def specs(rng, num, arrivals=None):
+  out = []
+  for i in range(num):
+    prompt = tuple(rng.integers(0, VOCAB - 1, int(rng.integers(3, 30))).tolist())
+    out.append(bench.RequestSpec(f"q{i}", prompt, int(rng.integers(2, 12)),
+                                 0.0 if arrivals is None else float(arrivals[i])))
+  return out
+
+
+def test_arrival_times_follow_the_gamma_process():
+  assert (bench.arrival_times(5, float("inf")) == 0).all()
+  rng = np.random.default_rng()
+  n, rate = 20000, 4.0
+  for burstiness in (1.0, 0.25, 4.0):
+    times = bench.arrival_times(n, rate, burstiness, rng)
+    gaps = np.diff(times)
+    assert times[0] == 0 and (gaps >= 0).all()
+    # Gamma(shape b, scale 1/(rate b)): mean 1/rate, coefficient of variation 1/sqrt(b).
+    sd_of_mean = (1 / rate) / np.sqrt(burstiness) / np.sqrt(n)
+    assert abs(gaps.mean() - 1 / rate) < 5 * sd_of_mean
+    cv = gaps.std() / gaps.mean()
+    assert abs(cv - 1 / np.sqrt(burstiness)) < 0.1 / np.sqrt(burstiness)
+  for bad in (0.0, -1.0):
+    with pytest.raises(ValueError, match="rate"):
+      bench.arrival_times(3, bad)
+
+
+def test_closed_loop_keeps_n_outstanding_and_sends_when_one_ends():
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock()
+  workload = specs(rng, 7)
+  served = bench.drive(engine, workload, max_concurrency=2, sleep=clock.sleep)
+  assert [r.id for r in served.requests] == [w.id for w in workload]
+  assert all(s["running"] + s["waiting"] <= 2 for s in served.steps)
+  reqs = served.requests
+  assert all(r.state is State.FINISHED for r in reqs)
+  # The first two arrive at once; each later one when the k-th earlier one ended.
+  finishes = sorted(r.metrics.finished for r in reqs)
+  assert [r.metrics.arrival for r in reqs] == [0.0, 0.0] + finishes[:5]
+  for r, w in zip(reqs, workload):
+    assert r.output == solo(FakeModel, list(w.prompt), w.max_new_tokens)
+
+
+def test_open_loop_arrivals_keep_their_due_time():
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock()
+  arrivals = [0.0, 0.0, 2.5, 9.0, 30.0]
+  served = bench.drive(engine, specs(rng, 5, arrivals), sleep=clock.sleep)
+  for req, due in zip(served.requests, arrivals):
+    assert req.metrics.arrival == due  # even when submitted after a step that ran past it
+    assert req.metrics.admitted >= due and req.state is State.FINISHED
+  assert served.requests[-1].metrics.admitted < 31.0  # the idle engine waited, then ran it
+
+
+def test_rollout_turns_continue_the_trajectory_after_the_environment():
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock()
+  rollouts = [bench.Rollout(f"traj{i}", tuple(rng.integers(0, VOCAB - 1, 6).tolist()),
+                            (4, 3, 5), ((7, 8), (9,)), arrival_s=float(i), env_seconds=3.0)
+              for i in range(2)]
+  served = bench.drive(engine, rollouts, sleep=clock.sleep)
+  by_id = {r.id: r for r in served.requests}
+  assert set(by_id) == {f"traj{i}/t{t}" for i in range(2) for t in range(3)}
+  for roll in rollouts:
+    turns = [by_id[f"{roll.id}/t{t}"] for t in range(3)]
+    assert turns[0].prompt == list(roll.prompt)
+    for t in (1, 2):
+      prev = turns[t - 1]
+      assert turns[t].prompt == prev.prompt + prev.output + list(roll.env_tokens[t - 1])
+      assert turns[t].metrics.arrival == prev.metrics.finished + roll.env_seconds
+    for turn, new in zip(turns, roll.max_new_tokens):
+      assert turn.state is State.FINISHED
+      assert turn.output == solo(FakeModel, turn.prompt, new)
+  with pytest.raises(ValueError, match="environment turns"):
+    bench.Rollout("x", (1,), (2, 2), ())
+
+
+def hand_request(rid, prompt_len, arrival, token_times, state=State.FINISHED):
+  req = Request(rid, [1] * prompt_len, len(token_times), SamplingParams(), frozenset(),
+                Metrics(arrival))
+  req.output = [2] * len(token_times)
+  req.metrics.first_token = token_times[0] if token_times else None
+  req.metrics.token_times = list(token_times)
+  req.metrics.finished = token_times[-1] if token_times else arrival
+  req.state = state
+  return req
+
+
+def test_summary_metrics_from_their_definitions():
+  reqs = [hand_request("a", 10, 0.0, [1.0, 1.5, 2.0]),  # TTFT 1, TPOT 0.5, ITL .5 .5
+          hand_request("b", 20, 0.0, [2.0, 2.2]),  # TTFT 2, TPOT 0.2
+          hand_request("c", 30, 1.0, [4.0, 5.0, 7.0, 8.0]),  # TTFT 3, TPOT 4/3, ITL 1 2 1
+          hand_request("d", 40, 1.0, [], State.ABORTED)]
+  steps = [dict(running=r, device_bytes_in_use=b, host_pages_in_use=p, misses=m,
+                decode_batch=d, prefill_tokens=f, seconds=t)
+           for r, b, p, m, d, f, t in [(2, 2**20, 4, 1, 2, 0, 0.5), (3, 3 * 2**20, 9, 2, 3, 8, 1.0),
+                                       (1, 2**19, 2, 0, 1, 0, 0.25)]]
+  row = bench.summarize(bench.Served(reqs, steps, 0.0, 10.0), host_page_bytes=2**18,
+                        slo_ttft_s=2.5, slo_tpot_s=1.0)
+  ttft = np.array([1.0, 2.0, 3.0]) * 1e3
+  itl = np.array([0.5, 0.5, 0.2, 1.0, 2.0, 1.0]) * 1e3
+  assert row["requests"] == 4 and row["finished"] == 3 and row["failed"] == 0
+  assert row["output_tokens"] == 9 and row["prompt_tokens"] == 60
+  assert row["request_throughput"] == pytest.approx(0.3)
+  assert row["output_throughput"] == pytest.approx(0.9)
+  assert row["total_token_throughput"] == pytest.approx(6.9)
+  assert row["goodput"] == pytest.approx(0.2)  # a and b meet both SLOs; c misses both
+  assert row["peak_concurrency"] == 3 and row["misses"] == 3
+  assert row["decode_throughput"] == pytest.approx(3 / 0.75)  # the steps without a chunk
+  assert row["mean_decode_batch"] == pytest.approx(1.5)
+  assert row["peak_device_mib"] == pytest.approx(3.0)
+  assert row["peak_host_mib"] == pytest.approx(9 / 4)
+  assert row["ttft_mean_ms"] == pytest.approx(2000) and row["ttft_median_ms"] == 2000
+  assert row["ttft_p90_ms"] == pytest.approx(np.percentile(ttft, 90))
+  assert row["tpot_median_ms"] == pytest.approx(500)
+  assert row["itl_p99_ms"] == pytest.approx(np.percentile(itl, 99))
+  assert row["e2e_mean_ms"] == pytest.approx(np.mean([2.0, 2.2, 7.0]) * 1e3)
+
+
+def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
+  rng = np.random.default_rng()
+  workload = specs(rng, 6)
+  outputs = {}
+  for policy in ("decode_first", "blocking"):
+    engine, clock = engine_with_clock(FakeModel(num_slots=3), max_step_tokens=12,
+                                      prefill_policy=policy)
+    served = bench.drive(engine, workload, sleep=clock.sleep)
+    both = [s for s in served.steps if s["decode_batch"] and s["prefill_tokens"]]
+    if policy == "blocking":
+      assert not both  # a step prefills a whole prompt or decodes, never both
+    else:
+      assert both
+    outputs[policy] = [r.output for r in served.requests]
+  assert outputs["blocking"] == outputs["decode_first"]
+  assert outputs["blocking"] == [solo(FakeModel, list(w.prompt), w.max_new_tokens)
+                                 for w in workload]
+  with pytest.raises(ValueError, match="prefill_policy"):
+    EngineConfig(prefill_policy="eager")
