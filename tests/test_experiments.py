@@ -2,7 +2,6 @@
 report collects them. Subprocesses: each runner defines its own absl flags."""
 
 import json
-import re
 import subprocess
 import sys
 
@@ -98,70 +97,3 @@ def test_trace_smoke_records_rankings(tmp_path):
     np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
   assert "nsa_ranks" not in data.files
   assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}
-
-
-def test_serve_smoke_checks_every_request_against_sparse(tmp_path):
-  """A JSONL workload (text and token-id prompts, staggered arrivals) served by the
-  tiered engine; --check_exact runs each request alone with the sparse backend."""
-  from pydoc_data.topics import topics
-  words = topics["assert"].split()
-  workload = tmp_path / "requests.jsonl"
-  workload.write_text("\n".join(json.dumps(r) for r in [
-      dict(id="text", prompt=" ".join(words[:90]), max_new_tokens=4),
-      dict(id="ids", prompt_ids=list(range(1000, 1150)), max_new_tokens=5, arrival_s=0.5),
-      dict(id="short", prompt_ids=[42] * 20, max_new_tokens=3, arrival_s=1.0)]) + "\n")
-  out = run("experiments.serve", "--smoke", "--check_exact", f"--workload={workload}",
-            f"--out_root={tmp_path}")
-  last = out.strip().splitlines()[-1]
-  pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
-             r"tok/s ttft_p50=[\d.e+-]+ s ttft_p99=[\d.e+-]+ s tpot_p50=[\d.e+-]+ ms "
-             r"max_concurrency=\d+ prefill_tokens=\d+ exact=(\d+)/(\d+) prefix_hit=0")
-  match = re.fullmatch(pattern, last)
-  assert match, last
-  requests, matched, finished = map(int, match.groups())
-  assert matched == finished == requests > 0
-  run_dir, rows = only_run(tmp_path, "serve")
-  assert rows[0]["misses"] > 0  # contexts past the hot cache fetched from the host
-  assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
-
-
-def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
-  """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
-  runs more requests at once, and every request's tokens equal the sparse run's."""
-  out = run("experiments.serve_sweep", "--smoke", f"--out_root={tmp_path}")
-  run_dir, rows = only_run(tmp_path, "serve_sweep")
-  by = {r["cache"]: r for r in rows}
-  assert by.keys() == {"sparse", "tiered"}
-  sparse, tiered = by["sparse"], by["tiered"]
-  assert sparse["finished"] == tiered["finished"] == 3
-  assert tiered["admissible"] > sparse["admissible"] and sparse["bound_by"] == "device"
-  assert tiered["peak_concurrency"] > sparse["peak_concurrency"]
-  assert tiered["same_tokens"] == "3/3" and tiered["misses"] > 0
-  assert tiered["peak_host_mib"] > 0 == sparse["peak_host_mib"]
-  assert (run_dir / "plot.png").stat().st_size > 0
-  assert "Published (author-reported)" in out and "| 192 | 3 | tiered |" in out
-
-
-def test_serve_sessions_with_the_prefix_cache_are_exact(tmp_path):
-  """Session turns (JSONL) served with the prefix cache: later turns hit the
-  earlier prompt's chunks, and every turn equals its full prompt decoded alone."""
-  from pydoc_data.topics import topics
-  words = topics["import"].split()
-  workload = tmp_path / "sessions.jsonl"
-  workload.write_text("\n".join(json.dumps(r) for r in [
-      dict(id="a1", session="a", append=" ".join(words[:110]), max_new_tokens=4),
-      dict(id="b1", session="b", append=" ".join(words[300:420]), max_new_tokens=3),
-      dict(id="a2", session="a", append=" ".join(words[110:125]), max_new_tokens=4),
-      dict(id="a3", session="a", append=" ".join(words[125:130]), max_new_tokens=3),
-  ]) + "\n")
-  out = run("experiments.serve", "--smoke", "--prefix_cache", "--check_exact",
-            f"--workload={workload}", f"--out_root={tmp_path}")
-  last = out.strip().splitlines()[-1]
-  match = re.search(r"requests=(\d+) .* exact=(\d+)/(\d+) prefix_hit=([\d.]+)$", last)
-  assert match, last
-  requests, matched, finished = map(int, match.groups()[:3])
-  assert requests == finished == matched == 4
-  assert float(match.group(4)) > 0.3
-  _, rows = only_run(tmp_path, "serve")
-  assert rows[0]["prefix_hit"] == float(match.group(4)) or abs(
-      rows[0]["prefix_hit"] - float(match.group(4))) < 1e-3

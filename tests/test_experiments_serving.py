@@ -1,0 +1,60 @@
+"""The serving runners' --smoke paths (serve, serve_sweep, sessions with the prefix
+cache): real SmolLM2 weights, exactness checked through the CLI. A file of its own
+so the test workers split the experiment smokes (each is a subprocess of ~1 min)."""
+
+import json
+import re
+
+from tests.test_experiments import only_run, run
+
+
+def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_path):
+  """A JSONL workload served by the tiered engine with the prefix cache: independent
+  requests (text and token-id prompts, staggered arrivals) and session turns, whose
+  later turns hit the earlier prompt's chunks. --check_exact decodes each request's
+  full prompt alone with the sparse backend: every one must match."""
+  from pydoc_data.topics import topics
+  words, more = topics["assert"].split(), topics["import"].split()
+  workload = tmp_path / "requests.jsonl"
+  workload.write_text("\n".join(json.dumps(r) for r in [
+      dict(id="text", prompt=" ".join(words[:90]), max_new_tokens=4),
+      dict(id="ids", prompt_ids=list(range(1000, 1150)), max_new_tokens=5, arrival_s=0.5),
+      dict(id="short", prompt_ids=[42] * 20, max_new_tokens=3, arrival_s=1.0),
+      dict(id="a1", session="a", append=" ".join(more[:110]), max_new_tokens=4),
+      dict(id="a2", session="a", append=" ".join(more[110:125]), max_new_tokens=4),
+      dict(id="a3", session="a", append=" ".join(more[125:130]), max_new_tokens=3),
+  ]) + "\n")
+  out = run("experiments.serve", "--smoke", "--prefix_cache", "--check_exact",
+            f"--workload={workload}", f"--out_root={tmp_path}")
+  last = out.strip().splitlines()[-1]
+  pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
+             r"tok/s ttft_p50=[\d.e+-]+ s ttft_p99=[\d.e+-]+ s tpot_p50=[\d.e+-]+ ms "
+             r"max_concurrency=\d+ prefill_tokens=\d+ exact=(\d+)/(\d+) "
+             r"prefix_hit=([\d.e+-]+)")
+  match = re.fullmatch(pattern, last)
+  assert match, last
+  requests, matched, finished = map(int, match.groups()[:3])
+  assert matched == finished == requests == 6
+  run_dir, rows = only_run(tmp_path, "serve")
+  assert rows[0]["misses"] > 0  # contexts past the hot cache fetched from the host
+  # Session turns 2 and 3 reuse turn 1's whole chunks; the others share nothing.
+  assert rows[0]["prefix_hit"] > 0.15 and rows[0]["hit_p90"] > 0.5
+  assert rows[0]["prefill_tokens"] < rows[0]["prompt_tokens"]
+  assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
+
+
+def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
+  """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
+  runs more requests at once, and every request's tokens equal the sparse run's."""
+  out = run("experiments.serve_sweep", "--smoke", f"--out_root={tmp_path}")
+  run_dir, rows = only_run(tmp_path, "serve_sweep")
+  by = {r["cache"]: r for r in rows}
+  assert by.keys() == {"sparse", "tiered"}
+  sparse, tiered = by["sparse"], by["tiered"]
+  assert sparse["finished"] == tiered["finished"] == 3
+  assert tiered["admissible"] > sparse["admissible"] and sparse["bound_by"] == "device"
+  assert tiered["peak_concurrency"] > sparse["peak_concurrency"]
+  assert tiered["same_tokens"] == "3/3" and tiered["misses"] > 0
+  assert tiered["peak_host_mib"] > 0 == sparse["peak_host_mib"]
+  assert (run_dir / "plot.png").stat().st_size > 0
+  assert "Published (author-reported)" in out and "| 192 | 3 | tiered |" in out
