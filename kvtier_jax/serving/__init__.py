@@ -1,9 +1,10 @@
-"""Serving: continuous batching of requests over a ``ServingModel`` (engine.py)."""
+"""Serving: continuous batching over a ``ServingModel`` (engine.py), the host page
+pool and its prefix cache (pages.py, radix.py), and a benchmark client (bench.py)."""
 
-from kvtier_jax.serving.engine import Engine, EngineConfig, percentiles
+from kvtier_jax.serving.engine import Engine, EngineConfig
 from kvtier_jax.serving.model import ServingModel
 from kvtier_jax.serving.pages import PagePool
 from kvtier_jax.serving.request import Metrics, Request, SamplingParams, State
 
-__all__ = ["Engine", "EngineConfig", "percentiles", "ServingModel", "PagePool", "Metrics",
+__all__ = ["Engine", "EngineConfig", "ServingModel", "PagePool", "Metrics",
            "Request", "SamplingParams", "State"]

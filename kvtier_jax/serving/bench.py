@@ -166,9 +166,6 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
 
 # Metrics -----------------------------------------------------------------------
 
-PERCENTILES = (50, 90, 99)
-
-
 def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
   """mean / median / p90 / p99 of the finite values times ``scale`` (None: empty)."""
   vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
@@ -176,7 +173,7 @@ def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
     return dict(mean=None, median=None, p90=None, p99=None)
   vals = vals * scale
   return dict(mean=float(vals.mean()), median=float(np.median(vals)),
-              **{f"p{q}": float(np.percentile(vals, q)) for q in PERCENTILES[1:]})
+              p90=float(np.percentile(vals, 90)), p99=float(np.percentile(vals, 99)))
 
 
 def summarize(served: Served, *, host_page_bytes: int = 0,

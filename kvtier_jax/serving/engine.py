@@ -422,9 +422,3 @@ class Engine:
     if req.radix_node is not None:
       self.radix.unlock(req.radix_node)
     req.radix_node = node
-
-
-def percentiles(values: list[float], qs=(50, 90, 99)) -> dict:
-  """{"p50": ..., ...} of the finite values (None when empty)."""
-  vals = [v for v in values if v is not None and math.isfinite(v)]
-  return {f"p{q}": (float(np.percentile(vals, q)) if vals else None) for q in qs}
