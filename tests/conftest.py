@@ -1,5 +1,5 @@
 """Shared test settings: CPU and Pallas interpret mode unless ``--gpu``; bounded
-hypothesis runs.
+hypothesis runs; a persistent XLA compilation cache in ``.jax_cache/``.
 
 ``pytest --gpu`` (on a machine with a CUDA GPU) runs the device tests
 (``tests/test_device.py`` and the kernel tests) compiled, not interpreted, at
@@ -26,6 +26,14 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long; skipped unless --runslow")
   if not config.getoption("--gpu"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA's persistent compilation cache: the workers and the runners' subprocesses
+    # compile many identical functions (the same engine in two handoff processes,
+    # the same SmolLM2 steps in several CLIs). Set before anything imports jax;
+    # inherited by subprocesses. In the checkout (ignored by git), so a fresh clone
+    # starts cold and the suite's time stays honest.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, ".jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -306,3 +306,24 @@ def test_cached_decode_matches_forward_with_padding(loaded, prompt, forward_logi
   np.testing.assert_allclose(decoded[1], other_logits[400:400 + steps], rtol=0,
                              atol=CACHED_VS_FORWARD_ATOL)
   np.testing.assert_array_equal(kv.lens, lens + steps)
+
+
+def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
+  """The load cache (models/gguf_loader.py) gives back the same weights, config,
+  metadata and tokenizer as reading the GGUF."""
+  from models import gguf_loader
+  try:
+    path = gguf_loader.gguf_path()
+  except gguf_loader.ModelNotInstalledError as e:
+    pytest.skip(str(e))
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path))
+  fresh = gguf_loader.load_gguf(path, cache=True)  # reads the GGUF, fills the cache
+  assert len(list(tmp_path.glob("*.npz"))) == 1
+  cached = gguf_loader.load_gguf(path)
+  assert cached.params.keys() == fresh.params.keys()
+  for name, value in fresh.params.items():
+    assert cached.params[name].dtype == value.dtype
+    assert cached.params[name].tobytes() == value.tobytes(), name
+  assert cached.config == fresh.config and cached.metadata == fresh.metadata
+  text = "def f(x): return 12345 + x  # digits split"
+  assert cached.tokenizer.encode(text).ids == fresh.tokenizer.encode(text).ids
