@@ -33,6 +33,12 @@ SECTIONS = [
      "python -m experiments.miss_rate"),
     ("policies", "Table 3 - beyond LRU: gap to Belady closed at B=2k",
      "python -m experiments.policies"),
+    ("pdd", "PDD: cross-datacenter relay decode (paper: transfer P50/P99 248 ms / "
+     "18.9 s skewed vs 1.21 s / 25.5 s narrow; P90 TTFT -46%)", "python -m experiments.pdd"),
+    ("handoff", "Extend-Decode handoff on SmolLM2 (paper: 512.6 ms send KV vs 321.4 ms "
+     "extend for 100 tokens)", "python -m experiments.handoff"),
+    ("tiers", "Tier economics - cost per concurrent request and per million tokens "
+     "with the KV in HBM, DDR5, CXL DDR4 or NVMe", "python -m experiments.tiers"),
     ("capacity", "Tables 4 and 6 - bytes per request; requests and modelled throughput "
      "at a fixed device budget (paper: 13.09 GB vs ~0.4 GB at 128K; 3.1-4.7x)",
      "python -m experiments.capacity"),

@@ -12,6 +12,9 @@ run per request, ~2 min):
   # Agent sessions with the prefix cache in the host tier (PDD's Decode Radix Cache
   # on HiSparse), on vs off (~4 min each):
   python -m experiments.serve --sessions=skewed --prefix_cache --check_exact
+  # Shared system prompts, a host pool too small to keep them, a disk tier below it:
+  python -m experiments.serve --shared_prefix_groups=6 --num_requests=24 --max_batch=4 \
+      --prefix_cache --host_budget_mib=150 --disk_budget_mib=512 --check_exact
 Workload JSONL (experiments/workloads.py): one request per line, ``{"id", "prompt":
 text | "prompt_ids": [...], "max_new_tokens", "arrival_s", "temperature", "top_k",
 "top_p", "seed", "stop_ids"}`` (all but the prompt and ``max_new_tokens``
@@ -61,8 +64,16 @@ flags.DEFINE_enum("sessions", None, ["skewed", "narrow"], "Synthetic agent sessi
                   "the largest --prompt_range; --max_len grows to fit) instead of "
                   "independent requests; the append-size distribution.")
 flags.DEFINE_integer("session_turns", 4, "Turns per synthetic session.")
+flags.DEFINE_integer("shared_prefix_groups", 0, "Synthetic: --num_requests requests in "
+                     "this many groups sharing a system prompt of the largest "
+                     "--prompt_range, each adding a question of 16-64 tokens (SGLang's "
+                     "generated-shared-prefix; 0: independent requests).")
 flags.DEFINE_bool("prefix_cache", False, "Reuse cached prompt prefixes in the host "
                   "tier (tiered).")
+flags.DEFINE_float("disk_budget_mib", 0.0, "A disk tier of this many MiB below the host "
+                   "pool for cached prefixes (with --prefix_cache; 0: none).")
+flags.DEFINE_enum("disk_policy", "auto", ["auto", "load", "recompute"], "A prefix found "
+                  "on disk is loaded back, recomputed, or whichever measured cheaper.")
 flags.DEFINE_bool("check_exact", False, "Decode every finished request alone with "
                   "the sparse backend (the dense one for --cache=dense, which attends "
                   "to every position) and compare tokens.")
@@ -71,13 +82,15 @@ flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
 
 def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
-                prefix_cache=False):
+                prefix_cache=False, disk_budget_mib=0.0):
   backend = workloads.build_backend(
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
       hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib)
   return workloads.build_engine(backend, max_step_tokens=FLAGS.max_step_tokens,
-                                kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache)
+                                kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
+                                disk_budget_mib=disk_budget_mib,
+                                disk_policy=FLAGS.disk_policy)
 
 
 def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
@@ -103,6 +116,13 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
               peak_host_mib=full["peak_host_mib"],
               preemptions=full["preemptions"],
               max_host_pages=max((s["host_pages_in_use"] for s in served.steps), default=0),
+              max_disk_mib=max((s["disk_pages"] for s in served.steps), default=0)
+              * engine.model.host_page_bytes / 2**20,
+              disk_loaded_tokens=engine.disk_loaded_tokens,
+              disk_s_per_page=engine.disk and engine.disk.seconds_per_page,
+              prefill_s_per_token=engine.prefill_seconds_per_token,
+              page_size=engine.model.page_size,
+              disk_recomputed_tokens=engine.disk_recomputed_tokens,
               max_device_mib=full["peak_device_mib"], misses=full["misses"], exact=exact)
 
 
@@ -141,9 +161,15 @@ def main(argv):
   else:
     arrivals = bench.arrival_times(FLAGS.num_requests, FLAGS.request_rate or math.inf,
                                    rng=rng)
-    workload = workloads.synthetic(stream, rng, FLAGS.num_requests,
-                                   list(map(int, FLAGS.prompt_range)),
-                                   list(map(int, FLAGS.output_range)), arrivals)
+    outputs = list(map(int, FLAGS.output_range))
+    if FLAGS.shared_prefix_groups:
+      workload = workloads.shared_prefix(stream, rng, FLAGS.num_requests,
+                                         FLAGS.shared_prefix_groups,
+                                         int(FLAGS.prompt_range[1]), (16, 64), outputs,
+                                         arrivals)
+    else:
+      workload = workloads.synthetic(stream, rng, FLAGS.num_requests,
+                                     list(map(int, FLAGS.prompt_range)), outputs, arrivals)
   selector, params = (None, None) if FLAGS.cache == "dense" else setup.build_selector(
       FLAGS.selector, model.cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
   print(f"platform: {common.platform()}; {len(workload)} requests; cache={FLAGS.cache}",
@@ -153,7 +179,7 @@ def main(argv):
   workloads.warm_up(make_engine(model, FLAGS.cache, selector, params), first,
                     FLAGS.chunk_size)
   engine = make_engine(model, FLAGS.cache, selector, params, FLAGS.kv_budget_mib,
-                       FLAGS.prefix_cache)
+                       FLAGS.prefix_cache, FLAGS.disk_budget_mib)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
   with tqdm(total=total, desc=f"serve ({FLAGS.cache})", unit="req") as bar:

@@ -50,6 +50,33 @@ def synthetic(stream: np.ndarray, rng: np.random.Generator, num: int,
   return out
 
 
+def shared_prefix(stream: np.ndarray, rng: np.random.Generator, num: int, groups: int,
+                  prefix_len: int, question_range: Sequence[int],
+                  output_range: Sequence[int],
+                  arrivals: Sequence[float] | None = None) -> list[RequestSpec]:
+  """``num`` requests in ``groups`` groups (SGLang's generated-shared-prefix): each
+  group's requests share a ``prefix_len``-token system prompt and add their own
+  question (lengths uniform in ``question_range``); group picked at random."""
+  lo, hi = question_range
+  if len(stream) <= prefix_len + hi:
+    raise ValueError(f"the token stream ({len(stream)}) is shorter than a prompt "
+                     f"({prefix_len} + {hi})")
+
+  def window(length):
+    start = int(rng.integers(0, len(stream) - length))
+    return tuple(int(t) for t in stream[start:start + length])
+
+  prefixes = [window(prefix_len) for _ in range(groups)]
+  out = []
+  for i in range(num):
+    group = int(rng.integers(groups))
+    prompt = prefixes[group] + window(int(rng.integers(lo, hi + 1)))
+    out.append(RequestSpec(f"g{group}-r{i}", prompt,
+                           int(rng.integers(output_range[0], output_range[1] + 1)),
+                           0.0 if arrivals is None else float(arrivals[i])))
+  return out
+
+
 def rollouts(stream: np.ndarray, rng: np.random.Generator, num: int, prompt_len: int,
              turns: int, gen_tokens: int, env_tokens: int, env_seconds: float,
              arrivals: Sequence[float] | None = None) -> list[Rollout]:
@@ -154,11 +181,17 @@ def build_backend(model, cache: str, *, selector, params, max_batch: int, max_le
 
 def build_engine(backend, *, max_step_tokens: int, kv_budget_mib: float | None = None,
                  prefill_policy: str = "decode_first", prefix_cache: bool = False,
+                 disk_budget_mib: float = 0.0, disk_policy: str = "auto",
                  on_step=None) -> Engine:
+  """An engine over ``backend``; ``disk_budget_mib`` > 0 adds a disk tier below the
+  host pool for cached prefixes (in a temporary directory)."""
   budget = None if kv_budget_mib is None else int(kv_budget_mib * 2**20)
+  disk_pages = (int(disk_budget_mib * 2**20 // backend.host_page_bytes)
+                if disk_budget_mib and backend.host_page_bytes else 0)
   return Engine(backend, EngineConfig(max_step_tokens=max_step_tokens,
                                       kv_budget_bytes=budget, prefill_policy=prefill_policy,
-                                      prefix_cache=prefix_cache), on_step=on_step)
+                                      prefix_cache=prefix_cache, disk_pages=disk_pages,
+                                      disk_policy=disk_policy), on_step=on_step)
 
 
 def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, str]:

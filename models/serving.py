@@ -123,6 +123,27 @@ def _load_prefix(tier_cfg, tier, staging: Staging, slot, length):
                                      staging.v))
 
 
+@functools.partial(jax.jit, static_argnames=("tier_cfg",))
+def _read_pages(tier_cfg, tier, pages):
+  """Host pages ``pages`` i32[G] -> K, V [L, G, Pg, U, Hg, D] on the device (only
+  those rows cross the host link)."""
+  grid = jnp.meshgrid(jnp.arange(tier_cfg.num_layers), pages,
+                      jnp.arange(tier_cfg.page_size), jnp.arange(tier_cfg.num_units),
+                      indexing="ij")
+  index = jnp.stack(grid, -1).reshape(-1, 4).astype(jnp.int32)
+  k, v = fetch.gather_rows(tier.host_k, tier.host_v, index)
+  shape = grid[0].shape + k.shape[1:]
+  return k.reshape(shape), v.reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("tier_cfg",), donate_argnames=("carry",))
+def _write_pages(tier_cfg, carry, pages, k, v):
+  """Host pages ``pages`` i32[G] <- K, V [L, G, Pg, U, Hg, D], in place."""
+  tier = carry.tier
+  host_k, host_v = fetch.write_pages(tier.host_k, tier.host_v, pages, k, v)
+  return carry.replace(tier=tier.replace(host_k=host_k, host_v=host_v))
+
+
 def _masked_positions(lens, active, max_len):
   """Inactive slots decode at position T: their K/V writes are dropped."""
   return jnp.where(active, lens, max_len)
@@ -298,6 +319,44 @@ class ServingBackend:
                            jnp.int32(slot), jnp.int32(length))
     return ServingState(state.cache, staging)
 
+  def _page_groups(self, pages):
+    """``pages`` in groups of one chunk's pages (static shapes), the last padded
+    with the scratch page; yields (group i32[G], how many are real)."""
+    size = self.chunk_size // self.page_size
+    pages = np.asarray(pages, np.int32)
+    for at in range(0, len(pages), size):
+      group = np.full((size,), self.tier_cfg.num_host_pages, np.int32)
+      real = pages[at:at + size]
+      group[:len(real)] = real
+      yield jnp.asarray(group), len(real)
+
+  def read_pages(self, state: ServingState, pages) -> list[np.ndarray]:
+    """Host pages' contents (a disk tier stores them): [K, V], each
+    [n, L, Pg, U, Hg, D]."""
+    if self.backend != "tiered":
+      raise ValueError(f"the {self.backend} backend has no host pages")
+    ks, vs = [], []
+    for group, real in self._page_groups(pages):
+      k, v = _read_pages(self.tier_cfg, state.cache.tier, group)
+      ks.append(np.moveaxis(np.asarray(k), 1, 0)[:real])
+      vs.append(np.moveaxis(np.asarray(v), 1, 0)[:real])
+    return [np.concatenate(ks), np.concatenate(vs)]
+
+  def write_pages(self, state: ServingState, pages, fields) -> ServingState:
+    """Host pages ``pages`` <- contents ``read_pages`` returned (from the disk tier)."""
+    if self.backend != "tiered":
+      raise ValueError(f"the {self.backend} backend has no host pages")
+    k_all, v_all = fields
+    cache, at = state.cache, 0
+    for group, real in self._page_groups(pages):
+      k = np.zeros((group.shape[0],) + k_all.shape[1:], k_all.dtype)
+      v = np.zeros_like(k)
+      k[:real], v[:real] = k_all[at:at + real], v_all[at:at + real]
+      cache = _write_pages(self.tier_cfg, cache, group, jnp.asarray(np.moveaxis(k, 0, 1)),
+                           jnp.asarray(np.moveaxis(v, 0, 1)))
+      at += real
+    return ServingState(cache, state.staging)
+
   def start_decoding(self, state: ServingState, slot: int, length: int) -> ServingState:
     cache, staging = state.cache, state.staging
     slot_, length_ = jnp.int32(slot), jnp.int32(length)
@@ -330,6 +389,33 @@ class ServingBackend:
         err.state = ServingState(err.state, state.staging)
         raise
     return ServingState(cache, state.staging), logits
+
+  # Snapshot --------------------------------------------------------------------
+
+  def snapshot(self, state: ServingState) -> list[np.ndarray]:
+    """Every array of the state, on the host, and the driver's length mirror."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+    if self.backend == "tiered":
+      leaves.append(self.driver.seq_len.copy())
+    return leaves
+
+  def restore_state(self, leaves: list[np.ndarray]) -> ServingState:
+    """The state ``snapshot`` returned, placed as ``init`` places it (the host tier
+    in host memory): the compiled steps run on it without recompiling."""
+    template = self.init()
+    slots, treedef = jax.tree.flatten(template)
+    extra = 1 if self.backend == "tiered" else 0
+    if len(leaves) != len(slots) + extra:
+      raise ValueError(f"{len(leaves)} arrays for a state of {len(slots) + extra}")
+    for i, (leaf, slot) in enumerate(zip(leaves, slots)):
+      if leaf.shape != slot.shape or leaf.dtype != slot.dtype:
+        raise ValueError(f"array {i}: {leaf.dtype}{list(leaf.shape)} where the state has "
+                         f"{slot.dtype}{list(slot.shape)}")
+    placed = [jax.device_put(leaf, slot.sharding) for leaf, slot in zip(leaves, slots)]
+    del template, slots
+    if extra:
+      self.driver.seq_len = np.asarray(leaves[-1], np.int64).copy()
+    return jax.tree.unflatten(treedef, placed)
 
   def stats(self, state: ServingState) -> dict:
     if self.backend != "tiered":

@@ -65,9 +65,11 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
 
 def test_gpu_check_smoke_runs_clean(tmp_path):
   """The device script's smoke path (kernels interpreted): every check passes and no
-  section errors, so a rare GPU loan is not spent on a harness bug."""
+  section errors, so a rare GPU loan is not spent on a harness bug. The io section
+  (step-time variants, 35 s here) ran clean on the H200 twice and is left out to
+  keep the suite short."""
   run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
-      "--sections=serve,numerics,lookups,io", "--numerics_filter=zero_copy",
+      "--sections=serve,numerics,lookups", "--numerics_filter=zero_copy",
       "--warmup=1", "--iters=2")
   rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert not [r for r in rows if "error" in r]
@@ -80,9 +82,6 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   assert serve.keys() == {"sparse", "tiered"}  # dummy weights: performance rows only
   assert serve["tiered"]["admissible"] > serve["sparse"]["admissible"]
   assert all(r["finished"] == r["requests"] == 3 for r in serve.values())
-  timed = {r["variant"] for r in rows if r["section"] == "timing"}
-  assert {"full_kv", "zero_copy_sync", "host_exec_index_share_2",
-          "host_exec_lookahead_cap64"} <= timed
 
 
 def test_trace_smoke_records_rankings(tmp_path):
@@ -97,3 +96,67 @@ def test_trace_smoke_records_rankings(tmp_path):
     np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
   assert "nsa_ranks" not in data.files
   assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}
+
+
+def test_tiers_table_and_its_model(tmp_path):
+  """experiments.tiers against the roofline it builds on: the link-bound batch is
+  where the exposed miss IO equals the HBM reads; costs are the system's price over
+  its lifetime per request and per token; more HBM per request, fewer requests."""
+  import math
+
+  from models import capacity, tiers
+  from models.config import ModelConfig
+  out = run("experiments.tiers", f"--out_root={tmp_path}", "--contexts=131072")
+  run_dir, rows = only_run(tmp_path, "tiers")
+  assert (run_dir / "plot.png").stat().st_size > 0 and out.splitlines()[-1].startswith(
+      "tiers: context=131072 ddr5_usd_per_mtok=")
+  cfg, acc = ModelConfig.from_name("glm_5_1"), tiers.Accelerator()
+  ddr5 = tiers.TIERS["ddr5"]
+  rng = np.random.default_rng()
+  miss = float(rng.uniform(0.05, 0.3))
+  link = ddr5.miss_bandwidth(cfg.kv_bytes_per_token_per_layer)
+  n = tiers.link_bound_batch(cfg, acc, link, miss)
+  model = capacity.ThroughputModel(link_bandwidth=link, weight_bytes=acc.weight_bytes)
+  read = cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
+  io = model.step_seconds(cfg, 1, miss) - model.step_seconds(cfg, 1, None)
+  assert math.isclose(n * io, acc.weight_bytes / acc.hbm_bandwidth + n * read /
+                      acc.hbm_bandwidth, rel_tol=1e-9)
+  row = tiers.placement(cfg, 131072, acc, ddr5, hot_slots=2 * cfg.top_k, miss_rate=miss)
+  b = capacity.request_bytes(cfg, 131072, 2 * cfg.top_k)
+  assert row["requests"] == min(acc.max_batch, int(acc.kv_budget_gb * 1e9 // b.tiered_device))
+  system = acc.usd + row["requests"] * b.host / 1e9 * ddr5.usd_per_gb
+  assert math.isclose(row["usd_per_request"], system / row["requests"])
+  tok_s = model.tokens_per_second(cfg, row["requests"], miss)
+  assert math.isclose(row["usd_per_mtok"],
+                      system / (acc.years * 365 * 24 * 3600) / tok_s * 1e6, rel_tol=1e-9)
+  full = tiers.placement(cfg, 131072, acc, None, hot_slots=2 * cfg.top_k, miss_rate=miss)
+  assert full["requests"] == int(acc.kv_budget_gb * 1e9 // b.full_device) < row["requests"]
+  assert {r["placement"] for r in rows if r["table"] == "placement"} >= {
+      "HBM (full KV)", "HBM hot + host DDR5", "HBM hot + CXL DDR4 (Vistara)"}
+
+
+def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
+  from experiments import workloads
+  rng = np.random.default_rng()
+  stream = rng.integers(0, 1000, 5000)
+  specs = workloads.shared_prefix(stream, rng, 40, 3, 100, (16, 64), (2, 5),
+                                  arrivals=np.arange(40.0))
+  groups = {}
+  for spec in specs:
+    group = spec.id.split("-")[0]
+    groups.setdefault(group, []).append(spec.prompt)
+    assert 116 <= len(spec.prompt) <= 164 and 2 <= spec.max_new_tokens <= 5
+  assert 1 < len(groups) <= 3 and [s.arrival_s for s in specs] == list(range(40))
+  for prompts in groups.values():
+    assert all(p[:100] == prompts[0][:100] for p in prompts)
+  firsts = [prompts[0][:100] for prompts in groups.values()]
+  assert len(set(firsts)) == len(firsts)
+
+
+def test_pdd_smoke(tmp_path):
+  out = run("experiments.pdd", "--smoke", f"--out_root={tmp_path}")
+  run_dir, rows = only_run(tmp_path, "pdd")
+  assert {r["study"] for r in rows} == {"microbenchmark", "ttft", "bandwidth"}
+  assert (run_dir / "plot.png").stat().st_size > 0
+  last = out.strip().splitlines()[-1]
+  assert last.startswith("pdd: skewed_p50=") and "ttft_p90_cut=" in last

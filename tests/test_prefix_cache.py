@@ -4,14 +4,17 @@ written, nothing leaks, and every request's tokens equal its solo run without a
 cache (FakeModel reads a cached prefix back from its "host pages", so a wrong or
 overwritten shared page changes the tokens)."""
 
+import dataclasses
 import itertools
+import os
 
 import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.serving.disk import DiskTier
 from kvtier_jax.serving.radix import RadixCache
-from tests.test_serving import VOCAB, FakeModel, solo
+from tests.test_serving import POISON, VOCAB, FakeModel, solo
 
 UNIT, PAGE = 4, 2
 
@@ -100,9 +103,9 @@ def shared_prefix_workload(rng, num, groups=3):
   return out
 
 
-def run_with_prefix_cache(rng, num, pages, abort_rate=0.0):
-  factory = lambda: FakeModel(num_host_pages=pages)
-  engine = Engine(factory(), EngineConfig(max_step_tokens=20, prefix_cache=True))
+def run_with_prefix_cache(rng, num, pages, abort_rate=0.0, model=FakeModel, **config):
+  factory = lambda: model(num_host_pages=pages)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=20, prefix_cache=True, **config))
   pending, reqs = shared_prefix_workload(rng, num), []
   while pending or engine.has_work:
     for _ in range(min(len(pending), int(rng.integers(0, 3)))):
@@ -114,6 +117,9 @@ def run_with_prefix_cache(rng, num, pages, abort_rate=0.0):
     step = engine.step()
     assert step["cached_pages"] == engine.radix.num_pages
     engine.pool.check(engine.radix.held_pages())
+    if engine.disk is not None:
+      held = engine.radix.disk_pages()
+      assert step["disk_pages"] == len(held) == len(set(held)) == engine.disk.in_use
   for req in reqs:
     if req.state is State.FINISHED:
       assert req.output == solo(factory, req.prompt, req.max_new_tokens, req.sampling), req.id
@@ -147,3 +153,119 @@ def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions():
 def test_prefix_cache_needs_a_model_that_loads_prefixes():
   with pytest.raises(ValueError, match="prefix_cache"):
     Engine(FakeModel(supports_prefix_cache=False), EngineConfig(prefix_cache=True))
+
+
+# The disk tier ---------------------------------------------------------------
+
+
+def test_disk_tier_reads_back_every_byte(tmp_path):
+  import ml_dtypes
+  rng = np.random.default_rng()
+  disk = DiskTier(tmp_path, 6)
+  k = rng.standard_normal((4, 2, 3, 5)).astype(ml_dtypes.bfloat16)
+  k.view(np.uint16).reshape(-1)[rng.integers(k.size, size=3)] = 0x7FC1  # NaN payloads
+  tokens = rng.integers(-1, VOCAB, (4, 7))
+  ids = disk.write([k, tokens])
+  assert ids == [0, 1, 2, 3] and disk.num_free == 2
+  order = rng.permutation(4)
+  back_k, back_t = disk.read([ids[i] for i in order])
+  assert back_k.dtype == k.dtype and back_k.tobytes() == k[order].tobytes()
+  assert (back_t == tokens[order]).all() and back_t.dtype == tokens.dtype
+  with pytest.raises(ValueError, match="do not fit"):
+    disk.write([k[:3], tokens[:3]])
+  assert disk.num_free == 2  # refused: nothing taken
+  with pytest.raises(ValueError, match="do not match"):
+    disk.write([k[:1].astype(np.float32), tokens[:1]])
+  disk.free(ids[1:3])
+  with pytest.raises(ValueError, match="hold nothing"):
+    disk.read([ids[1]])
+  with pytest.raises(AssertionError, match="freed twice"):
+    disk.free([ids[1]])
+  assert os.listdir(tmp_path)
+
+
+def test_radix_spills_leaves_to_disk_and_takes_them_back(tmp_path):
+  pool = PagePool(16, num_slots=1, pages_per_slot=8)
+  disk = DiskTier(tmp_path, 6)
+  tree = RadixCache(UNIT, PAGE, disk)
+  contents = {}  # host page -> what it holds; the spill writes it to disk
+  spilled = {}
+
+  def spill(pages):
+    ids = disk.write([np.asarray([contents[p] for p in pages])])
+    spilled.update(zip(ids, (contents[p] for p in pages)))
+    return ids
+
+  def cache(tokens):
+    assert pool.grow(0, len(tokens) // PAGE)
+    pages = pool.table[0, :len(tokens) // PAGE].tolist()
+    for i, p in enumerate(pages):
+      contents[p] = tuple(tokens[i * PAGE:(i + 1) * PAGE])
+    adopted, node = tree.insert(tokens, pages)
+    pool.retain(adopted)
+    pool.release(0)
+    return node
+
+  prefix = [7, 7, 7, 7]
+  a = cache(prefix + [1, 1, 1, 1])
+  cache(prefix + [2, 2, 2, 2])
+  tree.match_prefix(prefix + [2, 2, 2, 2])  # b's branch is the most recent
+  assert tree.evict(2, pool.drop, spill) == 2  # a's leaf moves to disk
+  assert a.disk and not a.pages and tree.num_disk_pages == 2 and tree.num_pages == 4
+  pages, node = tree.match_prefix(prefix + [1, 1, 1, 1, 9])
+  assert node is a and len(pages) == 2 and tree.disk_path(node) == [a]
+  assert [spilled[i] for i in a.disk] == [(1, 1), (1, 1)]
+  # Everything goes: the shared prefix last, after both its children are on disk.
+  assert tree.evict(100, pool.drop, spill) == 4 and pool.in_use == 0
+  assert disk.in_use == 6 == tree.num_disk_pages and len(tree.disk_path(a)) == 2
+  pool.check(tree.held_pages())
+  # Insert takes the path back with fresh host pages and frees its disk pages.
+  tree.lock(a)
+  node = cache(prefix + [1, 1, 1, 1])
+  assert node is a and a.pages and not a.disk and tree.num_disk_pages == 2
+  assert disk.in_use == 2 and sorted(tree.disk_pages()) == sorted(
+      set(range(6)) - set(disk._free))
+  pool.check(tree.held_pages())
+  # A full disk forgets its least recently used unlocked leaves for good.
+  tree.unlock(a)
+  cache([5, 5, 5, 5, 6, 6, 6, 6])
+  assert tree.evict(100, pool.drop, spill) == 8 and pool.in_use == 0
+  assert disk.in_use <= 6 and tree.num_disk_pages == disk.in_use
+  assert sorted(tree.disk_pages()) == sorted(set(range(6)) - set(disk._free))
+
+
+@dataclasses.dataclass
+class PoisoningModel(FakeModel):
+  """FakeModel whose host pages read for the disk tier are poisoned at once (the
+  pool reuses them): a prefix that was not truly read back fails the request."""
+
+  def read_pages(self, state, pages):
+    fields = super().read_pages(state, pages)
+    for page in pages:
+      state["pages"][int(page)] = {o: POISON for o in range(self.page_size)}
+    return fields
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute", "auto"])
+def test_disk_tier_under_page_pressure_keeps_every_token(policy, tmp_path):
+  rng = np.random.default_rng()
+  engine, reqs = run_with_prefix_cache(rng, 90, pages=24, abort_rate=0.03,
+                                       model=PoisoningModel, disk_pages=20,
+                                       disk_dir=str(tmp_path), disk_policy=policy)
+  states = [r.state for r in reqs]
+  assert states.count(State.FINISHED) > 50 and State.FAILED not in states
+  assert engine.disk.pages_written > 0, "nothing reached the disk"
+  if policy == "recompute":
+    assert engine.disk_loaded_tokens == 0 < engine.disk_recomputed_tokens
+  else:
+    assert engine.disk_loaded_tokens > 0
+  if policy == "load":
+    assert engine.disk_recomputed_tokens == 0
+  assert engine.cached_tokens >= engine.disk_loaded_tokens
+
+
+def test_disk_tier_needs_the_prefix_cache():
+  with pytest.raises(ValueError, match="prefix_cache"):
+    EngineConfig(disk_pages=8)
+  with pytest.raises(ValueError, match="disk_policy"):
+    EngineConfig(prefix_cache=True, disk_pages=8, disk_policy="sometimes")

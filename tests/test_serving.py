@@ -82,7 +82,7 @@ class FakeModel:
     return state, jnp.asarray(self._logits(seq))
 
   def load_prefix(self, state, slot, length):
-    assert length % self.chunk_size == 0
+    assert 0 < length <= self.max_len  # whole chunks, or all of a handed-off request
     table = state["table"][slot]
     state["seq"][slot] = [state["pages"][int(table[p // self.page_size])][p % self.page_size]
                           for p in range(length)]
@@ -90,6 +90,35 @@ class FakeModel:
 
   def start_decoding(self, state, slot, length):
     assert len(state["seq"][slot]) == length
+    return state
+
+  def read_pages(self, state, pages):
+    """A page's tokens by offset (-1: never written): what a disk tier stores."""
+    out = np.full((len(pages), self.page_size), -1, np.int64)
+    for row, page in zip(out, pages):
+      for offset, token in state["pages"].get(int(page), {}).items():
+        row[offset] = token
+    return [out]
+
+  def snapshot(self, state):
+    seq = np.full((self.num_slots, self.max_len + 1), -1, np.int64)
+    for row, tokens in zip(seq, state["seq"]):
+      row[0] = len(tokens)
+      row[1:1 + len(tokens)] = tokens
+    table = (np.full((self.num_slots, 1), -2, np.int32) if state["table"] is None
+             else state["table"])
+    return [seq, table, FakeModel.read_pages(self, state, range(self.num_host_pages))[0]]
+
+  def restore_state(self, arrays):
+    seq, table, pages = arrays
+    state = self.init()
+    state["seq"] = [row[1:1 + row[0]].tolist() for row in seq]
+    state["table"] = None if (table == -2).all() else table.copy()
+    return self.write_pages(state, range(self.num_host_pages), [pages])
+
+  def write_pages(self, state, pages, fields):
+    for page, row in zip(pages, fields[0]):
+      state["pages"][int(page)] = {o: int(t) for o, t in enumerate(row) if t >= 0}
     return state
 
   def decode(self, state, tokens, active):

@@ -5,7 +5,7 @@ misses served from the host tier, and no recompilation as requests come and go."
 
 import pytest
 
-from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State
+from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from models import backends, serving, setup, text
 
 transformer = pytest.importorskip("models.transformer")
@@ -40,11 +40,9 @@ def backend(model, name, host_pages=None):
 BUDGET = 24 * 2**20  # device bytes: the staging buffer (11.8 MB) + ~13 MB of requests
 
 
-def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
-          prefix_cache=False):
+def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None, **config):
   engine = Engine(backend(model, name, host_pages),
-                  EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET,
-                               prefix_cache=prefix_cache))
+                  EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
   pending = list(enumerate(workload))
   reqs, arrived = {}, {}
   while pending or engine.has_work:
@@ -98,27 +96,93 @@ def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
   assert tiered.pool.in_use == 0 and tiered.slots == [None] * 3
 
 
-def test_prefix_cache_reuses_shared_prompt_chunks_with_the_same_tokens(model_and_ids):
-  """Requests sharing a 150-token prefix: with the prefix cache the later ones
-  restage its two whole 64-token chunks from the host pages instead of computing
-  them, and every request's tokens equal the sparse engine's (no cache). The
-  request admitted between them has another prompt, so the staging buffer holds
-  nothing of the prefix when the next sharer loads it."""
+def test_disk_tier_round_trips_host_pages_and_keeps_the_tokens(model_and_ids, tmp_path):
+  """The prefix cache with a disk tier below it. Two 150-token prefixes take turns:
+  the host pool (20 pages) cannot keep both cached while a third request runs, so
+  each is spilled to the disk tier and read back (tensorstore) by its next sharer,
+  and prefixes still on the host are restaged from their pages; requests sharing
+  nothing run in between, so the staging buffer never holds a prefix a sharer needs.
+  Tokens equal the sparse engine's (no cache). Then the host pages' bytes: read for
+  the disk, stored, written to other pages, read again; and a snapshot taken mid-run
+  restored into a new backend ends the same way."""
   model, ids = model_and_ids
-  prefix = ids[:150].tolist()
-  workload = [(prefix + ids[300:330].tolist(), 10, SamplingParams(), 0),
-              (ids[1000:1100].tolist(), 6, SamplingParams(), 0),  # shares nothing
-              (prefix + ids[400:412].tolist(), 8, SamplingParams(temperature=0.7, seed=3), 1),
-              (prefix + ids[500:540].tolist(), 10, SamplingParams(), 4)]
-  # serve() slices prompts out of ``ids``: hand it the prompts as their own id list.
+  one, two = ids[:150].tolist(), ids[600:750].tolist()
+  workload = [(one + ids[300:340].tolist(), 6, SamplingParams(), 0),
+              (two + ids[900:940].tolist(), 6, SamplingParams(), 0),
+              (one + ids[1300:1310].tolist(), 4, SamplingParams(), 6),  # one still on host
+              (one + ids[1000:1040].tolist(), 6, SamplingParams(), 30),
+              (two + ids[1100:1140].tolist(), 6, SamplingParams(temperature=0.7, seed=5), 31),
+              (one + ids[1200:1240].tolist(), 6, SamplingParams(), 32)]
   flat, rows = [], []
   for prompt, new, sp, at in workload:
     rows.append((len(flat), len(prompt), new, sp, at))
     flat += list(prompt)
-  cached, got = serve(model, flat, "tiered", rows, host_pages=60, prefix_cache=True)
+  config = dict(prefix_cache=True, disk_pages=32, disk_policy="load")
+  snap = tmp_path / "snap"
+
+  def save_once(engine):  # mid-run: requests decoding, prefixes on disk
+    if engine.steps == 34:
+      snapshot.save(engine, snap)
+
+  engine, got = serve(model, flat, "tiered", rows, host_pages=20, probe=save_once,
+                      disk_dir=str(tmp_path / "disk"), **config)
   _, want = serve(model, flat, "sparse", rows)
-  assert cached.cached_tokens == 2 * 128  # the later sharers hit both whole chunks
-  assert cached.radix.num_pages > 0
   for i in got:
     assert got[i].state is State.FINISHED, (i, got[i].reason)
     assert got[i].output == want[i].output, i
+  assert engine.disk_loaded_tokens >= 2 * 128, "no prefix came back from disk"
+  assert engine.cached_tokens > engine.disk_loaded_tokens, "none restaged from the host"
+  # Restored from the snapshot into a new backend, the run ends the same way.
+  restored = snapshot.restore(snap, backend(model, "tiered", 20), EngineConfig(
+      max_step_tokens=64, kv_budget_bytes=BUDGET, disk_dir=str(tmp_path / "disk2"),
+      **config))
+  assert restored.has_work and any(r.state is State.DECODING for r in restored.slots if r)
+  restored.run()
+  assert {i: r.output for i, r in restored.requests.items()} == {
+      str(i): r.output for i, r in got.items()}
+
+  import numpy as np
+  from kvtier_jax.serving.disk import DiskTier
+  tiered, state = engine.model, engine.state
+  pages = engine.radix.held_pages()[:4]
+  fields = tiered.read_pages(state, pages)
+  host = [np.moveaxis(np.asarray(a)[:, pages], 1, 0) for a in
+          (state.cache.tier.host_k, state.cache.tier.host_v)]
+  assert [f.tobytes() for f in fields] == [h.tobytes() for h in host]
+  disk = DiskTier(tmp_path / "again", 8)
+  back = disk.read(disk.write(fields))
+  others = [p for p in range(tiered.num_host_pages) if engine.pool.refs[p] == 0][:4]
+  state = tiered.write_pages(state, others, back)
+  assert [f.tobytes() for f in tiered.read_pages(state, others)] == [
+      f.tobytes() for f in fields]
+
+
+def test_handoff_continues_on_another_engine_with_the_same_tokens(model_and_ids):
+  """PDD's relay: a request decodes a few tokens on one tiered engine and moves to
+  another, either with the K/V pages the receiver lacks (it restages them and decodes
+  on) or as token ids only (it prefills the prompt's tail and replays the relayed
+  tokens through decode steps); greedy and seeded sampling yield the tokens of the
+  sparse engine's uninterrupted run."""
+  model, ids = model_and_ids
+  prompt = ids[:170].tolist()
+  # (The two-process test in test_handoff.py runs the other two combinations.)
+  cases = [(SamplingParams(), 5, "all"), (SamplingParams(temperature=0.8, seed=9), 3, "none")]
+  rows = [(0, 170, 14, sp, 0) for sp, _, _ in cases]
+  _, want = serve(model, ids, "sparse", rows)
+  config = EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, prefix_cache=True)
+  relay = Engine(backend(model, "tiered"), config)
+  main = Engine(backend(model, "tiered"), config)
+  for i, (sp, relayed, kv) in enumerate(cases):
+    req = relay.submit(prompt, 14, sp, request_id=str(i))
+    while len(req.output) < relayed:
+      relay.step()
+    start = 0
+    if kv == "all" and main.radix.num_pages:  # send only what the receiver lacks
+      start = len(main.radix.match_prefix(prompt[:128])[0]) * 16
+    moved = main.accept(relay.export(str(i), kv=kv, start=start))
+    assert req.state is State.HANDED_OFF and moved.output == req.output
+    main.run()
+    assert moved.state is State.FINISHED and moved.output == want[i].output, i
+  assert main.cached_tokens > 0  # the second handoff reuses the receiver's cached prompt
+  relay.pool.check(relay.radix.held_pages())
+  main.pool.check(main.radix.held_pages())

@@ -25,7 +25,15 @@ With ``prefix_cache`` (radix.py) admission shares the longest cached prefix of
 whole chunks (its pages, by reference count) and the prefill starts after it, the
 model restaging it from the host pages; a finished prefill caches the prompt's
 whole chunks; cached prefixes nobody runs are evicted (LRU leaves first) when the
-page pool runs short, before anyone is preempted.
+page pool runs short, before anyone is preempted. With a disk tier
+(``disk_pages``, disk.py) those prefixes move to disk instead of being forgotten;
+a request that matches a prefix on disk either loads it back into host pages or
+recomputes it (``disk_policy``; "auto" compares the measured load and prefill
+costs), and both give the same bytes.
+
+A request can move to another engine (``export`` / ``accept``, handoff.py): its
+token ids, sampling parameters and optionally the K/V pages the receiver lacks; the
+receiver continues it with the same tokens (PDD's relay and main decode).
 
 Requests are validated at ``submit`` (clear ``ValueError``s; the engine is not
 touched). A request whose logits turn non-finite fails with the reason; the others
@@ -38,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -45,6 +54,8 @@ import numpy as np
 
 from kvtier_jax.driver import StepRefused
 from kvtier_jax.serving import sampling
+from kvtier_jax.serving import handoff as handoff_lib
+from kvtier_jax.serving.disk import DiskTier
 from kvtier_jax.serving.model import ServingModel
 from kvtier_jax.serving.pages import PagePool
 from kvtier_jax.serving.radix import RadixCache
@@ -53,6 +64,7 @@ from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
 
 
 PREFILL_POLICIES = ("decode_first", "blocking")
+DISK_POLICIES = ("auto", "load", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,13 @@ class EngineConfig:
       a request's longest cached prefix of whole chunks is shared, not recomputed,
       and its own prompt chunks are cached when its prefill ends. Needs a model
       with ``load_prefix`` (the tiered backend).
+    disk_pages: pages of a disk tier below the host pool for cached prefixes
+      (0: none; needs ``prefix_cache`` and a model with ``read_pages`` /
+      ``write_pages``).
+    disk_dir: where the disk tier lives (None: a fresh temporary directory).
+    disk_policy: for a prefix found on disk: ``"load"`` it back, ``"recompute"``
+      it, or ``"auto"``: load when the measured load time of its pages is below
+      the measured prefill time of its tokens.
   """
 
   max_step_tokens: int = 512
@@ -81,11 +100,19 @@ class EngineConfig:
   eos_ids: tuple[int, ...] = ()
   prefill_policy: str = "decode_first"
   prefix_cache: bool = False
+  disk_pages: int = 0
+  disk_dir: str | None = None
+  disk_policy: str = "auto"
 
   def __post_init__(self):
     if self.prefill_policy not in PREFILL_POLICIES:
       raise ValueError(f"prefill_policy={self.prefill_policy!r} must be one of "
                        f"{PREFILL_POLICIES}")
+    if self.disk_policy not in DISK_POLICIES:
+      raise ValueError(f"disk_policy={self.disk_policy!r} must be one of {DISK_POLICIES}")
+    if self.disk_pages < 0 or (self.disk_pages and not self.prefix_cache):
+      raise ValueError(f"disk_pages={self.disk_pages}: a disk tier holds cached prefixes "
+                       "and needs prefix_cache=True")
     if self.max_step_tokens <= 0:
       raise ValueError(f"max_step_tokens={self.max_step_tokens} must be positive")
 
@@ -105,15 +132,24 @@ class Engine:
     self.state = model.init()
     pages_per_slot = -(-model.max_len // model.page_size)
     self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot)
-    self.radix = None
+    self.radix, self.disk = None, None
     if config.prefix_cache:
       if not getattr(model, "supports_prefix_cache", False):
         raise ValueError("prefix_cache needs a model that stages a cached prefix from "
                          "its host pages (the tiered backend; not a selector that reads "
                          "hidden states)")
-      self.radix = RadixCache(model.chunk_size, model.page_size)
+      if config.disk_pages:
+        if not hasattr(model, "read_pages"):
+          raise ValueError("a disk tier needs a model with read_pages / write_pages")
+        self.disk = DiskTier(config.disk_dir or tempfile.mkdtemp(prefix="kvtier-disk-"),
+                             config.disk_pages)
+      self.radix = RadixCache(model.chunk_size, model.page_size, self.disk)
     self.prompt_tokens = 0  # prompt tokens of every admission
-    self.cached_tokens = 0  # of those, served from the prefix cache
+    self.cached_tokens = 0  # of those, served from the prefix cache (host or disk)
+    self.disk_loaded_tokens = 0  # of those, read back from the disk tier
+    self.disk_recomputed_tokens = 0  # found on disk but recomputed (disk_policy)
+    self.imported_tokens = 0  # positions whose K/V came with a handoff
+    self._prefill_seconds = self._prefill_timed_tokens = 0.0
     self.slots: list[Request | None] = [None] * model.num_slots
     self.waiting: collections.deque[Request] = collections.deque()
     self.requests: dict[str, Request] = {}
@@ -172,6 +208,65 @@ class Engine:
       self._release(req)
     self._end(req, State.ABORTED, "aborted")
 
+  def export(self, request_id: str, *, kv: str = "all",
+             start: int = 0) -> handoff_lib.Handoff:
+    """Hand a request to another engine and let it go here (``State.HANDED_OFF``).
+
+    ``kv``: ``"all"`` sends the pages of every computed position from ``start``
+    (the receiver's cached prefix, page-aligned) on; ``"prompt"`` only the prompt's
+    whole chunks from ``start`` (the receiver replays the outputs); ``"none"`` token
+    ids only. Raises ``ValueError`` (nothing changed) if the request cannot go.
+    """
+    req = self.requests[request_id]
+    if kv not in handoff_lib.KV_MODES:
+      raise ValueError(f"kv={kv!r} must be one of {handoff_lib.KV_MODES}")
+    if req.state.done or req.state is State.PREFILLING:
+      raise ValueError(f"request {request_id!r} is {req.state.value}: only waiting or "
+                       "decoding requests move")
+    if len(req.output) >= req.max_new_tokens:
+      raise ValueError(f"request {request_id!r} has all its tokens")
+    out = handoff_lib.Handoff(request_id, list(req.prompt), list(req.output),
+                              req.max_new_tokens, req.sampling, sorted(req.stop_ids))
+    if kv != "none":
+      size = self.model.page_size
+      end = (req.cached if kv == "all" else
+             min(req.cached, len(req.prompt)) // self.model.chunk_size * self.model.chunk_size)
+      if req.state is not State.DECODING or not self._host_pages(req.total_length):
+        raise ValueError(f"request {request_id!r} has no host pages to send "
+                         f"({req.state.value}); export with kv='none'")
+      if start % size or not 0 <= start < end:
+        raise ValueError(f"start={start} must be page-aligned and below {end}")
+      pages = self.pool.table[req.slot, start // size:-(-end // size)].tolist()
+      out.kv_start, out.kv_end = start, end
+      out.kv = [np.array(f) for f in self.model.read_pages(self.state, pages)]
+    if req.state is State.WAITING:
+      self.waiting.remove(req)
+    else:
+      self._release(req)
+    self._end(req, State.HANDED_OFF, f"handed off ({kv})")
+    return out
+
+  def accept(self, handoff: handoff_lib.Handoff, *,
+             on_token: Callable[[Request, int], None] | None = None,
+             arrival: float | None = None) -> Request:
+    """Queue a request another engine exported; it continues with the tokens an
+    uninterrupted run yields (see handoff.py). ``ValueError`` on bad input."""
+    handoff_lib.check(handoff, self.model.page_size, self.model.vocab_size)
+    req = self.submit(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
+                      stop_ids=handoff.stop_ids, request_id=handoff.request_id,
+                      on_token=on_token, arrival=arrival)
+    req.output = list(handoff.output)
+    if handoff.kv_end:
+      req.imported = (handoff.kv_start, handoff.kv_end, handoff.kv)
+    return req
+
+  @property
+  def prefill_seconds_per_token(self) -> float | None:
+    """Measured prefill cost (timed only with a disk tier on ``"auto"``)."""
+    if not self._prefill_timed_tokens:
+      return None
+    return self._prefill_seconds / self._prefill_timed_tokens
+
   @property
   def has_work(self) -> bool:
     return bool(self.waiting) or any(self.slots)
@@ -196,6 +291,7 @@ class Engine:
                running=sum(r is not None for r in self.slots),
                host_pages_in_use=self.pool.in_use,
                cached_pages=0 if self.radix is None else self.radix.num_pages,
+               disk_pages=0 if self.disk is None else self.radix.num_disk_pages,
                host_bytes_in_use=self.pool.in_use * self.model.host_page_bytes,
                device_bytes_in_use=self._device_in_use, **delta)
     if self._on_step:
@@ -235,17 +331,28 @@ class Engine:
       matched = 0
       if self._host_pages(req.total_length):
         shared, node = self._match(req)
-        if not self._take_pages(slot, -(-len(req.prompt) // self.model.page_size), shared):
+        on_disk = [] if node is None else self.radix.disk_path(node)
+        load = bool(on_disk) and self._load_from_disk(on_disk)
+        upto = max(len(req.prompt), req.imported[1] if req.imported else 0)
+        if not self._take_pages(slot, -(-upto // self.model.page_size), shared):
           if node is not None:
             self.radix.unlock(node)
           return
         req.radix_node, matched = node, len(shared) * self.model.page_size
+        if load:
+          matched = self._load(slot, req.prompt, len(shared), on_disk)
+        elif on_disk:
+          self.disk_recomputed_tokens += sum(len(n.key) for n in on_disk)
+      cached = matched
+      if req.imported is not None and req.imported[0] <= matched < req.imported[1]:
+        matched = self._import_pages(req, slot, matched)
+        self.imported_tokens += matched - cached
       self.waiting.popleft()
       req.slot, req.device_bytes, req.cached, req.staged = slot, charge, matched, 0
       self.prompt_tokens += len(req.prompt)
-      self.cached_tokens += matched
+      self.cached_tokens += cached
       if req.metrics.cached_tokens is None:
-        req.metrics.cached_tokens = matched
+        req.metrics.cached_tokens = cached
       req.state, req.admit_order = State.PREFILLING, self._admitted
       self._admitted += 1
       self._device_in_use += charge
@@ -263,13 +370,58 @@ class Engine:
     self.radix.lock(node)
     return pages, node
 
+  def _load_from_disk(self, on_disk) -> bool:
+    """Load (True) or recompute the matched prefix nodes ``on_disk``."""
+    policy = self.config.disk_policy
+    if policy != "auto":
+      return policy == "load"
+    per_page, per_token = self.disk.seconds_per_page, self.prefill_seconds_per_token
+    if per_page is None or per_token is None:
+      return True  # nothing measured yet: loading measures it
+    return per_page / self.model.page_size <= per_token
+
+  def _load(self, slot: int, prompt: list[int], resident: int, on_disk) -> int:
+    """Read the prefix nodes ``on_disk`` back into ``slot``'s pages after its
+    ``resident`` shared ones (the tree adopts them); returns the tokens matched."""
+    disk_ids = [p for n in on_disk for p in n.disk]
+    host = self.pool.table[slot, resident:resident + len(disk_ids)].tolist()
+    start = time.perf_counter()
+    self.state = self.model.write_pages(self.state, host, self.disk.read(disk_ids))
+    self.disk.load_seconds += time.perf_counter() - start
+    self.disk.pages_loaded += len(disk_ids)
+    matched = (resident + len(disk_ids)) * self.model.page_size
+    pages = self.pool.table[slot, :matched // self.model.page_size].tolist()
+    adopted, _ = self.radix.insert(prompt[:matched], pages)
+    self.pool.retain(adopted)
+    self.disk_loaded_tokens += len(disk_ids) * self.model.page_size
+    return matched
+
+  def _import_pages(self, req: Request, slot: int, matched: int) -> int:
+    """Write a handoff's pages past the ``matched`` cached prefix into ``slot``'s
+    pages; returns the positions now cached."""
+    start, end, fields = req.imported
+    size = self.model.page_size
+    first = matched // size
+    host = self.pool.table[slot, first:-(-end // size)].tolist()
+    skip = first - start // size
+    self.state = self.model.write_pages(self.state, host, [f[skip:] for f in fields])
+    return end
+
+  def _spill(self, pages: list[int]) -> list[int]:
+    """Write host pages to the disk tier (a cached prefix leaving the host)."""
+    return self.disk.write(self.model.read_pages(self.state, pages))
+
+  def _evict(self, num_pages: int) -> int:
+    return self.radix.evict(num_pages, self.pool.drop,
+                            self._spill if self.disk is not None else None)
+
   def _take_pages(self, slot: int, num_pages: int, shared: list[int]) -> bool:
     """``slot`` holds ``shared`` then fresh pages up to ``num_pages``, evicting
     unused cached prefixes when the pool is short; False (nothing held) if it
     cannot."""
     fresh = num_pages - len(shared)
     if fresh > self.pool.num_free and self.radix is not None:
-      self.radix.evict(fresh - self.pool.num_free, self.pool.drop)
+      self._evict(fresh - self.pool.num_free)
     if fresh > self.pool.num_free:
       return False
     self.pool.share(slot, shared)
@@ -306,7 +458,7 @@ class Engine:
         continue
       need = req.cached // self.model.page_size + 1
       while not self.pool.grow(req.slot, need):
-        if self.radix is not None and self.radix.evict(1, self.pool.drop):
+        if self.radix is not None and self._evict(1):
           continue
         holders = [r for r in self.slots if r is not None and
                    (r is req or (self.pool.table[r.slot] >= 0).any())]
@@ -392,11 +544,22 @@ class Engine:
       if req.staged < req.cached:  # a cached prefix: staged from the host, not computed
         self.state = self.model.load_prefix(self.state, req.slot, req.cached)
         req.staged = req.cached
+      if req.cached >= len(req.prompt):  # a handoff brought every computed position
+        self._cache_prompt(req)
+        self.state = self.model.start_decoding(self.state, req.slot, req.cached)
+        req.state = State.DECODING
+        break
       start = req.cached
       count = min(chunk, len(req.prompt) - start)
       tokens = np.zeros((chunk,), np.int32)
       tokens[:count] = req.prompt[start:start + count]
+      timed = self.disk is not None and self.config.disk_policy == "auto"
+      began = time.perf_counter()
       self.state, logits = self.model.prefill(self.state, req.slot, tokens, start, count)
+      if timed:  # the cost a disk load is weighed against
+        np.asarray(logits)
+        self._prefill_seconds += time.perf_counter() - began
+        self._prefill_timed_tokens += count
       req.cached = req.staged = req.cached + count
       budget -= chunk
       ran += count

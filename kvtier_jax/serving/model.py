@@ -72,7 +72,24 @@ class ServingModel(Protocol):
 
   def load_prefix(self, state: Any, slot: int, length: int) -> Any:
     """Stage positions ``0 .. length - 1`` of ``slot`` from its host pages (a cached
-    prefix; ``length`` a multiple of C) so its next prefill chunk attends to them."""
+    prefix of whole chunks, or every computed position of a request handed over
+    with its pages) so its next prefill chunk (or ``start_decoding``) sees them."""
+
+  # Optional: a disk tier (``EngineConfig.disk_pages``) needs both.
+  def read_pages(self, state: Any, pages: list[int]) -> list[np.ndarray]:
+    """The contents of host pages ``pages``: arrays [len(pages), ...], page i in
+    row i (what a disk tier stores, byte for byte)."""
+
+  def write_pages(self, state: Any, pages: list[int], fields: list[np.ndarray]) -> Any:
+    """Host pages ``pages`` <- contents ``read_pages`` returned."""
+
+  # Optional: ``snapshot.save`` / ``snapshot.restore`` need both.
+  def snapshot(self, state: Any) -> list[np.ndarray]:
+    """The state (and any host-side mirror) as numpy arrays."""
+
+  def restore_state(self, arrays: list[np.ndarray]) -> Any:
+    """The state ``snapshot`` returned, placed for this model's compiled steps;
+    ``ValueError`` if the arrays do not fit it."""
 
   def stats(self, state: Any) -> dict:
     """Cumulative counters: hits, misses, host-to-device bytes (tiered)."""

@@ -14,6 +14,15 @@ would have computed itself. Each edge holds the host pages of its tokens.
   ancestors; ``evict`` drops unlocked leaves, least recently used first, so a
   shared prefix outlives its suffixes.
 
+With a disk tier (``disk.py``) ``evict`` moves a leaf's pages to disk (``spill``)
+instead of forgetting them: the node stays in the tree with disk page ids, and is
+treated as a leaf by the next eviction once all its children are on disk, so the
+host-resident nodes are always a top part of the tree and a matched path is some
+resident nodes, then some on disk (``disk_path``). ``insert`` brings a path's disk
+nodes back by adopting the caller's host pages for them (the engine wrote the
+pages read from disk there, or recomputed them); when the disk is full its least
+recently used unlocked leaves are dropped for good.
+
 Pages are shared by reference count (``PagePool``): the tree holds one reference
 per cached page and every slot whose table lists it holds one, so dropping a tree
 node frees only pages no request holds. What is cached: prompt chunks computed by
@@ -29,12 +38,15 @@ import heapq
 import itertools
 from typing import Callable, Sequence
 
+from kvtier_jax.serving.disk import DiskTier
+
 
 @dataclasses.dataclass(eq=False)
 class Node:
   key: tuple[int, ...]  # this edge's tokens (whole units)
-  pages: list[int]  # host pages of those tokens
+  pages: list[int]  # host pages of those tokens ([] while on disk)
   parent: "Node | None"
+  disk: list[int] = dataclasses.field(default_factory=list)  # disk pages (on disk)
   children: dict[tuple[int, ...], "Node"] = dataclasses.field(default_factory=dict)
   lock: int = 0  # running requests using this node or a descendant
   last_used: int = 0
@@ -43,14 +55,15 @@ class Node:
 class RadixCache:
   """Prefixes of whole ``unit``-token chunks and their host pages."""
 
-  def __init__(self, unit: int, page_size: int):
+  def __init__(self, unit: int, page_size: int, disk: DiskTier | None = None):
     if unit <= 0 or unit % page_size:
       raise ValueError(f"unit={unit} must be a positive multiple of page_size={page_size}")
-    self.unit, self.page_size = unit, page_size
+    self.unit, self.page_size, self.disk = unit, page_size, disk
     self.root = Node((), [], None)
     self.root.lock = 1  # never evicted
     self._clock = itertools.count(1)
-    self.num_pages = 0  # pages the tree holds a reference to
+    self.num_pages = 0  # host pages the tree holds a reference to
+    self.num_disk_pages = 0  # disk pages of the nodes on disk
 
   def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
     return tuple(tokens[at:at + self.unit])
@@ -83,31 +96,56 @@ class RadixCache:
     """Cut ``child``'s edge after ``length`` tokens; returns the new upper node."""
     cut = self._pages_of(length)
     upper = Node(child.key[:length], child.pages[:cut], child.parent,
-                 lock=child.lock, last_used=child.last_used)
+                 disk=child.disk[:cut], lock=child.lock, last_used=child.last_used)
     upper.children[self._first(child.key, length)] = child
     child.parent.children[self._first(child.key, 0)] = upper
     child.key, child.pages, child.parent = child.key[length:], child.pages[cut:], upper
+    child.disk = child.disk[cut:]
     return upper
+
+  def disk_path(self, node: Node) -> list[Node]:
+    """The nodes on disk on the path to ``node`` (root first): they end it."""
+    path = []
+    while node is not self.root and node.disk:
+      path.append(node)
+      node = node.parent
+    return path[::-1]
+
+  @staticmethod
+  def depth(node: Node) -> int:
+    """Tokens on the path to ``node``, itself included."""
+    tokens = 0
+    while node is not None:
+      tokens += len(node.key)
+      node = node.parent
+    return tokens
 
   def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[list[int], Node]:
     """Cache ``tokens`` (whole units) whose pages are ``pages``; returns (the pages
-    the tree adopted: the caller adds a reference to each, the deepest node)."""
+    the tree adopted: the caller adds a reference to each, the deepest node).
+    Nodes of the path that are on disk adopt the caller's pages (their disk pages
+    are freed): those hold the same K/V, read back or recomputed."""
     if len(tokens) % self.unit or len(pages) != self._pages_of(len(tokens)):
       raise ValueError(f"{len(tokens)} tokens and {len(pages)} pages are not whole units "
                        f"of {self.unit} tokens / {self.unit // self.page_size} pages")
     _, node = self.match_prefix(tokens)
-    depth = 0
-    walk = node
-    while walk is not self.root:
-      depth += len(walk.key)
-      walk = walk.parent
+    adopted = []
+    for on_disk in self.disk_path(node):
+      start = self._pages_of(self.depth(on_disk) - len(on_disk.key))
+      on_disk.pages = list(pages[start:start + len(on_disk.disk)])
+      self.disk.free(on_disk.disk)
+      self.num_disk_pages -= len(on_disk.disk)
+      self.num_pages += len(on_disk.pages)
+      on_disk.disk = []
+      adopted += on_disk.pages
+    depth = self.depth(node)
     if depth == len(tokens):
-      return [], node
+      return adopted, node
     new = Node(tuple(tokens[depth:]), list(pages[self._pages_of(depth):]), node,
                last_used=next(self._clock))
     node.children[self._first(new.key, 0)] = new
     self.num_pages += len(new.pages)
-    return list(new.pages), new
+    return adopted + new.pages, new
 
   def lock(self, node: Node) -> None:
     while node is not None:
@@ -121,22 +159,69 @@ class RadixCache:
       node.lock -= 1
       node = node.parent
 
-  def evict(self, num_pages: int, drop: Callable[[list[int]], int]) -> int:
-    """Drop unlocked leaves, least recently used first, until ``drop`` (which
-    releases the tree's references and returns the pages that became free) has
-    freed ``num_pages``; returns the pages freed."""
-    leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and not n.lock]
+  def evict(self, num_pages: int, drop: Callable[[list[int]], int],
+            spill: Callable[[list[int]], list[int]] | None = None) -> int:
+    """Give up host pages of unlocked leaves (nodes whose children are all on
+    disk), least recently used first, until ``drop`` (which releases the tree's
+    references and returns the pages that became free) has freed ``num_pages``;
+    returns the pages freed. With a disk tier and ``spill`` (host pages -> disk
+    ids, the pages' contents written there) a leaf moves to disk, else it is
+    forgotten with its subtree."""
+    leaves = [(n.last_used, id(n), n) for n in self._nodes() if self._evictable(n)]
     heapq.heapify(leaves)
     freed = 0
     while leaves and freed < num_pages:
       _, _, leaf = heapq.heappop(leaves)
       parent = leaf.parent
-      del parent.children[self._first(leaf.key, 0)]
-      self.num_pages -= len(leaf.pages)
-      freed += drop(leaf.pages)
-      if parent is not self.root and not parent.children and not parent.lock:
+      if spill is not None and self.disk is not None:
+        self._make_disk_room(len(leaf.pages), keep=leaf)
+        if self.disk.num_free >= len(leaf.pages):
+          leaf.disk = spill(leaf.pages)
+          self.num_disk_pages += len(leaf.disk)
+      pages, leaf.pages = leaf.pages, []
+      self.num_pages -= len(pages)
+      if not leaf.disk:
+        self._remove(leaf)
+      freed += drop(pages)
+      if self._evictable(parent):
         heapq.heappush(leaves, (parent.last_used, id(parent), parent))
     return freed
+
+  def _evictable(self, node: Node) -> bool:
+    return (node is not self.root and not node.lock and bool(node.pages)
+            and all(c.disk for c in node.children.values()))
+
+  def _remove(self, node: Node) -> None:
+    """Forget ``node`` and its subtree (on disk: their disk pages are freed)."""
+    del node.parent.children[self._first(node.key, 0)]
+    stack = [node]
+    while stack:
+      n = stack.pop()
+      if n.disk:
+        self.disk.free(n.disk)
+        self.num_disk_pages -= len(n.disk)
+      stack.extend(n.children.values())
+
+  def _make_disk_room(self, num_pages: int, keep: Node) -> None:
+    """Forget unlocked disk leaves, least recently used first, until the disk has
+    ``num_pages`` free (never ``keep``'s subtree: it is about to join it)."""
+    if num_pages > self.disk.num_pages or self.disk.num_free >= num_pages:
+      return
+    inside = set()
+    stack = [keep]
+    while stack:
+      n = stack.pop()
+      inside.add(id(n))
+      stack.extend(n.children.values())
+    leaves = [(n.last_used, id(n), n) for n in self._nodes()
+              if n.disk and not n.children and not n.lock and id(n) not in inside]
+    heapq.heapify(leaves)
+    while leaves and self.disk.num_free < num_pages:
+      _, _, leaf = heapq.heappop(leaves)
+      parent = leaf.parent
+      self._remove(leaf)
+      if parent.disk and not parent.children and not parent.lock:
+        heapq.heappush(leaves, (parent.last_used, id(parent), parent))
 
   def _nodes(self):
     stack = [self.root]
@@ -147,5 +232,9 @@ class RadixCache:
       stack.extend(node.children.values())
 
   def held_pages(self) -> list[int]:
-    """Every page the tree references (tests: the pool's reference counts)."""
+    """Every host page the tree references (tests: the pool's reference counts)."""
     return [p for n in self._nodes() for p in n.pages]
+
+  def disk_pages(self) -> list[int]:
+    """Every disk page the tree's nodes on disk hold (tests)."""
+    return [p for n in self._nodes() for p in n.disk]

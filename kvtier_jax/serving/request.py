@@ -15,10 +15,11 @@ class State(enum.Enum):
   FINISHED = "finished"  # reached max_new_tokens or a stop id
   ABORTED = "aborted"  # abort() was called
   FAILED = "failed"  # non-finite logits, or the step refused it
+  HANDED_OFF = "handed_off"  # exported to another engine (Engine.export)
 
   @property
   def done(self) -> bool:
-    return self in (State.FINISHED, State.ABORTED, State.FAILED)
+    return self in (State.FINISHED, State.ABORTED, State.FAILED, State.HANDED_OFF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Request:
   staged: int = 0  # prompt positions in the model's staging buffer
   admit_order: int = -1
   radix_node: object = None  # the prefix-cache node it locks
+  imported: tuple | None = None  # (kv_start, kv_end, pages) from a handoff
 
   @property
   def total_length(self) -> int:

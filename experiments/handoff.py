@@ -1,0 +1,188 @@
+r"""Extend-Decode handoff on the real model: a request decoded for m tokens on one
+engine (PDD's RelayDecode) continues on another (MainDecode), either by sending the
+K/V pages of its m relayed tokens or by sending only their ids and replaying them
+through the receiver's decode steps; tokens equal an uninterrupted run either way.
+
+Paper (PDD, arXiv 2609.13161): for 100 relayed tokens the handoff takes 512.6 ms when the
+incremental KV is sent and 321.4 ms with Extend-Decode.
+
+Per m: the receiver's measured time from ``accept`` to its first new token (the
+handoff's compute), the bytes that cross, and those bytes' time on a
+``--wan_gbps`` link. With ``--two_process`` the receiver is a second process fed
+over a local socket capped at ``--link_mbps`` (the P / D demonstration).
+
+Command (~6 min on a 2-core CPU; ``--two_process --smoke`` ~1 min):
+  python -m experiments.handoff
+  python -m experiments.handoff --two_process --relayed=16
+Results: results/handoff/<time>/ (config.json, rows.jsonl, table.md, plot.png).
+Last line: ``handoff: relayed=M send_kv_s=A extend_s=B kv_mib=C exact=E/N``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from experiments import common, model_setup  # noqa: F401 (model_setup: flags)
+from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
+from kvtier_jax.serving import handoff as handoff_lib
+from models import serving, setup, text
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("relayed", ["1", "4", "16", "64"], "Relayed tokens m.")
+flags.DEFINE_integer("hot_slots", 128, "B.")
+flags.DEFINE_float("wan_gbps", 20.0, "Link for the bytes' time (PDD's WAN).")
+flags.DEFINE_bool("two_process", False, "Run the receiver in a second process over a "
+                  "local socket.")
+flags.DEFINE_float("link_mbps", 200.0, "Socket bandwidth cap (two-process mode), MB/s.")
+flags.DEFINE_string("serve_port", None, "(internal) run as the receiver on this port.")
+flags.DEFINE_string("out_root", None, "Results root.")
+flags.DEFINE_bool("smoke", False, "Tiny run (tests).")
+
+CHUNK, PAGE, SLOTS = 128, 16, 2
+flags.DEFINE_integer("max_len", 1024, "Positions a request may reach.")
+
+
+def build(model):
+  selector, params = setup.build_selector("quest", model.cfg, FLAGS.hot_slots // 2)
+  backend = serving.ServingBackend(model, "tiered", SLOTS, FLAGS.max_len, selector=selector,
+                                   selector_params=params, hot_slots=FLAGS.hot_slots,
+                                   chunk_size=CHUNK, page_size=PAGE)
+  return Engine(backend, EngineConfig(max_step_tokens=CHUNK, prefix_cache=True))
+
+
+def until(engine, done) -> None:
+  while not done():
+    engine.step()
+
+
+def relay(engine, prompt, relayed, total, sp, rid):
+  """Prefill and decode ``relayed`` tokens (the RelayDecode part)."""
+  req = engine.submit(prompt, total, sp, request_id=rid)
+  until(engine, lambda: len(req.output) >= relayed)
+  return req
+
+
+def receive(engine, handoff) -> tuple[float, object]:
+  """Accept a handoff; returns (seconds to the first new token, the request)."""
+  start = time.perf_counter()
+  req = engine.accept(handoff)
+  known = len(handoff.output)
+  until(engine, lambda: len(req.output) > known or req.state.done)
+  seconds = time.perf_counter() - start
+  until(engine, lambda: req.state.done)
+  return seconds, req
+
+
+def serve_receiver(port: int) -> None:
+  """The MainDecode process: accept handoffs from the socket, finish them, reply."""
+  model, _, _ = setup.load_model_and_prompt(None, 1)
+  engine = build(model)
+  with socket.create_connection(("127.0.0.1", port)) as sock:
+    while True:
+      try:
+        frame = handoff_lib.recv(sock)
+      except ConnectionError:
+        return
+      handoff = handoff_lib.Handoff.from_bytes(frame)
+      seconds, req = receive(engine, handoff)
+      reply = dict(id=req.id, output=req.output, seconds=seconds, state=req.state.value)
+      handoff_lib.send(sock, json.dumps(reply).encode())
+
+
+def main(argv):
+  del argv
+  if FLAGS.serve_port:
+    serve_receiver(int(FLAGS.serve_port))
+    return
+  if FLAGS["prompt_tokens"].using_default_value:
+    FLAGS.prompt_tokens = 600
+  if FLAGS.smoke:
+    FLAGS.relayed, FLAGS.prompt_tokens, FLAGS.max_len = ["3"], 200, 256
+  out = common.start_run("handoff", FLAGS.flag_values_dict(), FLAGS.out_root)
+  peer = listener = receiver = None
+  if FLAGS.two_process:  # start the receiver first: it loads and compiles meanwhile
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer = subprocess.Popen([sys.executable, "-m", "experiments.handoff",
+                             f"--serve_port={listener.getsockname()[1]}",
+                             f"--hot_slots={FLAGS.hot_slots}", f"--max_len={FLAGS.max_len}"],
+                            env=dict(os.environ))
+  model, tokenizer, _ = setup.load_model_and_prompt(None, 1)
+  stream = text.tokenize_prompt(tokenizer, text.load_text(), FLAGS.prompt_tokens)
+  relayed = list(map(int, FLAGS.relayed))
+  total = max(relayed) + 8
+  prompt = [int(t) for t in stream[:FLAGS.prompt_tokens]]
+  cases = [("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=0.8,
+                                                                     top_p=0.95, seed=11))]
+  # The receiver already holds the prompt (P sent it MD's increment, PDD): the
+  # handoff moves only what RelayDecode generated. The uninterrupted runs on the
+  # receiver cache the prompt and are the reference.
+  cached = len(prompt) // CHUNK * CHUNK
+  sender = build(model)
+  relay(sender, prompt, 1, 2, SamplingParams(), "warm-up")  # the sender's jits
+  if FLAGS.two_process:
+    listener.settimeout(300)
+    conn, _ = listener.accept()
+  else:
+    receiver = build(model)
+
+  def send(handoff):
+    """(seconds on the socket or None, receiver seconds to a new token, outputs)."""
+    frame = handoff.to_bytes()
+    if not FLAGS.two_process:
+      seconds, got = receive(receiver, handoff_lib.Handoff.from_bytes(frame))
+      return None, seconds, got.output, len(frame)
+    sent_s = handoff_lib.send(conn, frame, FLAGS.link_mbps * 1e6)
+    reply = json.loads(handoff_lib.recv(conn))
+    return sent_s, reply["seconds"], reply["output"], len(frame)
+
+  reference = {}
+  for name, sp in cases:  # uninterrupted, on the receiver (warms its cache and jits)
+    fresh = handoff_lib.Handoff(f"ref-{name}", prompt, [], total, sp)
+    reference[name] = send(fresh)[2]
+  rows, exact = [], 0
+  for m in relayed:
+    for mode in ("all", "none"):
+      for name, sp in cases:
+        rid = f"{name}-{m}-{mode}"
+        relay(sender, prompt, m, total, sp, rid)
+        handoff = sender.export(rid, kv=mode, start=cached if mode == "all" else 0)
+        sent_s, seconds, output, frame_bytes = send(handoff)
+        same = output == reference[name]
+        exact += same
+        wire = frame_bytes / (FLAGS.wan_gbps * 1e9 / 8)
+        rows.append(dict(relayed=m, handoff="send KV" if mode == "all" else "extend",
+                         sampling=name, kv_mib=handoff.kv_bytes / 2**20,
+                         frame_kib=frame_bytes / 2**10, wire_s=wire, socket_s=sent_s,
+                         receiver_s=seconds, total_s=seconds + wire, exact=same))
+        common.append_row(out, rows[-1])
+  if FLAGS.two_process:
+    conn.close()
+    peer.wait(timeout=120)
+    listener.close()
+  table = common.markdown_table(rows, ["relayed", "handoff", "sampling", "kv_mib",
+                                       "frame_kib", "wire_s", "socket_s", "receiver_s",
+                                       "total_s", "exact"])
+  (out / "table.md").write_text(table + "\n")
+  greedy = [r for r in rows if r["sampling"] == "greedy"]
+  common.bar_plot(out / "plot.png", [f"{r['relayed']} {r['handoff']}" for r in greedy],
+                  [r["total_s"] for r in greedy], "handoff seconds (receiver + wire)",
+                  f"SmolLM2 tiered, {FLAGS.prompt_tokens}-token prompt, "
+                  f"{FLAGS.wan_gbps:g} Gbps")
+  print(table)
+  print(f"results: {out}")
+  top = max(relayed)
+  pick = lambda kind: next(r for r in greedy if r["relayed"] == top and r["handoff"] == kind)
+  print(f"handoff: relayed={top} send_kv_s={pick('send KV')['total_s']:.3g} "
+        f"extend_s={pick('extend')['total_s']:.3g} "
+        f"kv_mib={pick('send KV')['kv_mib']:.3g} exact={exact}/{len(rows)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,149 @@
+"""A request moving between engines: PDD's prefill -> relay decode -> main decode, or
+any prefill / decode split.
+
+``Engine.export`` packs a request into a ``Handoff`` (prompt, the tokens generated so
+far, sampling parameters, and optionally the K/V of positions ``[kv_start,
+kv_end)`` as host pages) and lets it go; ``Engine.accept`` queues it on another
+engine, which continues it with exactly the tokens an uninterrupted run yields:
+
+* **send KV**: the pages of every position the sender computed beyond what the
+  receiver caches (prompt and generated tokens); the receiver writes them into its
+  host tier and starts decoding at once;
+* **extend**: only token ids (plus, optionally, the prompt's whole chunks beyond the
+  receiver's cached prefix): the receiver prefills what is missing of the prompt and
+  replays the relayed outputs through its decode steps (no sampling), rebuilding
+  their K/V as decode computed them. A batched *dense* extend (PDD's) would compute
+  a generated token's K/V with dense attention where decode used sparse attention,
+  so it would not reproduce the sender's numbers; the replay does, and costs one
+  decode step per relayed token (shared with the running batch).
+
+Sampling needs no RNG state: a draw is a function of (seed, position, logits).
+``to_bytes`` / ``from_bytes`` frame a handoff for a socket (JSON header + raw
+arrays, no pickle); ``send`` / ``recv`` move frames with an optional bandwidth cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+import time
+import numpy as np
+
+from kvtier_jax.serving.request import SamplingParams
+
+KV_MODES = ("all", "prompt", "none")
+
+
+@dataclasses.dataclass
+class Handoff:
+  """What crosses between engines for one request."""
+
+  request_id: str
+  prompt: list[int]
+  output: list[int]  # generated so far (the relayed token ids)
+  max_new_tokens: int
+  sampling: SamplingParams = SamplingParams()
+  stop_ids: list[int] = dataclasses.field(default_factory=list)
+  kv_start: int = 0  # page-aligned; the receiver caches at least this prefix
+  kv_end: int = 0  # positions [kv_start, kv_end) travel as pages (0: none)
+  kv: list[np.ndarray] = dataclasses.field(default_factory=list)  # read_pages fields
+
+  @property
+  def kv_bytes(self) -> int:
+    return sum(int(a.nbytes) for a in self.kv)
+
+  def to_bytes(self) -> bytes:
+    header = dict(request_id=self.request_id, prompt=self.prompt, output=self.output,
+                  max_new_tokens=self.max_new_tokens,
+                  sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
+                  kv_start=self.kv_start, kv_end=self.kv_end,
+                  kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
+    blob = json.dumps(header).encode()
+    parts = [struct.pack("<Q", len(blob)), blob]
+    parts += [np.ascontiguousarray(a).tobytes() for a in self.kv]
+    return b"".join(parts)
+
+  @classmethod
+  def from_bytes(cls, data: bytes) -> "Handoff":
+    (size,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + size])
+    at, kv = 8 + size, []
+    for spec in header.pop("kv"):
+      dtype = _dtype(spec["dtype"])
+      count = int(np.prod(spec["shape"])) * dtype.itemsize
+      if at + count > len(data):
+        raise ValueError("a truncated handoff")
+      kv.append(np.frombuffer(data, dtype, count // dtype.itemsize, at).reshape(
+          spec["shape"]).copy())
+      at += count
+    if at != len(data):
+      raise ValueError(f"{len(data) - at} unexpected bytes after the handoff")
+    header["sampling"] = SamplingParams(**header["sampling"])
+    return cls(kv=kv, **header)
+
+
+def _dtype(name: str) -> np.dtype:
+  if name == "bfloat16":
+    import ml_dtypes  # noqa: PLC0415 - only when a bf16 tier is sent
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+# A framed, rate-capped transport (sockets on this machine stand in for the links) --
+
+
+def send(sock: socket.socket, payload: bytes, bytes_per_s: float | None = None,
+         block: int = 1 << 16) -> float:
+  """Send one length-prefixed frame, at most ``bytes_per_s`` on average (a token
+  bucket per ``block``); returns the seconds it took."""
+  start = time.perf_counter()
+  frame = struct.pack("<Q", len(payload)) + payload
+  for at in range(0, len(frame), block):
+    sock.sendall(frame[at:at + block])
+    if bytes_per_s:
+      due = start + (at + block) / bytes_per_s
+      pause = due - time.perf_counter()
+      if pause > 0:
+        time.sleep(pause)
+  return time.perf_counter() - start
+
+
+def recv(sock: socket.socket) -> bytes:
+  """One frame ``send`` wrote (raises ``ConnectionError`` if the peer closed)."""
+  (size,) = struct.unpack("<Q", _read(sock, 8))
+  return _read(sock, size)
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+  chunks, left = [], size
+  while left:
+    chunk = sock.recv(min(left, 1 << 20))
+    if not chunk:
+      raise ConnectionError("the peer closed the connection mid-frame")
+    chunks.append(chunk)
+    left -= len(chunk)
+  return b"".join(chunks)
+
+
+def check(handoff: Handoff, page_size: int, vocab_size: int) -> None:
+  """Clear errors for a handoff an engine cannot continue."""
+  if not handoff.prompt:
+    raise ValueError("the handoff's prompt is empty")
+  if len(handoff.output) >= handoff.max_new_tokens:
+    raise ValueError(f"request {handoff.request_id!r} already has its "
+                     f"{handoff.max_new_tokens} tokens: nothing to continue")
+  bad = [t for t in handoff.output if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"relayed token ids {bad[:5]} are outside the vocabulary")
+  if handoff.kv_end:
+    last = len(handoff.prompt) + max(0, len(handoff.output) - 1)
+    if handoff.kv_start % page_size or not 0 <= handoff.kv_start < handoff.kv_end <= last:
+      raise ValueError(f"KV of positions [{handoff.kv_start}, {handoff.kv_end}) is not a "
+                       f"page-aligned range of the {last} positions computed")
+    pages = -(-handoff.kv_end // page_size) - handoff.kv_start // page_size
+    if not handoff.kv or any(a.shape[0] != pages for a in handoff.kv):
+      raise ValueError(f"positions [{handoff.kv_start}, {handoff.kv_end}) need {pages} "
+                       f"pages; the handoff carries {[a.shape[0] for a in handoff.kv]}")
+

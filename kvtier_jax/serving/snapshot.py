@@ -1,0 +1,237 @@
+"""Snapshot and restore a serving engine (orbax): stop anywhere between steps, go on
+later (another process) with every request yielding the tokens it would have.
+
+A snapshot holds the model's state (``ServingModel.snapshot``: the host tier's
+pages, hot caches, metadata, selector state, staging buffer, host-side mirrors),
+the disk tier's pages in use, and the engine's books as JSON: requests (prompt,
+outputs, sampling parameters, metrics, slot, progress), the waiting queue, the page
+pool (table, reference counts, free list) and the radix tree. Sampling needs no RNG
+state: a draw depends on (seed, position, logits) only.
+
+Refusing bad input: orbax writes a snapshot under a temporary name and renames it
+when complete, and marks it committed; on top of that every array and the JSON are
+checksummed (sha256) at save and verified at restore, before anything is built. A
+missing, partial or corrupt snapshot, or one of another model shape, raises
+``SnapshotError``; nothing half-loaded is ever returned.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from kvtier_jax.serving.engine import Engine, EngineConfig
+from kvtier_jax.serving.radix import Node
+from kvtier_jax.serving.request import Metrics, Request, SamplingParams, State
+
+FORMAT = 1
+_SHAPE_FIELDS = ("num_slots", "max_len", "chunk_size", "page_size", "num_host_pages",
+                 "vocab_size")
+
+
+class SnapshotError(ValueError):
+  """A snapshot that cannot be restored (missing, partial, corrupt, mismatched)."""
+
+
+def _digest(array: np.ndarray) -> str:
+  array = np.ascontiguousarray(array)
+  head = f"{array.dtype.str}{array.dtype.name}{array.shape}".encode()
+  return hashlib.sha256(head + array.view(np.uint8).tobytes()).hexdigest()
+
+
+def _json_digest(meta: dict) -> str:
+  return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def save(engine: Engine, path: str | os.PathLike) -> None:
+  """Write ``engine`` (between steps) to the new directory ``path``."""
+  path = os.path.abspath(os.fspath(path))
+  if os.path.exists(path):
+    raise FileExistsError(f"{path} exists; a snapshot goes to a new directory")
+  leaves = list(engine.model.snapshot(engine.state))
+  disk_ids = [] if engine.disk is None else engine.radix.disk_pages()
+  disk_fields = engine.disk.read(disk_ids) if disk_ids else []
+  groups = [("model", leaves), ("disk", disk_fields)]
+  groups += [(f"imported:{r.id}", r.imported[2]) for r in engine.requests.values()
+             if r.imported is not None and not r.state.done]
+  arrays, specs = {}, []
+  for kind, group in groups:
+    for i, leaf in enumerate(group):
+      leaf = np.asarray(leaf)
+      name = f"{kind}_{i:05d}"
+      specs.append(dict(name=name, kind=kind, shape=list(leaf.shape), dtype=leaf.dtype.name,
+                        sha256=_digest(leaf)))
+      if leaf.size:  # orbax stores no empty arrays; they are rebuilt from the spec
+        arrays[name] = leaf
+  meta = dict(format=FORMAT, arrays=specs, books=_books(engine, disk_ids))
+  manifest = dict(meta_sha256=_json_digest(meta))
+  items = dict(meta=ocp.args.JsonSave(meta), manifest=ocp.args.JsonSave(manifest))
+  if arrays:
+    items["arrays"] = ocp.args.PyTreeSave(arrays)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(path, ocp.args.Composite(**items))
+
+
+def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(), *,
+            clock: Callable[[], float] = time.perf_counter,
+            on_step: Callable[[dict], None] | None = None) -> Engine:
+  """A new engine over ``model`` (built like the saved one) continuing the
+  snapshot at ``path``; raises ``SnapshotError`` if it cannot, touching nothing."""
+  path = os.path.abspath(os.fspath(path))
+  if not os.path.isdir(path):
+    raise SnapshotError(f"no snapshot at {path}")
+  if not os.path.exists(os.path.join(path, "commit_success.txt")):
+    raise SnapshotError(f"{path} is a partial snapshot (never committed)")
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      head = checkpointer.restore(path, ocp.args.Composite(
+          meta=ocp.args.JsonRestore(), manifest=ocp.args.JsonRestore()))
+      meta, manifest = head["meta"], head["manifest"]
+      if not isinstance(meta, dict) or _json_digest(meta) != manifest.get("meta_sha256"):
+        raise SnapshotError(f"{path}: the engine's books do not match their checksum")
+      names = [s["name"] for s in meta["arrays"] if np.prod(s["shape"]) > 0]
+      stored = {}
+      if names:
+        restore_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+        stored = checkpointer.restore(path, ocp.args.Composite(
+            arrays=ocp.args.PyTreeRestore(restore_args=restore_args)))["arrays"]
+  except SnapshotError:
+    raise
+  except Exception as err:  # noqa: BLE001 - orbax / tensorstore / json failures
+    raise SnapshotError(f"{path} is corrupt or partial: {type(err).__name__}: {err}") from err
+  if meta.get("format") != FORMAT:
+    raise SnapshotError(f"{path}: snapshot format {meta.get('format')} != {FORMAT}")
+  groups = collections.defaultdict(list)
+  for spec in meta["arrays"]:
+    array = stored.get(spec["name"])
+    if array is None:
+      array = np.zeros(spec["shape"], spec["dtype"])
+    if (list(array.shape) != spec["shape"] or array.dtype.name != spec["dtype"]
+        or _digest(array) != spec["sha256"]):
+      raise SnapshotError(f"{path}: array {spec['name']} is corrupt (checksum mismatch)")
+    groups[spec["kind"]].append(array)
+  books = meta["books"]
+  for field in _SHAPE_FIELDS:
+    if books["model"][field] != getattr(model, field):
+      raise SnapshotError(f"{path}: saved with {field}={books['model'][field]}, the model "
+                          f"has {getattr(model, field)}")
+  if bool(books["radix"]) != config.prefix_cache or (
+      bool(books["disk"]) != bool(config.disk_pages)):
+    raise SnapshotError(f"{path}: saved with prefix_cache={bool(books['radix'])}, disk tier "
+                        f"{bool(books['disk'])}; the config differs")
+  try:
+    state = model.restore_state(groups["model"])
+  except ValueError as err:
+    raise SnapshotError(f"{path}: the model refused its state: {err}") from err
+  engine = Engine(model, config, clock=clock, on_step=on_step)
+  _load_books(engine, books, groups)
+  engine.state = state
+  engine._last_stats = model.stats(state)
+  engine.pool.dirty = True
+  return engine
+
+
+# The engine's books <-> JSON ----------------------------------------------------
+
+
+def _books(engine: Engine, disk_ids: list[int]) -> dict:
+  nodes, index = [], {}
+  if engine.radix is not None:
+    stack = [engine.radix.root]
+    while stack:  # parents before children
+      node = stack.pop()
+      index[id(node)] = len(nodes)
+      nodes.append(dict(parent=index.get(id(node.parent)), key=list(node.key),
+                        pages=list(map(int, node.pages)), disk=list(map(int, node.disk)),
+                        lock=node.lock, last_used=node.last_used))
+      stack.extend(node.children.values())
+  requests = []
+  for req in engine.requests.values():
+    requests.append(dict(
+        id=req.id, prompt=req.prompt, max_new_tokens=req.max_new_tokens,
+        sampling=dataclasses.asdict(req.sampling), stop_ids=sorted(req.stop_ids),
+        metrics=dataclasses.asdict(req.metrics), state=req.state.value, output=req.output,
+        reason=req.reason, slot=req.slot, device_bytes=req.device_bytes, cached=req.cached,
+        staged=req.staged, admit_order=req.admit_order,
+        radix_node=None if req.radix_node is None else index[id(req.radix_node)],
+        imported=None if req.imported is None or req.state.done else list(req.imported[:2])))
+  pool = engine.pool
+  disk = engine.disk
+  return dict(
+      model={f: getattr(engine.model, f) for f in _SHAPE_FIELDS},
+      now=engine.now(), steps=engine.steps, admitted=engine._admitted,
+      device_in_use=engine._device_in_use, prompt_tokens=engine.prompt_tokens,
+      cached_tokens=engine.cached_tokens, disk_loaded_tokens=engine.disk_loaded_tokens,
+      disk_recomputed_tokens=engine.disk_recomputed_tokens,
+      imported_tokens=engine.imported_tokens,
+      prefill_timing=[engine._prefill_seconds, engine._prefill_timed_tokens],
+      requests=requests, waiting=[r.id for r in engine.waiting],
+      pool=dict(table=pool.table.tolist(), refs=pool.refs.tolist(), free=pool._free),
+      radix=nodes and dict(nodes=nodes, clock=next(engine.radix._clock)),
+      disk=disk and dict(num_pages=disk.num_pages, ids=disk_ids, free=disk._free,
+                         counters=[disk.pages_written, disk.pages_read, disk.load_seconds,
+                                   disk.pages_loaded]))
+
+
+def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]) -> None:
+  nodes = []
+  if books["radix"]:
+    radix = engine.radix
+    for spec in books["radix"]["nodes"]:
+      if spec["parent"] is None:
+        node = radix.root
+      else:
+        parent = nodes[spec["parent"]]
+        node = Node(tuple(spec["key"]), spec["pages"], parent, disk=spec["disk"])
+        parent.children[tuple(node.key[:radix.unit])] = node
+      node.lock, node.last_used = spec["lock"], spec["last_used"]
+      nodes.append(node)
+    radix._clock = itertools.count(books["radix"]["clock"])
+    radix.num_pages = len(radix.held_pages())
+    radix.num_disk_pages = len(radix.disk_pages())
+  if books["disk"]:
+    spec, disk = books["disk"], engine.disk
+    if spec["num_pages"] != disk.num_pages:
+      raise SnapshotError(f"saved with {spec['num_pages']} disk pages; the config has "
+                          f"{disk.num_pages}")
+    if spec["ids"]:
+      disk.write_at(spec["ids"], groups["disk"])
+    disk._free = list(spec["free"])
+    disk.pages_written, disk.pages_read, disk.load_seconds, disk.pages_loaded = (
+        spec["counters"])
+  pool = engine.pool
+  pool.table[...] = np.asarray(books["pool"]["table"], np.int32)
+  pool.refs[...] = np.asarray(books["pool"]["refs"], np.int64)
+  pool._free = list(books["pool"]["free"])
+  for spec in books["requests"]:
+    metrics = Metrics(**spec["metrics"])
+    req = Request(spec["id"], spec["prompt"], spec["max_new_tokens"],
+                  SamplingParams(**spec["sampling"]), frozenset(spec["stop_ids"]), metrics,
+                  state=State(spec["state"]), output=spec["output"], reason=spec["reason"],
+                  slot=spec["slot"], device_bytes=spec["device_bytes"],
+                  cached=spec["cached"], staged=spec["staged"],
+                  admit_order=spec["admit_order"],
+                  radix_node=None if spec["radix_node"] is None else nodes[spec["radix_node"]])
+    if spec["imported"]:
+      req.imported = (*spec["imported"], groups[f"imported:{req.id}"])
+    engine.requests[req.id] = req
+    if req.slot is not None:
+      engine.slots[req.slot] = req
+  engine.waiting.extend(engine.requests[i] for i in books["waiting"])
+  engine.steps, engine._admitted = books["steps"], books["admitted"]
+  engine._device_in_use = books["device_in_use"]
+  engine.prompt_tokens, engine.cached_tokens = books["prompt_tokens"], books["cached_tokens"]
+  engine.disk_loaded_tokens = books["disk_loaded_tokens"]
+  engine.disk_recomputed_tokens = books["disk_recomputed_tokens"]
+  engine.imported_tokens = books["imported_tokens"]
+  engine._prefill_seconds, engine._prefill_timed_tokens = books["prefill_timing"]
+  engine._t0 = engine._clock() - books["now"]

@@ -1,0 +1,147 @@
+"""Requests moving between engines (Engine.export / accept, serving/handoff.py): a
+request continued elsewhere, by sent K/V pages or by replaying its relayed tokens,
+yields the tokens of an uninterrupted run; handoffs survive the wire format; bad ones
+are refused."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State
+from kvtier_jax.serving import handoff as handoff_lib
+from tests.test_prefix_cache import shared_prefix_workload
+from tests.test_serving import VOCAB, FakeModel, solo
+
+
+def relay_workload(rng, num, pages=60, prefix_cache=True):
+  """Requests start on engine ``p`` (prefill + relay decode) and move to ``d`` at
+  random moments with a random kind of handoff; the rest finish where they are."""
+  config = EngineConfig(max_step_tokens=20, prefix_cache=prefix_cache)
+  p, d = Engine(FakeModel(num_host_pages=pages), config), Engine(
+      FakeModel(num_host_pages=pages), config)
+  pending, reqs, moved = shared_prefix_workload(rng, num), [], {}
+  while pending or p.has_work or d.has_work:
+    for _ in range(min(len(pending), int(rng.integers(0, 3)))):
+      prompt, new, sp = pending.pop()
+      reqs.append(p.submit(prompt, new, sp))
+    live = [r for r in reqs if r.state in (State.DECODING, State.WAITING)
+            and len(r.output) < r.max_new_tokens and r.id not in moved]
+    if live and rng.random() < 0.5:
+      decoding = [r for r in live if r.state is State.DECODING]
+      pick = decoding if decoding and rng.random() < 0.8 else live
+      req = pick[int(rng.integers(len(pick)))]
+      kv = "none"
+      if req.state is State.DECODING and p._host_pages(req.total_length):
+        kv = str(rng.choice(["all", "prompt", "none"]))  # (short ones never leave the device)
+      start = 0
+      if kv != "none" and d.radix is not None and rng.random() < 0.5:
+        # Send only what the receiver lacks (else all: it skips what it caches).
+        usable = (len(req.prompt) - 1) // 8 * 8
+        start = len(d.radix.match_prefix(req.prompt[:usable])[0]) * d.model.page_size
+      end = req.cached if kv == "all" else len(req.prompt) // 8 * 8
+      if kv != "none" and start >= end:
+        kv, start = "none", 0
+      handoff = p.export(req.id, kv=kv, start=start)
+      handoff = handoff_lib.Handoff.from_bytes(handoff.to_bytes())  # over the wire
+      moved[req.id] = (d.accept(handoff), kv)
+    if p.has_work:
+      p.step()
+    if d.has_work:
+      d.step()
+    for engine in (p, d):
+      engine.pool.check(engine.radix.held_pages() if engine.radix else ())
+  return reqs, moved
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_moved_requests_yield_their_uninterrupted_tokens(prefix_cache):
+  rng = np.random.default_rng()
+  reqs, moved = relay_workload(rng, 60, prefix_cache=prefix_cache)
+  assert len(moved) > 5 and {kv for _, kv in moved.values()} >= {"none", "all"}
+  factory = lambda: FakeModel(num_host_pages=60)
+  for req in reqs:
+    final = moved[req.id][0] if req.id in moved else req
+    assert final.state is State.FINISHED, (req.id, final.reason)
+    if req.id in moved:
+      assert req.state is State.HANDED_OFF and final.output[:len(req.output)] == req.output
+    assert final.output == solo(factory, req.prompt, req.max_new_tokens, req.sampling), req.id
+
+
+def test_handoff_wire_format_and_refusals():
+  rng = np.random.default_rng()
+  kv = [rng.integers(-1, VOCAB, (3, 4)), rng.standard_normal((3, 2, 5)).astype(np.float32)]
+  handoff = handoff_lib.Handoff("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5], 10,
+                                SamplingParams(temperature=0.5, seed=3), [7], 0, 10, kv)
+  back = handoff_lib.Handoff.from_bytes(handoff.to_bytes())
+  assert back.prompt == handoff.prompt and back.sampling == handoff.sampling
+  assert all((a == b).all() and a.dtype == b.dtype for a, b in zip(back.kv, kv))
+  with pytest.raises(ValueError, match="truncated"):
+    handoff_lib.Handoff.from_bytes(handoff.to_bytes()[:-5])
+  engine = Engine(FakeModel())
+  with pytest.raises(ValueError, match="page-aligned"):  # 10 > 9 + 2 - 1 computed
+    engine.accept(handoff_lib.Handoff("r", list(range(9)), [4, 5], 10, kv_start=0,
+                                      kv_end=11, kv=kv))
+  with pytest.raises(ValueError, match="already has"):
+    engine.accept(handoff_lib.Handoff("r", [1, 2], [3, 4], 2))
+  with pytest.raises(ValueError, match="need 3 pages"):
+    engine.accept(handoff_lib.Handoff("r", list(range(9)), [4, 5], 10, kv_start=0,
+                                      kv_end=9, kv=[k[:2] for k in kv]))
+  assert not engine.requests  # refused: nothing queued
+  req = engine.submit([1, 2, 3], 4)
+  with pytest.raises(ValueError, match="no host pages"):  # a waiting request has none
+    engine.export(req.id, kv="all")
+  assert engine.export(req.id, kv="none").output == [] and req.state is State.HANDED_OFF
+
+
+def test_send_and_recv_frames_at_a_capped_rate():
+  a, b = socket.socketpair()
+  payload = np.random.default_rng().bytes(300_000)
+  got = {}
+  reader = threading.Thread(target=lambda: got.setdefault("data", handoff_lib.recv(b)))
+  reader.start()
+  seconds = handoff_lib.send(a, payload, bytes_per_s=3e6)
+  reader.join()
+  assert got["data"] == payload and seconds >= 0.09  # 300 KB at 3 MB/s
+  a.close()
+  with pytest.raises(ConnectionError):
+    handoff_lib.recv(b)
+
+
+def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
+  from kvtier_jax.serving import snapshot
+  rng = np.random.default_rng()
+  model = lambda slots=3: FakeModel(num_slots=slots, max_len=128, num_host_pages=80)
+  p = Engine(model(), EngineConfig(max_step_tokens=20))
+  d_config = EngineConfig(max_step_tokens=20, prefix_cache=True)
+  d = Engine(model(1), d_config)
+  reqs = [p.submit(prompt, 30, sp) for prompt, _, sp in
+          shared_prefix_workload(rng, 3)]  # none ends before all have decoded twice
+  while any(r.state is not State.DECODING or len(r.output) < 2 for r in reqs):
+    p.step()
+  moved = [d.accept(p.export(r.id, kv="all")) for r in reqs]
+  d.step()  # one slot: the others wait with their pages in memory
+  assert sum(m.state is State.WAITING and m.imported is not None for m in moved) == 2
+  snapshot.save(d, tmp_path / "snap")
+  back = snapshot.restore(tmp_path / "snap", model(1), d_config)
+  before = back.imported_tokens
+  back.run()
+  for req in reqs:
+    assert back.requests[req.id].output == solo(model, req.prompt, req.max_new_tokens,
+                                                req.sampling)
+  assert back.imported_tokens > before  # the waiting ones came with their pages
+
+
+def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
+  """P / D demonstration on SmolLM2: a second process (the main decode) receives
+  handoffs over a local socket capped at 50 MB/s (pages, or relayed ids to replay)
+  and its tokens equal its own uninterrupted runs, greedy and seeded sampling."""
+  from tests.test_experiments import only_run, run
+  out = run("experiments.handoff", "--two_process", "--smoke", "--link_mbps=50",
+            f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "handoff")
+  assert {r["handoff"] for r in rows} == {"send KV", "extend"} and all(r["exact"] for r in rows)
+  sent = next(r for r in rows if r["handoff"] == "send KV")
+  assert sent["socket_s"] >= sent["frame_kib"] * 1024 / 50e6  # the cap held
+  assert out.strip().splitlines()[-1].endswith("exact=4/4")

@@ -1,0 +1,98 @@
+"""The PDD simulator (experiments/analysis/pdd_sim.py): the fair-share WAN link
+against hand-computed completion times, the trace's increments against a brute-force
+prefix match, and the system's accounting (what each request waits for)."""
+
+import math
+
+import numpy as np
+import pytest
+import simpy
+
+from experiments.analysis import pdd_sim
+
+
+@pytest.mark.parametrize("per_flow, want", [(None, (1.3, 1.1)), (40.0, (2.5, 1.25))])
+def test_fair_link_shares_the_line_and_caps_each_flow(per_flow, want):
+  env = simpy.Environment()
+  link = pdd_sim.FairLink(env, 100.0, per_flow)
+  done = {}
+
+  def flow(name, start, nbytes):
+    yield env.timeout(start)
+    yield link.send(nbytes)
+    done[name] = env.now
+
+  env.process(flow("a", 0.0, 100.0))
+  env.process(flow("b", 0.5, 30.0))
+  env.run()
+  assert math.isclose(done["a"], want[0]) and math.isclose(done["b"], want[1])
+
+
+def test_trace_increments_are_what_a_prefix_match_finds(monkeypatch):
+  seen, inside = [], []  # [prompt or None (a warm context), inserted sequence]
+  real_match = pdd_sim.RadixCache.match_prefix
+  real_insert = pdd_sim.RadixCache.insert
+
+  def match(self, tokens):
+    if not inside:  # insert matches too: not a request
+      seen.append([list(tokens), None])
+    return real_match(self, tokens)
+
+  def insert(self, tokens, pages):
+    if seen and seen[-1][1] is None:
+      seen[-1][1] = list(tokens)
+    else:
+      seen.append([None, list(tokens)])
+    inside.append(1)
+    try:
+      return real_insert(self, tokens, pages)
+    finally:
+      inside.pop()
+
+  monkeypatch.setattr(pdd_sim.RadixCache, "match_prefix", match)
+  monkeypatch.setattr(pdd_sim.RadixCache, "insert", insert)
+  seed = int(np.random.default_rng().integers(1000))
+  trace = pdd_sim.generate_trace(pdd_sim.TraceConfig(rate=20, duration=3, sessions=12,
+                                                     mean_input=2048, seed=seed))
+  chunk = 2048 // 256
+  assert sum(p is not None for p, _ in seen) == len(trace)
+  inserted, requests = [], iter(trace)
+  for prompt, after in seen:  # brute force: the longest common prefix with any earlier
+    if prompt is not None:
+      req = next(requests)
+      best = max((next((i for i, (a, b) in enumerate(zip(seq, prompt)) if a != b),
+                       min(len(seq), len(prompt))) for seq in inserted), default=0)
+      assert req.cached_tokens == best * chunk and req.input_tokens == len(prompt) * chunk
+    inserted.append(after)
+
+
+@pytest.mark.parametrize("distribution", ["skewed", "narrow"])
+def test_trace_hit_distributions_have_the_papers_shape(distribution):
+  trace = pdd_sim.generate_trace(pdd_sim.TraceConfig(distribution=distribution, rate=40,
+                                                     duration=20, mean_input=4096))
+  hits = np.array([r.cached_tokens / r.input_tokens for r in trace])
+  assert 0.85 <= hits.mean() <= 0.95
+  if distribution == "skewed":  # 70-80% of requests >= 95%, a low tail
+    assert 0.65 <= (hits >= 0.95).mean() <= 0.85 and np.percentile(hits, 5) < 0.6
+  else:  # 85-95%
+    assert ((hits > 0.8) & (hits < 0.97)).mean() > 0.9
+
+
+def test_system_accounting():
+  trace = pdd_sim.generate_trace(pdd_sim.TraceConfig(rate=20, duration=5, mean_input=16384))
+  cfg = pdd_sim.SystemConfig(wan_gbps=2.0, ttft_budget_s=0.5)
+  pd, stats = pdd_sim.simulate(trace, pdd_sim.SystemConfig(**{**cfg.__dict__, "relay": False}))
+  pdd, _ = pdd_sim.simulate(trace, cfg)
+  for o in pd:  # conventional: prefill, then the WAN transfer, then a decode step
+    r = o.request
+    floor = r.increment / cfg.prefill_tok_s + o.transfer_s + cfg.tpot_s
+    assert not o.relayed and o.ttft_s >= floor - 1e-9
+    assert o.e2e_s >= o.ttft_s + cfg.tpot_s * (r.output_tokens - 1) - 1e-9
+  assert stats["wan_bytes"] == sum(r.increment for r in trace) * cfg.kv_bytes_per_token
+  relayed = [o for o in pdd if o.relayed]
+  assert relayed and len(relayed) < len(pdd)
+  by_arrival = {o.request.arrival: o for o in pd}
+  for o in relayed:  # relayed: the first token does not wait for the WAN
+    assert o.ttft_s < by_arrival[o.request.arrival].ttft_s
+    assert 0 < o.relayed_tokens <= o.request.output_tokens
+  assert {o.mode for o in relayed} <= {"catch-up", "one-shot", "finished on RLD"}

@@ -1,0 +1,149 @@
+"""Snapshot and restore (kvtier_jax/serving/snapshot.py): an engine restored from a
+snapshot, in this process or after the saving process was killed, yields every
+request's tokens as the uninterrupted run does, with its page pool, radix tree and
+disk tier intact; a missing, partial, corrupt or mismatched snapshot is refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvtier_jax.serving import Engine, EngineConfig, State, snapshot
+from tests.test_prefix_cache import PoisoningModel, shared_prefix_workload
+from tests.test_serving import FakeModel
+
+CONFIG = dict(max_step_tokens=20, prefix_cache=True, disk_pages=20)
+
+
+def build(seed, disk_dir=None):
+  """An engine with a disk tier under page pressure and its arrival schedule
+  (engine step -> requests submitted before it)."""
+  rng = np.random.default_rng(seed)
+  engine = Engine(PoisoningModel(num_host_pages=24), EngineConfig(disk_dir=disk_dir, **CONFIG))
+  schedule = {}
+  for i, request in enumerate(shared_prefix_workload(rng, 40)):
+    schedule.setdefault(int(rng.integers(0, 60)), []).append((f"r{i}", request))
+  return engine, schedule
+
+
+def feed(engine, schedule):
+  for rid, (prompt, new, sp) in schedule.get(engine.steps, []):
+    engine.submit(prompt, new, sp, request_id=rid)
+
+
+def finish(engine, schedule):
+  while engine.has_work or engine.steps <= max(schedule):
+    feed(engine, schedule)
+    engine.step()
+    engine.pool.check(engine.radix.held_pages())
+  return {rid: (r.state, r.output) for rid, r in engine.requests.items()}
+
+
+def books(engine):
+  return (engine.pool.table.tolist(), engine.pool.refs.tolist(), engine.radix.num_pages,
+          sorted(engine.radix.disk_pages()), engine.disk.in_use, engine.cached_tokens,
+          [(r.id, r.state, r.cached, r.slot) for r in engine.requests.values()])
+
+
+def test_restored_engine_continues_exactly(tmp_path):
+  seed = int(np.random.default_rng().integers(2**31))
+  engine, schedule = build(seed, str(tmp_path / "disk"))
+  stop = int(np.random.default_rng(seed).integers(20, 50))
+  while engine.steps < stop:
+    feed(engine, schedule)
+    engine.step()
+  snapshot.save(engine, tmp_path / "snap")
+  saved = books(engine)
+  want = finish(engine, schedule)
+  assert engine.disk.pages_written > 0 and sum(s is State.FINISHED for s, _ in
+                                               want.values()) > 20
+  restored = snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
+                              EngineConfig(disk_dir=str(tmp_path / "disk2"), **CONFIG))
+  assert books(restored) == saved and restored.steps == stop
+  assert finish(restored, schedule) == want
+  with pytest.raises(FileExistsError):
+    snapshot.save(restored, tmp_path / "snap")
+
+
+def test_killed_process_resumes_from_its_last_snapshot(tmp_path):
+  seed = int(np.random.default_rng().integers(2**31))
+  worker = subprocess.Popen([sys.executable, "-m", "tests.snapshot_worker", str(tmp_path),
+                             str(seed)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  deadline = time.time() + 120
+  for line in worker.stdout:
+    if int(line) >= 25 or time.time() > deadline:
+      break
+  worker.send_signal(signal.SIGKILL)  # mid-run, maybe mid-save
+  worker.wait()
+  snaps = sorted(p for p in os.listdir(tmp_path) if p.startswith("step-"))
+  assert snaps, "the worker saved nothing"
+  engine, schedule = build(seed, str(tmp_path / "disk"))
+  want = finish(engine, schedule)
+  restored = snapshot.restore(tmp_path / snaps[-1], PoisoningModel(num_host_pages=24),
+                              EngineConfig(disk_dir=str(tmp_path / "disk2"), **CONFIG))
+  assert restored.steps >= 25
+  assert finish(restored, schedule) == want
+
+
+def damage_array_files(path, how):
+  """Flip one byte in (or truncate) every data file of the stored arrays."""
+  files = [os.path.join(root, f) for root, _, names in os.walk(path / "arrays")
+           for f in names if os.path.basename(root) == "d"]
+  assert files
+  rng = np.random.default_rng()
+  for target in files:
+    data = bytearray(open(target, "rb").read())
+    if how == "flip":
+      data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+    else:
+      del data[len(data) // 2:]
+    open(target, "wb").write(bytes(data))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax
+@pytest.mark.parametrize("damage", ["flip", "truncate", "uncommitted", "books", "missing"])
+def test_damaged_snapshots_are_refused(tmp_path, damage):
+  engine, schedule = build(0)
+  for _ in range(30):
+    feed(engine, schedule)
+    engine.step()
+  path = tmp_path / "snap"
+  snapshot.save(engine, path)
+  if damage in ("flip", "truncate"):
+    damage_array_files(path, damage)
+  elif damage == "uncommitted":
+    os.remove(path / "commit_success.txt")
+  elif damage == "books":
+    meta = path / "meta" / "metadata"
+    text = open(meta).read()
+    open(meta, "w").write(text.replace('"cached": ', '"cached": 1', 1))
+  else:
+    path = tmp_path / "nothing"
+  with pytest.raises(snapshot.SnapshotError):
+    snapshot.restore(path, PoisoningModel(num_host_pages=24), EngineConfig(**CONFIG))
+
+
+def test_a_snapshot_of_another_shape_is_refused(tmp_path):
+  engine, _ = build(0)
+  snapshot.save(engine, tmp_path / "snap")
+  with pytest.raises(snapshot.SnapshotError, match="num_host_pages"):
+    snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=30),
+                     EngineConfig(**CONFIG))
+  with pytest.raises(snapshot.SnapshotError, match="config"):
+    snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
+                     EngineConfig(prefix_cache=True))
+  with pytest.raises(snapshot.SnapshotError, match="arrays"):
+    snapshot.restore(tmp_path / "snap", ShortModel(num_host_pages=24),
+                     EngineConfig(**CONFIG))
+
+
+class ShortModel(FakeModel):
+  def restore_state(self, arrays):
+    if len(arrays) != 2:
+      raise ValueError(f"{len(arrays)} arrays for a state of 2")
