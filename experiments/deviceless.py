@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import tempfile
 
 import jax
 from jax._src.lib import xla_client as xc
@@ -49,6 +50,22 @@ GPU_OPTIONS = (("xla_gpu_enable_latency_hiding_scheduler", True),)
 
 def compile_for_h200(lowered, options=GPU_OPTIONS) -> str:
   """Optimized XLA:GPU HLO text of a CUDA-lowered computation, for an H200."""
+  return _compile(lowered, options)[0]
+
+
+def thunk_sequence(lowered, options=GPU_OPTIONS) -> str:
+  """The executable's thunk sequence after XLA's thunk passes, as text: what the GPU
+  runtime launches, command buffers (CUDA graphs) included, which the optimized HLO
+  does not show (they are formed from thunks)."""
+  with tempfile.TemporaryDirectory() as dump:
+    _compile(lowered, tuple(options) + (("xla_dump_to", dump),))
+    found = sorted(pathlib.Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
+    if not found:
+      raise RuntimeError("XLA wrote no thunk sequence (xla_dump_to)")
+    return found[-1].read_text()
+
+
+def _compile(lowered, options):
   devices = _h200_devices()
   compile_options = xc.CompileOptions()
   build = compile_options.executable_build_options
@@ -58,4 +75,4 @@ def compile_for_h200(lowered, options=GPU_OPTIONS) -> str:
   executable = devices[0].client.compile(
       lowered.compiler_ir("stablehlo"),
       executable_devices=xc.DeviceList(devices), compile_options=compile_options)
-  return "\n".join(m.to_string() for m in executable.hlo_modules())
+  return "\n".join(m.to_string() for m in executable.hlo_modules()), executable

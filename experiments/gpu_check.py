@@ -6,11 +6,15 @@ cache vs full-KV sparse attention, and throughput at a fixed device budget.
 Command (from the repo root on the GPU machine; 2-10 min on one H200 depending on
 ``--sections``; rows are appended to $OUT/gpu_check.jsonl as they come):
   python -m experiments.gpu_check --out_dir=$OUT \
-      --sections=serve,numerics,decode --serve_budget_s=240 --budget_s=420
+      --sections=fused,graphs,serve,numerics,decode --serve_budget_s=240 --budget_s=420
 Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
-  python -m experiments.gpu_check --smoke --sections=serve,numerics,lookups,io
+  python -m experiments.gpu_check --smoke --sections=fused,serve,numerics,lookups,io
 
-Sections, in the order given (the most wanted first): ``serve`` (the newest: the
+Sections, in the order given (the most wanted first): ``fused`` (the newest: the
+fused layer kernels' tests compiled, then their step against the default step and
+full KV per decode shape, with a device profile), ``graphs`` (the same step timings
+in a subprocess whose XLA_FLAGS let command buffers capture the layer loop:
+``+WHILE,+CONDITIONAL``), ``serve`` (the
 serving engine with a Qwen3-8B-like dummy-weight model at a fixed HBM budget for
 KV, sparse vs tiered, ``experiments.serve_sweep`` in a subprocess), ``numerics`` (``pytest --gpu``
 over tests/test_device.py, tests/test_kernels.py and the tiered step with every
@@ -62,9 +66,12 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps per variant.")
 flags.DEFINE_integer("iters", 10, "Timed steps per variant.")
 flags.DEFINE_float("budget_s", 420.0, "Stop starting new timings after this.")
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
-flags.DEFINE_list("sections", ["serve", "numerics", "kernels", "decode"],
-                  "What to run, in this order: serve, numerics, lookups, lookup_decode, "
-                  "io, throughput, kernels, decode.")
+flags.DEFINE_list("sections", ["fused", "graphs", "serve", "numerics", "kernels",
+                                "decode"],
+                  "What to run, in this order: fused, graphs, serve, numerics, lookups, "
+                  "lookup_decode, io, throughput, kernels, decode.")
+flags.DEFINE_string("tag", "", "Added to every row (the graphs section's subprocess).")
+flags.DEFINE_bool("fused_tests", True, "fused: run the fused kernels' tests first.")
 flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
                   "context:requests of the decode timings.")
 flags.DEFINE_float("kv_budget_gb", 8.0, "throughput: device bytes for KV (full KV, or "
@@ -93,7 +100,8 @@ T0 = time.perf_counter()
 def log(section, **row):
   """Print a row and append it to $OUT/gpu_check.jsonl at once (a run cut short by
   the device time limit keeps every row it got to)."""
-  line = json.dumps({"section": section, **row}, default=str)
+  line = json.dumps({"section": section, **({"tag": FLAGS.tag} if FLAGS.tag else {}),
+                     **row}, default=str)
   print(line, flush=True)
   if FLAGS.out_dir:
     out = pathlib.Path(FLAGS.out_dir)
@@ -112,22 +120,23 @@ def guarded(fn):
   return run
 
 
-def run_numerics():
+def run_numerics(section="numerics", tests=("tests/test_device.py",
+                                             "tests/test_kernels.py",
+                                             "tests/test_decode.py::test_kernel_paths_match_reference"),
+                 filter_=None):
   """The device tests, compiled on the GPU (interpreted at small shapes off it)."""
-  report = pathlib.Path(FLAGS.out_dir or "/tmp") / "numerics.xml"
-  args = (["--gpu"] if common.on_gpu() else []) + (
-      ["-k", FLAGS.numerics_filter] if FLAGS.numerics_filter else [])
+  report = pathlib.Path(FLAGS.out_dir or "/tmp") / f"{section}.xml"
+  filter_ = filter_ or FLAGS.numerics_filter
+  args = (["--gpu"] if common.on_gpu() else []) + (["-k", filter_] if filter_ else [])
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         *args, f"--junitxml={report}", "tests/test_device.py",
-                         "tests/test_kernels.py",
-                         "tests/test_decode.py::test_kernel_paths_match_reference"],
+                         *args, f"--junitxml={report}", *tests],
                         capture_output=True, text=True)
   for case in ET.parse(report).getroot().iter("testcase"):
     failed = case.find("failure") is not None or case.find("error") is not None
     skipped = case.find("skipped") is not None
-    log("numerics", test=f"{case.get('classname')}::{case.get('name')}",
+    log(section, test=f"{case.get('classname')}::{case.get('name')}",
         ok=not failed, skipped=skipped, seconds=float(case.get("time", 0)))
-  log("numerics", summary=proc.stdout.strip().splitlines()[-1:], ok=proc.returncode == 0)
+  log(section, summary=proc.stdout.strip().splitlines()[-1:], ok=proc.returncode == 0)
 
 
 # ------------------------------------------------------------------------------ timings
@@ -348,14 +357,57 @@ def run_serve():
       print(table.read_text(), flush=True)
 
 
+FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference",
+               "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step")
+
+
+def _decode_shapes():
+  return ([(512, 2), (1024, 2)] if FLAGS.smoke else
+          [tuple(map(int, s.split(":"))) for s in FLAGS.decode_shapes])
+
+
+def run_fused():
+  """The fused layer kernels: their tests compiled, then the step per shape against
+  the default tiered step and full KV (issue 16's target: <= 1.2x full KV)."""
+  if FLAGS.fused_tests:
+    run_numerics("fused", FUSED_TESTS, filter_="fused")
+  variants = [("full_kv", None), ("tiered", {}),
+              ("tiered_fused", dict(impl=ImplConfig(fused=True))),
+              ("tiered_fused_xla_attention",
+               dict(impl=ImplConfig(fused=True, attention="xla")))]
+  for i, (ctx, req) in enumerate(_decode_shapes()):
+    bench_step(ctx, req, variants, profile=("tiered_fused",) if i == 0 else ())
+
+
+def run_graphs():
+  """The fused section's timings with command buffers allowed to capture the layer
+  loop (WHILE, CONDITIONAL), in a subprocess (XLA_FLAGS are read at start-up)."""
+  argv = [sys.executable, "-m", "experiments.gpu_check", "--sections=fused",
+          "--tag=command_buffers_while", f"--out_dir={FLAGS.out_dir}",
+          f"--warmup={FLAGS.warmup}", f"--iters={FLAGS.iters}",
+          f"--decode_shapes={','.join(FLAGS.decode_shapes)}", "--nofused_tests",
+          f"--budget_s={max(60.0, FLAGS.budget_s - (time.perf_counter() - T0))}"]
+  argv += ["--smoke"] if FLAGS.smoke else []
+  # Pallas Triton kernels lower to a legacy custom call on jax 0.11, which command
+  # buffers skip unless named (jax-ml/jax#27988); XLA builds without that flag
+  # (jaxlib 0.10.2) refuse it, and emit the kernels as capturable thunks anyway.
+  base = " --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+  legacy = " --legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
+  for extra in (base + legacy, base):
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + extra}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if "Unknown flag in XLA_FLAGS" not in proc.stderr:
+      break
+  log("graphs", ok=proc.returncode == 0, xla_flags=env["XLA_FLAGS"],
+      tail=proc.stderr.strip().splitlines()[-3:] if proc.returncode else None)
+
+
 def run_decode():
   """The default step against full KV per shape, plus the keyed policies' cost."""
   variants = [("full_kv", None), ("tiered", {}),
               ("tiered_policy_freq", dict(policy="freq", impl=ImplConfig(resolve="xla"))),
               ("tiered_policy_rank", dict(policy="rank", impl=ImplConfig(resolve="xla")))]
-  shapes = ([(512, 2), (1024, 2)] if FLAGS.smoke else
-            [tuple(map(int, s.split(":"))) for s in FLAGS.decode_shapes])
-  for ctx, req in shapes:
+  for ctx, req in _decode_shapes():
     bench_step(ctx, req, variants)
 
 
@@ -368,7 +420,8 @@ def main(argv):
     from jax._src.lib import xla_client as xc
     pathlib.Path(FLAGS.out_dir, "target_config.txtpb").write_text(
         xc.get_topology_for_devices(jax.devices()).target_config)
-  sections = {"numerics": run_numerics, "lookups": bench_lookups,
+  sections = {"fused": run_fused, "graphs": run_graphs,
+              "numerics": run_numerics, "lookups": bench_lookups,
               "lookup_decode": run_lookup_decode, "io": run_io,
               "throughput": run_throughput, "kernels": bench_kernels, "decode": run_decode,
               "serve": run_serve}

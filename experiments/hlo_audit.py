@@ -17,7 +17,8 @@ Command (~1-2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
 Prints one table row per variant (with the kernel launches of one trip of the layer
 loop, and the same for the full-KV step) and a final line
 ``hlo_audit: whole_host_copies=N host_to_device_bytes_per_miss=M
-kernels_per_layer=T/F`` (T: the GPU default tiered step, F: full KV); exits 1 if N > 0.
+kernels_per_layer=T/F fused_kernels_per_layer=X`` (T: the GPU default tiered step,
+F: full KV, X: the tiered step through the fused layer kernels); exits 1 if N > 0.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from kvtier_jax.config import ImplConfig, TierConfig
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
 
-KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows")
+KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows",
+                "fused_resolve_classify", "fused_resolve_commit")
 _PASSIVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call",
             "conditional", "dynamic-update-slice-start", "dynamic-update-slice-done",
             "custom-call", "custom-call-start", "custom-call-done", "fusion"}
@@ -207,6 +209,46 @@ def layer_loop_launches(hlo: str, num_layers: int) -> float:
   return per_trip * trips / num_layers
 
 
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
+def layer_loop_graph_launches(thunks: str) -> tuple[int, int]:
+  """(launches, kernels captured) of one trip of the first top-level loop of a thunk
+  sequence (``deviceless.thunk_sequence``): every thunk at the top level of the
+  loop's condition and body is one launch, a command buffer (CUDA graph) included,
+  whose own kernels count as captured instead. Outside a loop: the whole
+  sequence."""
+  lines = thunks.splitlines()
+  start = next((i for i, l in enumerate(lines) if re.match(r"^\d+: kWhile", l)), None)
+  if start is None:
+    body, depth = lines, 0
+  else:
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"^\d", lines[i])),
+               len(lines))
+    body = [l for l in lines[start + 1:end] if _THUNK.match(l)]
+    depth = min(len(_THUNK.match(l).group(1)) for l in body)
+  launches = captured = 0
+  in_graph = False
+  for line in body:
+    m = _THUNK.match(line)
+    if not m:
+      continue
+    indent, kind = len(m.group(1)), m.group(2)
+    if indent == depth:
+      launches += 1
+      in_graph = kind == "kCommandBuffer"
+    elif in_graph and indent > depth and kind != "kCommandBuffer":
+      captured += 1
+  return launches, captured
+
+
+# XLA options that let command buffers capture loops and conditionals too (the
+# default captures fusions, cuBLAS and custom kernels only).
+GRAPH_OPTIONS = deviceless.GPU_OPTIONS + (
+    ("xla_gpu_enable_command_buffer",
+     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),)
+
+
 def _shardings():
   """(host, device) shardings of a one-device mesh, for abstract H200 inputs."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
@@ -232,6 +274,28 @@ def _hlo_dtype(cfg: TierConfig) -> str:
   return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
 
 
+def lower_step(cfg: TierConfig):
+  """The tiered decode step lowered for CUDA on abstract H200 inputs."""
+  _, dev = _shardings()
+  _, state = _abstract_state(cfg)
+  sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
+  L, R = cfg.num_layers, cfg.num_requests
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+  step = jax.jit(functools.partial(decode.decode_step, cfg, selector), donate_argnums=(0,))
+  return deviceless.lower_for_cuda(
+      step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
+      sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
+
+
+def audit_graphs(cfg: TierConfig) -> dict[str, tuple[int, int]]:
+  """Graph launches per layer of the compiled step, (launches, captured kernels),
+  with XLA's default command buffers and with loops allowed into them."""
+  lowered = lower_step(cfg)
+  return {name: layer_loop_graph_launches(deviceless.thunk_sequence(lowered, options))
+          for name, options in (("default", deviceless.GPU_OPTIONS),
+                                ("while", GRAPH_OPTIONS))}
+
+
 def audit_config(cfg: TierConfig, variant: str) -> Audit:
   """Lower + compile one decode step for an H200 and read its HLO."""
   _, dev = _shardings()
@@ -248,8 +312,9 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   gathers = host_execute_rows_bytes(hlo)
   if gathers:
     per_miss = max(nbytes / rows for rows, nbytes in gathers)
-  else:  # zero-copy kernel: each missed row is read once for K and once for V
-    per_miss = 2 * cfg.row_bytes if "fetch_rows" in hlo else 0.0
+  else:  # zero-copy kernels: each missed row is read once for K and once for V
+    zero_copy = "fetch_rows" in hlo or "fused_resolve_commit" in hlo
+    per_miss = 2 * cfg.row_bytes if zero_copy else 0.0
   triton = [l for l in hlo.splitlines() if "__gpu$xla.gpu.triton" in l]
   kernels = tuple(sorted({n for l in triton for n in KERNEL_NAMES if n in l}))
   # The cache's buffers lead the carry's leaves; each must be updated in place.
@@ -325,9 +390,12 @@ def audit_configs(smoke: bool):
       resolve=resolve, attention=attention, fetch=fetch, interpret=False,
       fetch_chunk=shape["top_k"])
   base = TierConfig(**shape, dtype=jnp.bfloat16, impl=impl("xla", "xla", "xla"))
+  fused = dataclasses.replace(impl("xla", "pallas", "pallas"), fused=True)
   return [
       ("GPU default: xla resolve, pallas attention, zero-copy fetch",
        base.replace(impl=impl("xla", "pallas", "pallas"))),
+      ("fused layer kernels (resolve + zero-copy fetch + commit), pallas attention",
+       base.replace(impl=fused)),
       ("xla kernels, host-gather fetch", base),
       ("pallas kernels, zero-copy fetch", base.replace(impl=impl("pallas", "pallas",
                                                                   "pallas"))),
@@ -370,6 +438,11 @@ def main(argv):
         f"{control} whole-host copies detected")
   print(f"prompt write-through (serving): {pw_copies} whole-host copies, {pw_writes} "
         f"async host writes, {pw_aliased} state buffers aliased")
+  for name, cfg in configs[:2]:
+    graphs = audit_graphs(cfg)
+    print(f"command buffers, {name}: launches per layer (kernels captured in CUDA "
+          "graphs) " + ", ".join(f"{flags_} flags {n} ({c})"
+                                 for flags_, (n, c) in graphs.items()))
   copies = sum(a.whole_host_copies for a in rows) + app_copies + pw_copies
   per_miss = max(a.host_to_device_bytes_per_miss for a in rows)
   unaliased = sum(a.state_params - a.aliased_params for a in rows)
@@ -377,8 +450,10 @@ def main(argv):
   print(f"host->device bytes per layer per step: host-gather fetch "
         f"ceil(misses/{chunk})*{chunk}*{configs[0][1].row_bytes * 2} (+{chunk}*16 index "
         f"bytes device->host per gather); zero-copy fetch misses*{per_miss:.0f}")
+  fused = next(a for (_, cfg), a in zip(configs, rows) if cfg.impl.fused)
   print(f"hlo_audit: whole_host_copies={copies} host_to_device_bytes_per_miss={per_miss:.0f}"
-        f" kernels_per_layer={rows[0].launches_per_layer:g}/{full_launches:g}")
+        f" kernels_per_layer={rows[0].launches_per_layer:g}/{full_launches:g}"
+        f" fused_kernels_per_layer={fused.launches_per_layer:g}")
   if copies or unaliased or control == 0:
     sys.exit(1)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from kvtier_jax import lookup
 from kvtier_jax.policies import PolicyConfig
 from pallas_kernels import common
+from pallas_kernels.fused_resolve import map_scratch_bytes
 
 WARM_STARTS = ("first", "head_tail", "empty")
 
@@ -35,6 +36,11 @@ class ImplConfig:
     fetch_chunk: rows per host gather of the XLA fetch; misses take
       ``ceil(misses / fetch_chunk)`` gathers. None: ``max(16, k // 8)`` (an
       eighth of a selection: miss rates of 5-15% take one or two gathers).
+    fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
+      writes and the metadata commit of a layer in two Pallas kernels
+      (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
+      ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. LRU only,
+      without index sharing, lookahead prefetch or the overlapped attention.
   """
 
   resolve: str = "auto"
@@ -43,6 +49,7 @@ class ImplConfig:
   lookup: str = "auto"
   interpret: bool | None = None
   fetch_chunk: int | None = None
+  fused: bool = False
 
   def __post_init__(self):
     for name in ("resolve", "attention", "fetch"):
@@ -140,6 +147,22 @@ class TierConfig:
     if self.policy.keyed and self.impl.resolve == "pallas":
       raise ValueError(f"the {self.policy.name} policy has no Pallas RESOLVE kernel: "
                        "impl.resolve='xla'")
+    if self.impl.fused:
+      self._check_fused()
+
+  def _check_fused(self):
+    unsupported = {"a keyed policy": self.policy.keyed, "index_share > 1":
+                   self.index_share > 1, "overlap_hit_miss": self.overlap_hit_miss}
+    for what, present in unsupported.items():
+      if present:
+        raise ValueError(f"the fused layer kernels (impl.fused) do not support {what}")
+    if self.head_dim & (self.head_dim - 1):
+      raise ValueError(f"impl.fused needs a power-of-2 head_dim, got {self.head_dim}")
+    scratch = map_scratch_bytes(self.num_requests * self.num_units, self.max_len,
+                                self.top_k)
+    if scratch > lookup.MAP_SCRATCH_BYTES:
+      raise ValueError(f"impl.fused's position map needs {scratch} bytes (> "
+                       f"{lookup.MAP_SCRATCH_BYTES}): use the unfused path")
 
   # Derived sizes -------------------------------------------------------------
   @property

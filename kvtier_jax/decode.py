@@ -90,6 +90,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
         cfg, tier, layer, q, k_new, v_new, selected, carry.ok, carry.active,
         prefetch=prefetch, ranks=ranks)
     ok = carry.ok & (status == 0)
+    anchor = carry.anchor if anchor is None else anchor
     # Selector state leaves are [L, R, ...]: keep the rows of refused or inactive
     # requests as they were.
     row_ok = ok & carry.active

@@ -32,6 +32,7 @@ from kvtier_jax.resolve import (STATUS_CAPACITY, install_newest, resolve_with_po
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
+from pallas_kernels.fused_resolve import CacheArrays, resolve_fetch
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
@@ -114,7 +115,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     ranks: i32[R, U, m] the selector's best-first ranking (policy "rank").
 
   Returns:
-    (out [R, Hq, D], lse f32[R, Hq], state, status i32[], AnchorResult).
+    (out [R, Hq, D], lse f32[R, Hq], state, status i32[], AnchorResult; None on
+    the fused path, which has no layers sharing its selection).
   """
   num_req, num_units, share = cfg.num_requests, cfg.num_units, cfg.index_share
   newest = state.seq_len  # [R]
@@ -122,6 +124,10 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   if selected.shape != (num_req, num_units, cfg.top_k):
     raise ValueError(f"selector returned {selected.shape}, expected "
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
+  if cfg.impl.fused:
+    if prefetch is not None:
+      raise ValueError("the fused layer kernels (impl.fused) do not prefetch")
+    return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected, ok, active)
   selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   pages = state.page_table
 
@@ -206,6 +212,22 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       fetched_rows=state.fetched_rows.at[layer].add(moved),
   )
   return out, lse, state, status, AnchorResult(res.slot, is_hit, is_miss, target)
+
+
+def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
+                        selected, ok, active):
+  """``anchor_layer`` through the fused kernels: the same state, status and outputs
+  (metadata and counters equal, integer for integer), in two launches and the
+  attention."""
+  fields = CacheArrays._fields
+  cache = CacheArrays(*(getattr(state, name) for name in fields))
+  res = resolve_fetch(layer, ok, active, state.seq_len, selected, cache,
+                      state.page_table, state.host_k, state.host_v, k_new, v_new,
+                      max_len=cfg.max_len, page_size=cfg.page_size,
+                      interpret=cfg.use_interpret)
+  state = state.replace(**dict(zip(fields, res.cache)))
+  out, lse = attention.hot_attention(cfg, q, state.hot_k, state.hot_v, layer, res.slot)
+  return out, lse, state, res.status, None
 
 
 def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,

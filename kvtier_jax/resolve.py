@@ -20,16 +20,16 @@ from kvtier_jax import lookup, policies
 from kvtier_jax.policies import PolicyConfig
 from kvtier_jax.shapes import EMPTY, LruOrder, Newest, Selected, SlotPos
 from pallas_kernels import common
-from pallas_kernels.cache_resolve import ResolveOutputs, cache_resolve_reference
+from pallas_kernels.cache_resolve import (ResolveOutputs, cache_resolve_reference,
+                                          install_newest)
+# Bits of the status word a decode step returns (defined beside the kernels that
+# compute them).
+from pallas_kernels.common import STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE
 
 __all__ = ["ResolveOutputs", "resolve", "resolve_with_policy", "install_newest",
            "selection_errors", "check_selection", "STATUS_OUT_OF_RANGE",
            "STATUS_DUPLICATE", "STATUS_CAPACITY"]
 
-# Bits of the status word a decode step returns.
-STATUS_OUT_OF_RANGE = 1
-STATUS_DUPLICATE = 2
-STATUS_CAPACITY = 4
 
 
 def _is_concrete(*xs) -> bool:
@@ -189,29 +189,3 @@ def resolve_with_policy(policy: PolicyConfig, slot_pos: SlotPos, lru: LruOrder, 
                             num_positions=num_positions)
   out = _resolve_xla(*args, key, method=method, num_positions=num_positions)
   return out, policies.next_score(policy, score, out.slot, out.is_miss)
-
-
-def install_newest(slot_pos, lru, newest):
-  """Also keep the newest position in a regular slot when one is empty.
-
-  While a request is shorter than B this keeps every position resident (slot i
-  holds position i), so short contexts never fetch. The lowest-index empty slot is
-  used and becomes most recently used. Rows without an empty slot are unchanged.
-
-  Returns:
-    (slot_pos, lru, target) with target i32[...] the slot written, -1 for none.
-  """
-  num_slots = slot_pos.shape[-1]
-  empty = slot_pos == EMPTY
-  has_empty = empty.any(-1)
-  target = jnp.where(has_empty, jnp.argmax(empty, axis=-1), EMPTY).astype(jnp.int32)
-  is_target = lru == target[..., None]  # no match when target == -1
-  # The target moves to the back; entries after it shift forward by one.
-  index = jnp.arange(num_slots, dtype=jnp.int32)
-  after = index > jnp.argmax(is_target, axis=-1)[..., None]
-  dest = jnp.where(is_target, num_slots - 1, index - after)
-  moved = jnp.put_along_axis(jnp.zeros_like(lru), dest, lru, axis=-1, inplace=False)
-  new_lru = jnp.where(has_empty[..., None], moved, lru)
-  new_slot_pos = jnp.where(
-      jnp.arange(num_slots) == target[..., None], newest[..., None], slot_pos)
-  return new_slot_pos, new_lru, target

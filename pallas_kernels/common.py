@@ -20,6 +20,12 @@ from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "xla", "pallas")
 
+# Bits of the status word of a decode step (a refused step says why; the fused
+# RESOLVE kernel computes them in-kernel).
+STATUS_OUT_OF_RANGE = 1
+STATUS_DUPLICATE = 2
+STATUS_CAPACITY = 4
+
 
 def check_impl(impl: str) -> None:
   if impl not in IMPLS:

@@ -71,6 +71,27 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
       "device_kv_bytes_per_request"]
 
 
+@pytest.mark.parametrize("name", ["quest", "quest_kv"])
+def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt, name):
+  """impl.fused (the kernels interpreted on CPU) on real weights: logits bit-equal to
+  sparse attention over the full KV (XLA attention on both sides), with misses."""
+  model, ids = model_and_prompt
+  selector, params = selector_for(name, model.cfg)
+  steps, tokens, lens = 5, np.stack([ids, np.roll(ids, 5)]), [len(ids), len(ids) - 90]
+  max_len = len(ids) + steps + 1
+  sparse = backends.Runner(model, "sparse", max_len, selector=selector)
+  fused = backends.Runner(model, "tiered", max_len, selector=selector,
+                          hot_slots=selector.top_k,
+                          impl=ImplConfig(attention="xla", fused=True))
+  ref = sparse.prefill(tokens, lens)
+  np.testing.assert_array_equal(fused.prefill(tokens, lens), ref)
+  for _ in range(steps):
+    token = jnp.argmax(ref, -1)
+    ref = sparse.step(token)
+    np.testing.assert_array_equal(np.asarray(fused.step(token)), np.asarray(ref))
+  assert fused.cache_stats()["misses"] > 0
+
+
 def test_dense_runner_matches_greedy_reference(model_and_prompt):
   from models import sampling
   model, ids = model_and_prompt

@@ -127,10 +127,14 @@ def test_capacity_exceeded_is_refused():
     h.decoder.prefill(h.state, *random_kv(h.rng, cfg, 80), [70, 5, 5])
 
 
-def test_a_miss_without_a_host_page_is_refused_not_read():
+FUSED = ImplConfig(attention="xla", fused=True)
+
+
+@pytest.mark.parametrize("impl", ["auto", FUSED])
+def test_a_miss_without_a_host_page_is_refused_not_read(impl):
   """A position whose page is missing from the page table is never read from the
   scratch page: the step refuses (capacity), and nothing is committed."""
-  cfg = make_cfg()
+  cfg = make_cfg(impl=impl)
   h = Harness(cfg, [200, 260, 300], seed=4)
   h.step()
   sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
@@ -149,10 +153,11 @@ def test_a_miss_without_a_host_page_is_refused_not_read():
   np.testing.assert_array_equal(after.misses, before.misses)
 
 
-def test_selector_bug_inside_jit_is_refused_and_recoverable():
+@pytest.mark.parametrize("impl", ["auto", FUSED])
+def test_selector_bug_inside_jit_is_refused_and_recoverable(impl):
   """A selector that goes out of range at layer 2: StepRefused, seq_len and the
   refusing layers unchanged, and decoding continues exactly afterwards."""
-  cfg = make_cfg()
+  cfg = make_cfg(impl=impl)
   h = Harness(cfg, [40, 50, 60])
   for _ in range(3):
     h.step()
@@ -182,6 +187,39 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable():
   for _ in range(20):
     out, ref = h.step()
     np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_fused_layer_kernels_are_the_unfused_step(per_kv_head):
+  """impl.fused (two kernels per layer, interpreted here): outputs bit-equal to
+  full-KV sparse attention (XLA attention on both sides), and every metadata array
+  and counter equal to the unfused step's (XLA RESOLVE, zero-copy fetch kernel)."""
+  seed = int(np.random.default_rng().integers(2**31))
+  cfgs = [make_cfg(impl=FUSED, per_kv_head=per_kv_head),
+          make_cfg(impl=ImplConfig(resolve="xla", attention="xla", fetch="pallas"),
+                   per_kv_head=per_kv_head)]
+  fused, unfused = (Harness(c, [40, 100, 7], seed=seed) for c in cfgs)
+  for _ in range(25):
+    (out, ref), (out_u, _) = fused.step(), unfused.step()
+    np.testing.assert_array_equal(out, ref, err_msg=f"{seed=}")
+    np.testing.assert_array_equal(out_u, ref, err_msg=f"{seed=}")
+  for name in ("slot_pos", "lru", "slot_score", "hits", "misses", "fetched_rows",
+               "seq_len", "hot_k"):
+    np.testing.assert_array_equal(getattr(fused.state, name),
+                                  getattr(unfused.state, name), err_msg=f"{name} {seed=}")
+  assert kv_state.cache_stats(cfgs[0], fused.state)["misses"] > 0
+
+
+def test_fused_layer_kernels_reject_what_they_do_not_do():
+  for bad in (dict(policy="freq"), dict(index_share=2), dict(overlap_hit_miss=True),
+              dict(head_dim=24)):
+    with pytest.raises(ValueError, match="fused"):
+      make_cfg(impl=FUSED, **bad)
+  h = Harness(make_cfg(impl=FUSED, lookahead_cap=4), [40, 50, 60])
+  with pytest.raises(ValueError, match="do not prefetch"):
+    h.decoder.step(h.state, *step_inputs(h.rng, h.cfg),
+                   draw_selection(h.rng, h.cfg, h.decoder.seq_len, h.prev),
+                   prefetch=draw_selection(h.rng, h.cfg, h.decoder.seq_len, h.prev))
 
 
 def test_step_donates_state_and_does_not_retrace():

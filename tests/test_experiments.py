@@ -69,13 +69,17 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   (step-time variants, 35 s here) ran clean on the H200 twice and is left out to
   keep the suite short."""
   run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
-      "--sections=serve,numerics,lookups", "--numerics_filter=zero_copy",
+      "--sections=fused,serve,numerics,lookups", "--numerics_filter=zero_copy",
       "--warmup=1", "--iters=2")
   rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert not [r for r in rows if "error" in r]
   assert all(r["ok"] for r in rows if "ok" in r)
   numerics = [r["test"] for r in rows if r["section"] == "numerics" and "test" in r]
   assert len(numerics) == 2 and all("zero_copy" in t for t in numerics)
+  fused = [r for r in rows if r["section"] == "fused"]
+  assert len([r for r in fused if "test" in r]) == 8  # 6 kernel cases, 2 steps
+  timed = {r["variant"] for r in rows if r["section"] == "timing" and "median_ms" in r}
+  assert {"full_kv", "tiered", "tiered_fused", "tiered_fused_xla_attention"} <= timed
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
   serve = {r["cache"]: r for r in rows if r["section"] == "serve"}

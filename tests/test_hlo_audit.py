@@ -15,18 +15,22 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
                                 reason="needs jax-cuda12-plugin (pip install -e .[audit])")
 
 
-@pytest.mark.parametrize("variant", range(6))
+@pytest.mark.parametrize("variant", range(7))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
   audit = hlo_audit.audit_config(cfg, name)
   assert audit.whole_host_copies == 0
   assert audit.aliased_params == audit.state_params == NUM_STATE
   assert audit.host_to_device_bytes_per_miss == 2 * cfg.row_bytes
-  if cfg.impl.fetch == "pallas":
+  if cfg.impl.fused:
+    assert {"fused_resolve_classify", "fused_resolve_commit"} <= set(audit.kernels)
+    assert "fetch_rows" not in audit.kernels and audit.host_executes == 0
+  elif cfg.impl.fetch == "pallas":
     assert "fetch_rows" in audit.kernels and audit.host_executes == 0
   else:
     assert audit.host_executes >= 1
-  assert ("cache_resolve" in audit.kernels) == (cfg.impl.resolve == "pallas")
+  assert ("cache_resolve" in audit.kernels) == (cfg.impl.resolve == "pallas"
+                                               and not cfg.impl.fused)
   assert ("sparse_decode_attention" in audit.kernels) == (cfg.impl.attention == "pallas")
   # Overlapped hit/miss attention, and the shared layers' fetch issued at the
   # anchor: compute is scheduled while a host gather is in flight (with the
@@ -109,3 +113,38 @@ def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
   tiered = hlo_audit.audit_config(cfg, name).launches_per_layer
   full = hlo_audit.audit_full_kv(cfg)
   assert tiered > full > 0
+  # The fused layer kernels: within 4 launches per layer of full KV (issue 16).
+  name, cfg = hlo_audit.audit_configs(smoke=True)[1]
+  assert cfg.impl.fused
+  assert hlo_audit.audit_config(cfg, name).launches_per_layer <= full + 4
+
+
+TOY_THUNKS = """\
+000: kCommandBuffer [source | next=003 (1)]
+    001: kCopy         [source | sink] kCopy
+    002: kCustomKernel [source | sink] loop_broadcast_fusion grid: [8, 1, 1]
+003: kWhile         [prev=000 (1) | next=012 (1)]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    005: kDynamicSliceFusion [source | next=007 (1)] params=1, results=1
+        006: kCopy [source | sink] kCopy
+    007: kCustomKernel       [prev=005 (1) | next=000 (1)] fused_resolve_classify
+    000: kCommandBuffer      [prev=007 (1) | sink]
+        008: kCustomKernel [source | next=009 (1)] fused_resolve_commit
+        009: kCustomKernel [prev=008 (1) | next=010 (1)] sparse_decode_attention
+        010: kCustomKernel [prev=009 (1) | sink] loop_add_fusion
+012: kCustomKernel  [prev=003 (1) | sink] loop_add_fusion_1
+"""
+
+
+def test_graph_launches_count_a_command_buffer_once():
+  # condition 1 + body: dynamic-slice fusion, classify, one command buffer (3).
+  assert hlo_audit.layer_loop_graph_launches(TOY_THUNKS) == (4, 3)
+  # No loop: the top level (a command buffer of 2, one kernel).
+  flat = TOY_THUNKS.split("003:")[0] + "003: kCustomKernel [source | sink] x\n"
+  assert hlo_audit.layer_loop_graph_launches(flat) == (2, 2)
+  _, cfg = hlo_audit.audit_configs(smoke=True)[1]
+  graphs = hlo_audit.audit_graphs(cfg)  # the compiled fused step, both flag sets
+  for launches, captured in graphs.values():
+    assert launches >= 2 and captured >= 1

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import fused_resolve
 from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import BlockSizes as FetchBlocks
 from pallas_kernels.fetch import fetch_rows, fetch_rows_reference
@@ -137,5 +138,134 @@ def test_every_kernel_lowers_for_cuda_via_triton():
           f((2, 4, 65, 1, 3, 64), jnp.bfloat16), f((2, 4, 65, 1, 3, 64), jnp.bfloat16),
           f((2, 4, 1, 33, 3, 64), jnp.bfloat16), f((2, 4, 1, 33, 3, 64), jnp.bfloat16)),
   }
+  L, R, U, B, k, Hg, D, T = 2, 4, 1, 640, 512, 3, 64, 1024
+  cache = fused_resolve.CacheArrays(
+      f((L, R, U, B), i32), f((L, R, U, B), i32), f((L, R, U, B), jnp.float32),
+      f((L, R, U), i32), f((L, R, U), i32), f((L,), i32),
+      f((L, R, U, B + 1, Hg, D), jnp.bfloat16), f((L, R, U, B + 1, Hg, D), jnp.bfloat16))
+  host = f((L, 65, 64, U, Hg, D), jnp.bfloat16)
+  texts["fused_resolve"] = _lower_for_cuda(
+      lambda *a: fused_resolve.resolve_fetch(*a, max_len=T, page_size=64),
+      f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
+      f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
+      f((R, Hg, D), jnp.bfloat16))
+  assert texts["fused_resolve"].count("__gpu$xla.gpu.triton") == 2  # classify, commit
   for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, f"{name} did not lower to a Triton call"
+
+
+def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg=8):
+  """A random layer step: metadata with empty and uncommitted slots, a request that
+  fits the hot cache, an inactive one, paged host rows, selections with padding."""
+  pages_per_req = -(-T // Pg)
+  num_pages = R * pages_per_req
+  seq = rng.integers(B, T - 1, R)
+  seq[0] = rng.integers(1, B // 2)  # fits: slot i holds position i, never fetches
+  if scenario == "capacity":
+    seq[3] = T  # an active request at max_len
+  table = np.full((R, pages_per_req), -1, np.int32)
+  physical = rng.permutation(num_pages)
+  for r in range(R):
+    used = min(-(-(seq[r] + 1) // Pg), pages_per_req)
+    table[r, :used] = physical[r * pages_per_req:r * pages_per_req + used]
+  slot_pos = np.full((L, R, U, B), -1, np.int32)
+  for l, r, u in np.ndindex(L, R, U):
+    if r == 0:
+      slot_pos[l, r, u, :seq[0]] = np.arange(seq[0])
+      continue
+    n = rng.integers(B // 2, B + 1)  # some empty slots, some positions >= seq (uncommitted)
+    slot_pos[l, r, u, rng.permutation(B)[:n]] = rng.permutation(min(seq[r] + 3, T))[:n]
+  lru = np.stack([rng.permutation(B) for _ in range(L * R * U)]).reshape(L, R, U, B)
+  sel = np.full((R, U, k), -1, np.int32)
+  for r, u in np.ndindex(R, U):
+    held = [p for p in slot_pos[1, r, u] if 0 <= p < seq[r]]
+    pool = list(dict.fromkeys(rng.permutation(held).tolist()[:k // 2]
+                              + rng.permutation(seq[r] + 1).tolist()))
+    row = pool[:rng.integers(k // 2, k + 1)]
+    sel[r, u, rng.permutation(k)[:len(row)]] = row  # padding anywhere
+  if scenario == "duplicate":
+    lanes = np.flatnonzero(sel[1, 0] >= 0)
+    sel[1, 0, lanes[0]] = sel[1, 0, lanes[1]]
+  elif scenario == "out_of_range":
+    sel[3, 1, 0] = seq[3] + 2
+  elif scenario == "unpaged":  # a position that must be fetched has no page
+    missing = next(p for p in range(seq[1]) if p not in slot_pos[1, 1, 0])
+    sel[1, 0, 0] = missing
+    sel[1, 0, 1:][sel[1, 0, 1:] == missing] = -1
+    table[1, missing // Pg] = -1
+  host = rng.standard_normal((L, num_pages + 1, Pg, U, Hg, D)).astype(np.float32)
+  hot = np.full((L, R, U, B + 1, Hg, D), np.nan, np.float32)
+  cache = fused_resolve.CacheArrays(
+      jnp.asarray(slot_pos), jnp.asarray(lru),
+      jnp.asarray(rng.random((L, R, U, B)), jnp.float32),
+      jnp.asarray(rng.integers(0, 9, (L, R, U)), jnp.int32),
+      jnp.asarray(rng.integers(0, 9, (L, R, U)), jnp.int32),
+      jnp.asarray(rng.integers(0, 9, (L,)), jnp.int32), jnp.asarray(hot),
+      jnp.asarray(hot))
+  new_kv = rng.standard_normal((2, R, U * Hg, D)).astype(np.float32)
+  active = np.array([True, True, False, True])
+  return dict(layer=1, ok=scenario != "refused_earlier", active=jnp.asarray(active),
+              seq_len=jnp.asarray(seq, jnp.int32), selected=jnp.asarray(sel),
+              cache=cache, page_table=jnp.asarray(table), host_k=jnp.asarray(host),
+              host_v=jnp.asarray(host * 3), k_new=jnp.asarray(new_kv[0]),
+              v_new=jnp.asarray(new_kv[1]))
+
+
+@pytest.mark.parametrize("scenario,status", [
+    ("valid", 0), ("duplicate", 2), ("out_of_range", 1), ("unpaged", 4),
+    ("capacity", 4), ("refused_earlier", 0)])
+def test_fused_layer_kernels_match_reference(on_gpu, scenario, status):
+  seed = int(np.random.default_rng().integers(2**31))
+  rng = np.random.default_rng(seed)
+  args = _fused_problem(rng, scenario)
+  static = dict(max_len=60, page_size=8)
+  want = fused_resolve.resolve_fetch_reference(**args, **static)
+  # The position map may hold anything: stale lanes of other rows and steps.
+  stale = jnp.asarray(rng.integers(-2, 10, (8, 61 + 8)), jnp.int32)
+  got = fused_resolve.resolve_fetch(**args, scratch_map=stale, **static,
+                                    block_sizes=fused_resolve.BlockSizes(fetch_rows=2),
+                                    interpret=not on_gpu)
+  for name, w, g in zip(want.cache._fields, want.cache, got.cache):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} {seed=}")
+  # A row with a duplicate has unspecified slots (the step refuses; what its
+  # attention returns is discarded).
+  for name in ("slot", "is_miss", "status") if scenario != "duplicate" else (
+      "is_miss", "status"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name),
+                                  err_msg=f"{name} {seed=}")
+  assert int(got.status) == status, seed
+  before, after = args["cache"], got.cache
+  hot_k, host_k = np.asarray(after.hot_k), np.asarray(args["host_k"])
+  # Slot B holds the newest token whatever happened.
+  np.testing.assert_array_equal(hot_k[1, :, :, -1].reshape(4, -1, 16), args["k_new"])
+  unchanged = lambda name: np.testing.assert_array_equal(
+      getattr(after, name), getattr(before, name), err_msg=f"{name} {seed=}")
+  if scenario != "valid":  # refused: nothing but slot B changes
+    for name in ("slot_pos", "lru", "slot_score", "hits", "misses", "fetched_rows"):
+      unchanged(name)
+    assert np.isnan(hot_k[:, :, :, :-1]).all() and not got.is_miss.any()
+    return
+  # Independent checks of the committed layer (brute force, numpy).
+  sel, seq = np.asarray(args["selected"]), np.asarray(args["seq_len"])
+  slot, miss = np.asarray(got.slot), np.asarray(got.is_miss)
+  new_pos, new_lru = np.asarray(after.slot_pos)[1], np.asarray(after.lru)[1]
+  table = np.asarray(args["page_table"])
+  for r, u in np.ndindex(4, 2):
+    assert sorted(new_lru[r, u]) == list(range(12))
+    if r == 2:  # inactive: metadata untouched, nothing fetched
+      np.testing.assert_array_equal(new_pos[r, u], np.asarray(before.slot_pos)[1, r, u])
+      assert not miss[r, u].any()
+      continue
+    for lane, pos in enumerate(sel[r, u]):
+      if pos < 0:
+        assert slot[r, u, lane] == -1
+      elif pos == seq[r]:
+        assert slot[r, u, lane] == 12  # the newest: reserved slot B
+      else:
+        assert new_pos[r, u, slot[r, u, lane]] == pos
+    for lane in np.flatnonzero(miss[r, u]):
+      pos = sel[r, u, lane]
+      np.testing.assert_array_equal(
+          hot_k[1, r, u, slot[r, u, lane]], host_k[1, table[r, pos // 8], pos % 8, u])
+  assert miss.sum() > 0 and not miss[0].any()  # the short request never fetches
+  assert int(after.fetched_rows[1] - before.fetched_rows[1]) == miss.sum()

@@ -115,3 +115,28 @@ def cache_resolve_reference(slot_pos, lru, selected, newest, held=None,
                       flat(held), flat(key))
   return ResolveOutputs(*(x.reshape(batch + x.shape[1:]) for x in out))
 
+
+def install_newest(slot_pos, lru, newest):
+  """Also keep the newest position in a regular slot when one is empty.
+
+  While a request is shorter than B this keeps every position resident (slot i
+  holds position i), so short contexts never fetch. The lowest-index empty slot is
+  used and becomes most recently used. Rows without an empty slot are unchanged.
+
+  Returns:
+    (slot_pos, lru, target) with target i32[...] the slot written, -1 for none.
+  """
+  num_slots = slot_pos.shape[-1]
+  empty = slot_pos == -1
+  has_empty = empty.any(-1)
+  target = jnp.where(has_empty, jnp.argmax(empty, axis=-1), -1).astype(jnp.int32)
+  is_target = lru == target[..., None]  # no match when target == -1
+  # The target moves to the back; entries after it shift forward by one.
+  index = jnp.arange(num_slots, dtype=jnp.int32)
+  after = index > jnp.argmax(is_target, axis=-1)[..., None]
+  dest = jnp.where(is_target, num_slots - 1, index - after)
+  moved = jnp.put_along_axis(jnp.zeros_like(lru), dest, lru, axis=-1, inplace=False)
+  new_lru = jnp.where(has_empty[..., None], moved, lru)
+  new_slot_pos = jnp.where(
+      jnp.arange(num_slots) == target[..., None], newest[..., None], slot_pos)
+  return new_slot_pos, new_lru, target

@@ -1,0 +1,337 @@
+"""One layer's cache step in two Pallas (Triton) kernels: classify, then commit.
+
+The contract is ``reference.py``'s. Why two launches and not one: a refused layer
+must change nothing, and whether it refuses depends on every row (a duplicate in
+row 5 stops row 0's fetch), while a Triton grid has no barrier across programs.
+So *classify* decides everything per row without touching the cache, and
+*commit* reads every row's verdict before it writes. Both take the whole cache
+arrays and the layer as a scalar and update in place (no per-layer slices).
+
+classify, grid (rows,), one program per (request, unit) row, O(B + k):
+  1. validate the selection; scatter ``map[pos] = lane`` into a dense position
+     map (its contents need no reset: a hit is confirmed by reading the
+     selection back, so stale entries are harmless); read it back for duplicates;
+  2. walk the B slots in LRU order, probe the map: a slot is a hit when its
+     position is selected; cumsums rank hits and evictables (SGLang's order);
+  3. the j-th miss (selection order) takes the j-th evictable; the newest token
+     takes the lowest-index empty slot left; write the new LRU order and slot
+     positions, the slot serving each entry, and the compacted misses' host
+     (page, offset) and victim slot; a miss without a page is a capacity refusal.
+commit, grid (rows, ceil(k / fetch_rows)):
+  ok = no earlier refusal and no row's status set; then each program copies its
+  block of the row's compacted misses from the host tier (zero-copy on a GPU: the
+  kernel reads ``pinned_host`` memory itself); block 0 also writes the newest
+  token (slot B always, its install slot when ok) and, for an active row, the
+  metadata and counters; program (0, 0) writes the layer's status word.
+
+Vectors are padded to powers of 2 (Triton tensors): padded lanes read a clamped
+index and write the same value to the same place, or a scratch column past the
+real ones, so no load or store needs a mask. Scratch outputs are sliced off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import common
+from pallas_kernels.fused_resolve.config import BlockSizes
+from pallas_kernels.fused_resolve.reference import CacheArrays, LayerResult
+
+_STATUS_BITS = (common.STATUS_OUT_OF_RANGE, common.STATUS_DUPLICATE,
+                common.STATUS_CAPACITY)
+
+
+def _barrier(interpret: bool):
+  if not interpret:
+    pltriton.debug_barrier()
+
+
+def _any(x):
+  return jnp.max(x.astype(jnp.int32)) > 0
+
+
+def _classify_kernel(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
+                     page_table_ref, *refs, given_map, **static):
+  # A given scratch map is an extra input aliased to the first output.
+  _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
+            page_table_ref, *refs[given_map:], **static)
+
+
+def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
+              page_table_ref, map_ref, new_pos_ref, new_lru_ref, slot_ref, miss_ref,
+              plan_page_ref, plan_off_ref, plan_slot_ref, info_ref, held_ref, evict_ref, *,
+              num_units, num_slots, num_sel, slots_pad, sel_pad, max_len, page_size,
+              interpret):
+  # layer_ref: i32[1]  active_ref, seq_len_ref: i32[R]  sel_ref: i32[rows, k]
+  # slot_pos_ref, lru_ref: i32[L, rows, B]  page_table_ref: i32[R, MP]
+  # map_ref: i32[rows, T+1 + kp] (scratch)  new_pos_ref: i32[rows, Bp + kp]
+  # new_lru_ref: i32[rows, Bp]  slot_ref, miss_ref: i32[rows, kp]
+  # plan_*_ref: i32[rows, 2 kp]  info_ref: i32[rows, 4] (status, target, hits, misses)
+  # held_ref: i32[rows, kp + Bp]  evict_ref: i32[rows, 2 Bp] (scratch)
+  row = pl.program_id(0)
+  req = row // num_units
+  layer = layer_ref[0]
+  newest = seq_len_ref[req]
+  active = active_ref[req] != 0
+  num_positions = max_len + 1
+  lane_b = jnp.arange(slots_pad)
+  lane_k = jnp.arange(sel_pad)
+  in_b = lane_b < num_slots
+  in_k = lane_k < num_sel
+  clamp_b = jnp.minimum(lane_b, num_slots - 1)
+
+  # 1. Validate; index the selection by position.
+  raw = sel_ref[row, jnp.minimum(lane_k, num_sel - 1)]
+  sel = jnp.where(in_k & active, raw, -1)  # [kp]; an inactive row selects nothing
+  bad = (sel < -1) | (sel > newest) | (sel > max_len)
+  sel = jnp.where(bad, -1, sel)
+  valid = sel >= 0
+  is_newest = valid & (sel == newest)
+  wanted = valid & ~is_newest
+  col = jnp.where(valid, sel, num_positions + lane_k)
+  map_ref[row, col] = lane_k
+  held_ref[row, lane_k] = jnp.full((sel_pad,), -1, jnp.int32)
+  _barrier(interpret)
+  dup = valid & (map_ref[row, col] != lane_k)
+
+  # 2. Membership in LRU order (padded lanes carry their own lane id, never a slot).
+  lru = jnp.where(in_b, lru_ref[layer, row, clamp_b], lane_b)  # [Bp]
+  pos_lru = slot_pos_ref[layer, row, jnp.where(in_b, lru, 0)]
+  pos_lru = jnp.where(in_b & (pos_lru >= 0) & (pos_lru < newest), pos_lru, -1)
+  probe = pos_lru >= 0  # (< newest <= max_len: inside the map)
+  owner = jnp.where(probe, map_ref[row, jnp.where(probe, pos_lru, 0)], -1)
+  owner_ok = (owner >= 0) & (owner < num_sel)
+  owner = jnp.where(owner_ok, owner, 0)
+  hit = probe & active & owner_ok & (sel_ref[row, owner] == pos_lru)  # confirmed
+  held_ref[row, jnp.where(hit, owner, sel_pad + lane_b)] = lru
+  hit_count = jnp.cumsum(hit.astype(jnp.int32))
+  hit_rank = hit_count - 1
+  evict_rank = lane_b - hit_count  # rank among the evictables, for those
+  evictable = in_b & ~hit
+  num_evict = num_slots - jnp.sum(hit.astype(jnp.int32))
+  evict_ref[row, jnp.where(evictable, evict_rank, slots_pad + lane_b)] = lru
+  _barrier(interpret)
+
+  # 3. Victims, the install slot, the new LRU order.
+  held = held_ref[row, lane_k]
+  miss = wanted & (held < 0)
+  miss_rank = jnp.cumsum(miss.astype(jnp.int32)) - 1
+  num_miss = jnp.sum(miss.astype(jnp.int32))
+  victim = evict_ref[row, jnp.where(miss, jnp.minimum(miss_rank, 2 * slots_pad - 1), 0)]
+  victim = jnp.where(miss, jnp.clip(victim, 0, num_slots - 1), 0)
+  taken = evictable & (evict_rank < num_miss)
+  empty_left = evictable & (pos_lru < 0) & ~taken & active
+  target = jnp.min(jnp.where(empty_left, lru, slots_pad))
+  has_target = target < num_slots
+  target = jnp.where(has_target, target, -1)
+  new_index = jnp.where(hit, num_evict + hit_rank,
+                        jnp.where(taken, num_evict - num_miss + evict_rank,
+                                  evict_rank - num_miss))
+  is_target = lru == target  # never for padded lanes (ids >= B)
+  target_index = jnp.max(jnp.where(is_target, new_index, -1))
+  new_index = jnp.where(is_target, num_slots - 1,
+                        jnp.where(has_target & (new_index > target_index), new_index - 1,
+                                  new_index))
+  new_lru_ref[row, jnp.where(in_b, new_index, lane_b)] = lru
+
+  base = slot_pos_ref[layer, row, clamp_b]
+  new_pos_ref[row, lane_b] = jnp.where(in_b & (base >= 0) & (base < newest), base, -1)
+  slot = jnp.where(miss, victim, jnp.where(wanted & (held >= 0), held,
+                                           jnp.where(is_newest, num_slots, -1)))
+  slot_ref[row, lane_k] = slot
+  miss_ref[row, lane_k] = miss.astype(jnp.int32)
+
+  # Host location of each miss, compacted to the front of the plan.
+  pos = jnp.clip(sel, 0, max_len - 1)
+  page = page_table_ref[req, pos // page_size]
+  to = jnp.where(miss, miss_rank, sel_pad + lane_k)
+  plan_page_ref[row, to] = page
+  plan_off_ref[row, to] = pos % page_size
+  plan_slot_ref[row, to] = victim
+  _barrier(interpret)
+  new_pos_ref[row, jnp.where(miss, victim, slots_pad + lane_k)] = sel
+
+  @pl.when(has_target)
+  def _install():
+    new_pos_ref[row, target] = newest
+
+  row_bad, row_dup = _any(bad), _any(dup)
+  unpaged = _any(miss & (page < 0)) & ~row_bad & ~row_dup
+  status = (jnp.where(row_bad, common.STATUS_OUT_OF_RANGE, 0)
+            | jnp.where(row_dup, common.STATUS_DUPLICATE, 0)
+            | jnp.where((active & (newest >= max_len)) | unpaged,
+                        common.STATUS_CAPACITY, 0))
+  info_ref[row, 0] = status.astype(jnp.int32)
+  info_ref[row, 1] = target.astype(jnp.int32)
+  info_ref[row, 2] = jnp.sum((valid & ~miss).astype(jnp.int32))
+  info_ref[row, 3] = num_miss
+
+
+def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
+                   plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref, v_new_ref,
+                   host_k_ref, host_v_ref,
+                   _slot_pos_in, _lru_in, _score_in, _hits_in, _misses_in, _fetched_in,
+                   _hot_k_in, _hot_v_in,
+                   slot_pos_ref, lru_ref, score_ref, hits_ref, misses_ref, fetched_ref,
+                   hot_k_ref, hot_v_ref, status_ref, *,
+                   num_units, num_rows, rows_pad, num_slots, slots_pad, fetch_rows,
+                   heads, head_dim):
+  # info_ref: i32[rows, 4]  new_pos_ref: i32[rows, Bp + kp]  new_lru_ref: i32[rows, Bp]
+  # plan_*_ref: i32[rows, 2 kp]  k_new_ref, v_new_ref: [rows, Hg, D]
+  # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on a GPU)
+  # slot_pos_ref, lru_ref, score_ref: [L, rows, B]  hits_ref, misses_ref: i32[L, rows]
+  # fetched_ref: i32[L]  hot_*_ref: [L, rows, B+1, Hg, D] (all aliased in place)
+  # status_ref: i32[1]
+  row = pl.program_id(0)
+  block = pl.program_id(1)
+  unit = row % num_units
+  layer = layer_ref[0]
+  every_row = jnp.minimum(jnp.arange(rows_pad), num_rows - 1)
+  statuses = info_ref[every_row, 0]  # padded lanes repeat the last row
+  ok = (ok_ref[0] != 0) & (jnp.max(statuses) == 0)
+  count = info_ref[row, 3]
+  first = block * fetch_rows
+  d_row = jnp.arange(head_dim)
+
+  @pl.when(ok & (first < count))
+  def _fetch():
+    lane = jnp.minimum(first + jnp.arange(fetch_rows), count - 1)  # [F]
+    page = plan_page_ref[row, lane][:, None]  # [F, 1]
+    off = plan_off_ref[row, lane][:, None]
+    slot = plan_slot_ref[row, lane][:, None]
+    d = d_row[None, :]  # [1, D]
+    for h in range(heads):
+      hot_k_ref[layer, row, slot, h, d] = host_k_ref[layer, page, off, unit, h, d]
+      hot_v_ref[layer, row, slot, h, d] = host_v_ref[layer, page, off, unit, h, d]
+
+  @pl.when(block == 0)
+  def _row():
+    target = info_ref[row, 1]
+    for h in range(heads):
+      hot_k_ref[layer, row, num_slots, h, d_row] = k_new_ref[row, h, d_row]
+      hot_v_ref[layer, row, num_slots, h, d_row] = v_new_ref[row, h, d_row]
+
+    @pl.when(ok & (target >= 0))
+    def _install():
+      for h in range(heads):
+        hot_k_ref[layer, row, target, h, d_row] = k_new_ref[row, h, d_row]
+        hot_v_ref[layer, row, target, h, d_row] = v_new_ref[row, h, d_row]
+
+    @pl.when(ok & (active_ref[row // num_units] != 0))
+    def _metadata():
+      lane = jnp.minimum(jnp.arange(slots_pad), num_slots - 1)
+      slot_pos_ref[layer, row, lane] = new_pos_ref[row, lane]
+      lru_ref[layer, row, lane] = new_lru_ref[row, lane]
+
+      @pl.when(target >= 0)
+      def _score():
+        score_ref[layer, row, target] = jnp.float32(1.0)
+
+    @pl.when(ok)
+    def _count():
+      hits_ref[layer, row] = hits_ref[layer, row] + info_ref[row, 2]
+      misses_ref[layer, row] = misses_ref[layer, row] + count
+
+  @pl.when((row == 0) & (block == 0))
+  def _layer():
+    # The OR of the rows' words, one bit at a time (the bits are distinct).
+    status_ref[0] = sum(jnp.max(((statuses & bit) != 0).astype(jnp.int32)) * bit
+                        for bit in _STATUS_BITS)
+    real = jnp.arange(rows_pad) < num_rows
+    moved = jnp.sum(jnp.where(real, info_ref[every_row, 3], 0))
+
+    @pl.when(ok)
+    def _moved():
+      fetched_ref[layer] = fetched_ref[layer] + moved
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "block_sizes",
+                                             "interpret"))
+def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page_table,
+                  host_k, host_v, k_new, v_new, scratch_map=None, *, max_len: int,
+                  page_size: int, block_sizes: BlockSizes = BlockSizes(),
+                  interpret: bool = False) -> LayerResult:
+  """Same contract as ``resolve_fetch_reference``; ``cache`` is updated in place.
+
+  ``scratch_map``: optional i32[R*U, max_len + 1 + next_pow2(k)] the position map
+  starts from (any contents: tests fill it with stale lanes); by default a fresh,
+  uninitialised buffer.
+  """
+  num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
+  heads, head_dim = cache.hot_k.shape[-2:]
+  num_sel = selected.shape[-1]
+  if num_slots < num_sel:
+    raise ValueError(f"B={num_slots} hot slots cannot serve k={num_sel} selected "
+                     "positions in one step: B must be >= k")
+  if head_dim & (head_dim - 1):
+    raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
+  rows = num_req * num_units
+  slots_pad = common.next_power_of_2(num_slots)
+  sel_pad = common.next_power_of_2(num_sel)
+  rows_pad = common.next_power_of_2(rows)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  as_i32 = lambda x, n: jnp.asarray(x, jnp.int32).reshape((n,))
+  layer, ok = as_i32(layer, 1), as_i32(ok, 1)
+  active = as_i32(active, num_req)
+  per_row = lambda x: x.reshape((num_layers, rows) + x.shape[3:])
+  whole = pl.no_block_spec
+  params = common.triton_params(block_sizes.num_warps, 1)
+
+  map_shape = (rows, max_len + 1 + sel_pad)
+  given_map = scratch_map is not None
+  if given_map and scratch_map.shape != map_shape:
+    raise ValueError(f"scratch_map {scratch_map.shape} must be {map_shape}")
+  classify = functools.partial(
+      _classify_kernel, num_units=num_units, num_slots=num_slots, num_sel=num_sel,
+      slots_pad=slots_pad, sel_pad=sel_pad, max_len=max_len, page_size=page_size,
+      interpret=interpret, given_map=given_map)
+  (_, new_pos, new_lru, slot, miss, plan_page, plan_off, plan_slot, info, _,
+   _) = pl.pallas_call(
+       classify,
+       grid=(rows,),
+       in_specs=[whole] * (7 + given_map),
+       out_specs=[whole] * 11,
+       input_output_aliases={7: 0} if given_map else {},
+       out_shape=[i32(*map_shape), i32(rows, slots_pad + sel_pad),
+                  i32(rows, slots_pad), i32(rows, sel_pad), i32(rows, sel_pad),
+                  i32(rows, 2 * sel_pad), i32(rows, 2 * sel_pad), i32(rows, 2 * sel_pad),
+                  i32(rows, 4), i32(rows, sel_pad + slots_pad), i32(rows, 2 * slots_pad)],
+       compiler_params=params,
+       interpret=interpret,
+       name="fused_resolve_classify",
+   )(layer, active, as_i32(seq_len, num_req), selected.reshape(rows, num_sel),
+     per_row(cache.slot_pos), per_row(cache.lru), page_table,
+     *([scratch_map] if given_map else []))
+
+  commit = functools.partial(
+      _commit_kernel, num_units=num_units, num_rows=rows, rows_pad=rows_pad,
+      num_slots=num_slots, slots_pad=slots_pad, fetch_rows=block_sizes.fetch_rows,
+      heads=heads, head_dim=head_dim)
+  rows_new = lambda x: x.reshape(rows, heads, head_dim).astype(cache.hot_k.dtype)
+  state = [per_row(cache.slot_pos), per_row(cache.lru), per_row(cache.slot_score),
+           per_row(cache.hits), per_row(cache.misses), cache.fetched_rows,
+           per_row(cache.hot_k), per_row(cache.hot_v)]
+  *updated, status = pl.pallas_call(
+      commit,
+      grid=(rows, common.cdiv(num_sel, block_sizes.fetch_rows)),
+      in_specs=[whole] * 21,
+      out_specs=[whole] * 9,
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state] + [i32(1)],
+      input_output_aliases={13 + i: i for i in range(8)},
+      compiler_params=params,
+      interpret=interpret,
+      name="fused_resolve_commit",
+  )(layer, ok, active, info, new_pos, new_lru, plan_page, plan_off, plan_slot,
+    rows_new(k_new), rows_new(v_new), host_k, host_v, *state)
+
+  ok_all = (ok[0] != 0) & (status[0] == 0)
+  unflat = lambda x, old: x.reshape(old.shape)
+  new_cache = CacheArrays(*(unflat(x, old) for x, old in zip(updated, cache)))
+  sel_shape = (num_req, num_units, num_sel)
+  return LayerResult(new_cache, slot[:, :num_sel].reshape(sel_shape),
+                     (miss[:, :num_sel] != 0).reshape(sel_shape) & ok_all, status[0])

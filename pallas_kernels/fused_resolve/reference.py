@@ -1,0 +1,145 @@
+"""One layer's cache step in pure jnp: the reference of the fused kernels.
+
+Per (request, unit) row of layer ``layer`` (docs/DESIGN.md, "The fused layer step"):
+
+1. *validate*: an active row's selection must name distinct positions in
+   ``[0, newest]`` (``-1`` padding); a request at ``max_len`` cannot grow;
+2. *RESOLVE* (LRU) over the valid entries, slot positions at or past ``newest``
+   counting as empty (uncommitted); then the newest token also takes the
+   lowest-index empty slot, if any (``install_newest``);
+3. a miss whose position has no host page makes the row refuse (capacity);
+4. *commit*, only when ``ok`` and no row of the layer refused: the missed rows are
+   copied from the host tier into their victims, the newest token into its install
+   slot, and the metadata and counters of the active rows are written. The newest
+   token always goes to reserved slot ``B`` (its row is rewritten every step).
+
+Inactive rows select nothing, refuse nothing and keep their metadata. The status
+word says why the layer refused (bits of ``pallas_kernels.common``); the unpaged
+check only looks at rows whose selection is valid, so the word is the same
+whichever implementation resolved a malformed row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.cache_resolve.reference import cache_resolve_reference, install_newest
+
+
+class CacheArrays(NamedTuple):
+  """The cache arrays one layer step reads and updates (every layer)."""
+
+  slot_pos: jax.Array  # i32[L, R, U, B]
+  lru: jax.Array  # i32[L, R, U, B]
+  slot_score: jax.Array  # f32[L, R, U, B]
+  hits: jax.Array  # i32[L, R, U]
+  misses: jax.Array  # i32[L, R, U]
+  fetched_rows: jax.Array  # i32[L]
+  hot_k: jax.Array  # [L, R, U, B+1, Hg, D]
+  hot_v: jax.Array  # [L, R, U, B+1, Hg, D]
+
+
+class LayerResult(NamedTuple):
+  cache: CacheArrays
+  # i32[R, U, k] slot serving each selected entry (B newest, -1 pad); unspecified
+  # in a row whose selection is malformed (the layer refuses).
+  slot: jax.Array
+  is_miss: jax.Array  # bool[R, U, k] fetched this step (False unless committed)
+  status: jax.Array  # i32[] this layer's status word (0: nothing wrong)
+
+
+def map_scratch_bytes(rows: int, max_len: int, top_k: int) -> int:
+  """Bytes of the fused kernel's position map: one entry per position per row."""
+  return rows * (max_len + 1 + common.next_power_of_2(top_k)) * 4
+
+
+def _duplicates(sel):
+  srt = jnp.sort(sel, axis=-1)
+  return ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
+
+
+def _or_reduce(x):
+  return jax.lax.reduce(x.astype(jnp.int32), jnp.int32(0), jax.lax.bitwise_or,
+                        tuple(range(x.ndim)))
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size"))
+def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheArrays,
+                            page_table, host_k, host_v, k_new, v_new, *, max_len: int,
+                            page_size: int) -> LayerResult:
+  """One layer's validate + RESOLVE + fetch + commit (module docstring).
+
+  Args:
+    layer: i32[]; ok: bool[] (False: an earlier layer refused, commit nothing).
+    active: bool[R]; seq_len: i32[R] (the newest position of each request).
+    selected: i32[R, U, k] positions to attend, -1 padding.
+    cache: the arrays of every layer (``CacheArrays``).
+    page_table: i32[R, MP]; host_k, host_v: [L, NH+1, Pg, U, Hg, D].
+    k_new, v_new: [R, Hkv, D] the newest token's K/V.
+    max_len: T, positions per request; page_size: Pg.
+  """
+  num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
+  heads, head_dim = cache.hot_k.shape[-2:]
+  newest = jnp.broadcast_to(seq_len[:, None], (num_req, num_units))
+  act = active[:, None]
+  sel = jnp.where(act[..., None], selected.astype(jnp.int32), -1)
+  bad = (sel < -1) | (sel > newest[..., None]) | (sel > max_len)
+  row_bad = bad.any(-1)
+  sel = jnp.where(bad, -1, sel)
+  row_dup = _duplicates(sel)
+
+  slot_pos = cache.slot_pos[layer]
+  slot_pos = jnp.where(slot_pos >= newest[..., None], -1, slot_pos)
+  res = cache_resolve_reference(slot_pos, cache.lru[layer], sel, newest)
+  new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest)
+  target = jnp.where(act, target, -1)
+
+  r = jnp.arange(num_req)[:, None, None]
+  u = jnp.arange(num_units)[None, :, None]
+  pos = jnp.clip(sel, 0, max_len - 1)
+  page = page_table[r, pos // page_size]
+  unpaged = (res.is_miss & (page < 0)).any(-1) & ~row_bad & ~row_dup
+  row_status = (jnp.where(row_bad, common.STATUS_OUT_OF_RANGE, 0)
+                | jnp.where(row_dup, common.STATUS_DUPLICATE, 0)
+                | jnp.where(act & (newest >= max_len), common.STATUS_CAPACITY, 0)
+                | jnp.where(unpaged, common.STATUS_CAPACITY, 0))
+  status = _or_reduce(row_status)
+  ok = ok & (status == 0)
+  row_ok = ok & act
+  is_miss = res.is_miss & ok
+
+  # Hot rows: the newest to slot B (always) and its install slot; misses from host.
+  rows_new = lambda x: x.reshape(num_req, num_units, heads, head_dim)
+  fetch_from = lambda host: host[layer, jnp.where(is_miss, page, 0), pos % page_size, u]
+  rr, uu = jnp.arange(num_req)[:, None], jnp.arange(num_units)[None, :]
+  to_target = jnp.where(ok & (target >= 0), rr, num_req)
+  to_victim = jnp.where(is_miss, r, num_req)
+
+  def write_hot(hot, new, host):
+    new = rows_new(new).astype(hot.dtype)
+    hot = hot.at[layer, :, :, num_slots].set(new)
+    hot = hot.at[layer, to_target, uu, target].set(new, mode="drop")
+    return hot.at[layer, to_victim, u, res.slot].set(fetch_from(host).astype(hot.dtype),
+                                                     mode="drop")
+
+  keep = lambda new, old: jnp.where(row_ok[..., None], new, old)
+  is_target = jnp.arange(num_slots) == target[..., None]
+  score = cache.slot_score[layer]
+  counted = lambda mask: jnp.where(ok, mask.sum(-1, dtype=jnp.int32), 0)
+  new_cache = CacheArrays(
+      slot_pos=cache.slot_pos.at[layer].set(keep(new_slot_pos, cache.slot_pos[layer])),
+      lru=cache.lru.at[layer].set(keep(new_lru, cache.lru[layer])),
+      slot_score=cache.slot_score.at[layer].set(
+          jnp.where(row_ok[..., None] & is_target, 1.0, score)),
+      hits=cache.hits.at[layer].add(counted((sel >= 0) & ~res.is_miss)),
+      misses=cache.misses.at[layer].add(counted(is_miss)),
+      fetched_rows=cache.fetched_rows.at[layer].add(is_miss.sum(dtype=jnp.int32)),
+      hot_k=write_hot(cache.hot_k, k_new, host_k),
+      hot_v=write_hot(cache.hot_v, v_new, host_v),
+  )
+  return LayerResult(new_cache, res.slot, is_miss, status)
