@@ -9,7 +9,10 @@ with the current query.
 On SmolLM2-135M over pydoc text (dense attention, teacher-forced), per step:
 * predictors of the next step's selection: (a) the current step's selection (the
   current query), (b) the selection of a prompt-lookup draft token run one
-  position ahead without committing (no draft model);
+  position ahead without committing (no draft model); with ``--draft_ckpt``
+  also (c) a trained draft head's token (``experiments.draft_head``: from the
+  previous step's features and the current token, known when the step starts)
+  and (d) the model's own next token (known only after the step: the ceiling);
 * critical-path misses of an LRU hot cache (B = 2k) without prefetch and with
   each predictor's positions prefetched after the step (at most ``--cap`` rows per
   layer), replayed with the library's own jitted RESOLVE; prefetched rows split
@@ -21,8 +24,9 @@ On SmolLM2-135M over pydoc text (dense attention, teacher-forced), per step:
   experiments/gpu_check.py) and GH200 NVLink-C2C (450 GB/s), plus the overlapped
   hit/miss attention model (the hit partial hides at most its own duration).
 
-Command (~10 min on a 2-core CPU):
+Command (~10 min on a 2-core CPU; ~15 min with a draft head):
   python -m experiments.prefetch
+  python -m experiments.prefetch --prompt_file=<held-out text> --draft_ckpt=<head>
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import prefetch_resolve
 from kvtier_jax.resolve import resolve
 from kvtier_jax.selectors.base import prefill_state
-from models import backends, setup
+from models import backends, draft_head, setup
 from models import cache as cache_lib
 from models.config import ModelConfig
-from models.transformer import apply_prefill_with_inputs
+from models.transformer import apply_features, apply_prefill_with_inputs, lm_head
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 128, "Teacher-forced decode steps.")
@@ -55,6 +59,8 @@ flags.DEFINE_integer("share", 3, "Index sharing group size.")
 flags.DEFINE_integer("batch", 8, "Concurrency of the IO model (the paper's 8).")
 flags.DEFINE_bool("smoke", False, "Short run (tests).")
 flags.DEFINE_string("out_root", None, "Results root.")
+flags.DEFINE_string("draft_ckpt", None, "A draft head (experiments.draft_head): adds "
+                    "its token and the model's own next token as predictors.")
 
 HBM = 4.8e12
 
@@ -148,9 +154,21 @@ def main(argv):
   carry = TraceCarry(kv, states, jax.tree.map(jnp.copy, params), picks, recall0)
   true = [np.full((steps, cfg.num_layers, s.num_units, s.top_k), -1, np.int32)
           for s in selectors]
-  drafted = [np.full_like(t, -1) for t in true]
+  draft_kinds = ["draft token"]
+  if FLAGS.draft_ckpt:
+    # Teacher-forced features of the whole span (the dense forward: what each
+    # decode step computes, up to float rounding).
+    head = draft_head.load(FLAGS.draft_ckpt)
+    feats = apply_features(cfg, weights, jnp.asarray(tokens[None, :prompt + steps + 1]))[0]
+    head_drafts = np.asarray(draft_head.draft_tokens(
+        cfg, weights, head, feats[prompt - 1:prompt + steps - 1],
+        jnp.asarray(tokens[prompt:prompt + steps])))
+    own_drafts = np.asarray(jnp.argmax(lm_head(cfg, weights,
+                                               feats[prompt:prompt + steps]), -1))
+    draft_kinds += ["draft head", "model's next token"]
+  drafted = {kind: [np.full_like(t, -1) for t in true] for kind in draft_kinds}
   recall = np.zeros((steps, len(selectors)), np.float32)
-  draft_hits = 0
+  draft_hits = dict.fromkeys(draft_kinds, 0)
   for t in tqdm(range(steps), desc="decode steps", unit="step"):
     position = prompt + t
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[None, position]), carry)
@@ -158,25 +176,29 @@ def main(argv):
     for trace, pick in zip(true, picks_t):
       trace[t] = np.where(pick[:, 0] == position, -1, pick[:, 0])
     recall[t] = recall_t[:, :, 0].mean(-1)
-    history = tokens[:position + 1].tolist()
-    draft = backends.ngram_draft(history)
-    draft_hits += int(draft == tokens[position + 1])
-    ahead = lookahead_picks(cfg, selectors, weights, jnp.asarray([draft], jnp.int32),
-                            carry)
-    for trace, pick in zip(drafted, jax.device_get(ahead)):
-      trace[t] = np.where(pick[:, 0] > position, -1, pick[:, 0])  # next-step guess
+    drafts = {"draft token": backends.ngram_draft(tokens[:position + 1].tolist())}
+    if FLAGS.draft_ckpt:
+      drafts.update({"draft head": int(head_drafts[t]),
+                     "model's next token": int(own_drafts[t])})
+    for kind, draft in drafts.items():
+      draft_hits[kind] += int(draft == tokens[position + 1])
+      ahead = lookahead_picks(cfg, selectors, weights, jnp.asarray([draft], jnp.int32),
+                              carry)
+      for trace, pick in zip(drafted[kind], jax.device_get(ahead)):
+        trace[t] = np.where(pick[:, 0] > position, -1, pick[:, 0])  # next-step guess
   rows = []
-  for name, sel, real, guess in zip(FLAGS.selectors, selectors, true, drafted):
+  shifted = lambda x: np.concatenate([np.full_like(x[:1], -1), x[:-1]])  # S_{t-1} for S_t
+  for i, (name, sel, real) in enumerate(zip(FLAGS.selectors, selectors, true)):
     k = sel.top_k
-    current = np.concatenate([np.full_like(real[:1], -1), real[:-1]])  # S_{t-1} for S_t
-    guess_for = np.concatenate([np.full_like(guess[:1], -1), guess[:-1]])
-    agree_current = overlap(current[1:], real[1:])
-    agree_draft = overlap(guess_for[1:], real[1:])
+    agreement = {"prefetch: current query": overlap(shifted(real)[1:], real[1:])}
     sel_streams = jnp.asarray(streams(real))
     none = jnp.full_like(sel_streams, -1)
     variants = {"sync (no prefetch)": none,
-                "prefetch: current query": jnp.asarray(streams(real)),
-                "prefetch: draft token": jnp.asarray(streams(guess))}
+                "prefetch: current query": jnp.asarray(streams(real))}
+    for kind in draft_kinds:
+      guess = drafted[kind][i]
+      agreement[f"prefetch: {kind}"] = overlap(shifted(guess)[1:], real[1:])
+      variants[f"prefetch: {kind}"] = jnp.asarray(streams(guess))
     for variant, pred in variants.items():
       miss, pref, useful = (np.asarray(x) for x in lru_with_prefetch(
           sel_streams, pred, 2 * k, FLAGS.cap, max_len))
@@ -185,13 +207,13 @@ def main(argv):
       rows.append(dict(selector=name, variant=variant, critical_miss_rate=rate,
                        prefetched_per_miss=pref.sum() / max(1, miss.sum()),
                        useful_share=useful.sum() / max(1, pref.sum()),
-                       agreement=(agree_current if "current" in variant else
-                                  agree_draft if "draft" in variant else None),
+                       agreement=agreement.get(variant),
                        io_h200_ms=exposed_io_ms(rate, "h200_pcie5"),
                        io_gh200_ms=exposed_io_ms(rate, "gh200_c2c")))
     # Index sharing: anchors keep their misses, shared layers' are prefetched.
-    base = rows[-3]["critical_miss_rate"]
-    rows[-3]["recall"] = float(recall[:, FLAGS.selectors.index(name)].mean())
+    sync = rows[-len(variants)]
+    base = sync["critical_miss_rate"]
+    sync["recall"] = float(recall[:, i].mean())
     rows.append(dict(selector=name, variant=f"index shared by {FLAGS.share}",
                      critical_miss_rate=base / FLAGS.share,
                      agreement=overlap(real[:, :-1], real[:, 1:]),
@@ -207,7 +229,8 @@ def main(argv):
                      io_gh200_ms=exposed_io_ms(base, "gh200_c2c", hit_s)))
   for row in rows:
     common.append_row(out, row)
-  note = (f"draft token (prompt lookup) correct at {draft_hits}/{steps} steps; "
+  correct = ", ".join(f"{kind} {hits}/{steps}" for kind, hits in draft_hits.items())
+  note = (f"next token drafted correctly ('draft token': prompt lookup): {correct}; "
           f"'agreement' = share of the next step's selection the predictor named "
           f"(index sharing: share of layer l+1's selection in layer l's); IO model: "
           f"batch {FLAGS.batch}, GLM-5.1 rows; paper: 7.7 ms sync, 3.0 ms prefetch")

@@ -2,7 +2,10 @@
 
 The default corpus is the Python standard library's own ``pydoc_data.topics``
 (~465K characters of language-reference prose, PSF license), so every machine
-that runs the tests already has it. Any UTF-8 file can replace it.
+that runs the tests already has it. Any UTF-8 file can replace it. A second,
+disjoint text (``load_heldout_text``: the docstrings of a fixed list of stdlib
+modules, library documentation rather than the language reference) is for
+evaluating what was trained or tuned on the first.
 """
 
 from __future__ import annotations
@@ -24,6 +27,40 @@ def load_text(prompt_file: str | pathlib.Path | None = None) -> str:
     return pathlib.Path(prompt_file).read_text(encoding="utf-8")
   from pydoc_data.topics import topics
   return "\n".join(topics[key] for key in sorted(topics))
+
+
+# Modules whose docstrings make the held-out text (fixed: the text, and every
+# token offset into it, depend only on the Python version).
+HELDOUT_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses",
+    "datetime", "decimal", "email.message", "enum", "fractions", "functools", "heapq",
+    "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "pickle",
+    "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess",
+    "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid",
+    "zipfile")
+
+
+@functools.lru_cache(maxsize=1)
+def load_heldout_text() -> str:
+  """~240K characters of stdlib docstrings: each module's, then those of its public
+  classes and functions defined there (longer than 80 characters), sorted by name."""
+  import importlib
+  import inspect
+  import warnings
+  parts = []
+  for name in HELDOUT_MODULES:
+    module = importlib.import_module(name)
+    if doc := inspect.getdoc(module):
+      parts.append(doc)
+    for attr in sorted(dir(module)):
+      with warnings.catch_warnings():  # typing.io / typing.re warn when touched
+        warnings.simplefilter("ignore", DeprecationWarning)
+        obj = getattr(module, attr)
+      if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+        continue
+      if (doc := inspect.getdoc(obj)) and len(doc) > 80:
+        parts.append(f"{attr}: {doc}")
+  return "\n\n".join(parts)
 
 
 @functools.lru_cache(maxsize=4)

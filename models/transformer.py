@@ -424,6 +424,19 @@ def apply_forward(cfg: ModelConfig, weights, tokens, block: int = DEFAULT_BLOCK)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block"))
+def apply_features(cfg: ModelConfig, weights, tokens, block: int = DEFAULT_BLOCK):
+  """The last layer's hidden states [R, P, E] before the final norm (what the LM head
+  reads; a draft head's input)."""
+  x, _ = _prompt_layers(cfg, weights, tokens, block, keep_kv=False)
+  return x
+
+
+def lm_head(cfg: ModelConfig, weights, x: jax.Array) -> jax.Array:
+  """Final norm and vocabulary projection of hidden states [..., E] -> [..., V]."""
+  return _lm_head(cfg, weights, x)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "block"))
 def apply_prefill(cfg: ModelConfig, weights, tokens, lens,
                   block: int = DEFAULT_BLOCK):
   """``Transformer.prefill`` on a weights dict."""
