@@ -298,16 +298,8 @@ def audit_graphs(cfg: TierConfig) -> dict[str, tuple[int, int]]:
 
 def audit_config(cfg: TierConfig, variant: str) -> Audit:
   """Lower + compile one decode step for an H200 and read its HLO."""
-  _, dev = _shardings()
-  abstract, state = _abstract_state(cfg)
-  sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
-  L, R = cfg.num_layers, cfg.num_requests
-  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
-  step = jax.jit(functools.partial(decode.decode_step, cfg, selector), donate_argnums=(0,))
-  lowered = deviceless.lower_for_cuda(
-      step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
-      sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
-  hlo = deviceless.compile_for_h200(lowered)
+  abstract, _ = _abstract_state(cfg)
+  hlo = deviceless.compile_for_h200(lower_step(cfg))
   copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg))
   gathers = host_execute_rows_bytes(hlo)
   if gathers:
@@ -322,7 +314,8 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   aliased = aliased_parameters(hlo) & set(range(num_state))
   return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
                len(gathers), hlo.count("dynamic-update-slice-start"),
-               ops_overlapping_host_fetch(hlo), layer_loop_launches(hlo, L))
+               ops_overlapping_host_fetch(hlo),
+               layer_loop_launches(hlo, cfg.num_layers))
 
 
 def audit_full_kv(cfg: TierConfig) -> float:

@@ -35,6 +35,27 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
   return 1e3 * statistics.median(times)
 
 
+def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int, iters: int
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+  """Median wall time of each variant, the variants alternating step by step (a
+  drifting machine then moves them together), and the median of the per-round
+  ratios to the first variant. Returns (medians ms, ratios)."""
+  for _ in range(warmup):
+    for fn in runs.values():
+      jax.block_until_ready(fn())
+  times = {name: [] for name in runs}
+  for _ in range(iters):
+    for name, fn in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  first = times[next(iter(runs))]
+  medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+  ratios = {name: statistics.median(a / b for a, b in zip(t, first))
+            for name, t in times.items()}
+  return medians, ratios
+
+
 @dataclasses.dataclass
 class StepInputs:
   """A prompt's K/V and one step's q/k/v for every layer (device arrays)."""

@@ -114,8 +114,9 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
 
   The compacted plan is gathered in ``ceil(misses / C)`` host gathers of
   C = ``cfg.fetch_rows_per_chunk`` rows: zero misses, zero transfers. The rows land
-  in a small device buffer; the caller scatters them into the hot cache together
-  with its other writes (one in-place update of the hot cache per layer).
+  in a small device buffer; the caller scatters them into the hot cache right
+  before its other writes (in place). When C covers every lane (the default off
+  GPU) it is one unconditional gather instead.
 
   Args:
     host_k, host_v: [L, NH+1, Pg, U, Hg, D] host tier; page_table: i32[R, MP].
@@ -129,6 +130,14 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
   """
   chunk = cfg.fetch_rows_per_chunk
   plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
+  if chunk == plan.src.shape[0]:
+    # One chunk covers every lane (the default off GPU, where the host tier is
+    # ordinary memory and nothing crosses a link): gather them all at once, no
+    # loop, no staging buffer, no branch (each cost more than the padding lanes,
+    # which re-read row (layer, 0, 0, 0) and are dropped by the scatter). Counted
+    # as moved: the misses.
+    rows_k, rows_v = gather_rows(host_k, host_v, plan.src)
+    return MissRows(plan.dest, rows_k, rows_v, plan.count, plan.lane)
   num_chunks = (plan.count + chunk - 1) // chunk
   empty = jnp.zeros(plan.src.shape[:1] + host_k.shape[4:], host_k.dtype)
 

@@ -155,8 +155,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   target = jnp.where(active[:, None], target, EMPTY)
   new_score = jnp.where(jnp.arange(cfg.hot_slots) == target[..., None], 1.0, new_score)
 
-  # All hot-cache writes of the layer in one scatter: newest -> slot B and the
-  # install target, fetched misses -> their victims. Then attention reads.
+  # Every hot-cache write of the layer before attention reads: fetched misses ->
+  # their victims, then newest -> slot B and the install target (two scatters).
   dest, new_k, new_v = _newest_writes(cfg, layer, target, ok, k_new, v_new)
   host_k, host_v, hot_k, hot_v = state.host_k, state.host_v, state.hot_k, state.hot_v
   if cfg.overlap_hit_miss:
@@ -170,9 +170,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     else:
       rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
                                  is_miss)
-      dest = jnp.concatenate([dest, rows.dest])
-      new_k = jnp.concatenate([new_k, rows.k])
-      new_v = jnp.concatenate([new_v, rows.v])
+      # Two scatters, no concatenation of the (mostly padding) fetched rows.
+      hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
+      hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
       moved = rows.moved
     hot_k = fetch.scatter_rows(hot_k, dest, new_k)
     hot_v = fetch.scatter_rows(hot_v, dest, new_v)

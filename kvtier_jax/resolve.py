@@ -31,7 +31,6 @@ __all__ = ["ResolveOutputs", "resolve", "resolve_with_policy", "install_newest",
            "STATUS_DUPLICATE", "STATUS_CAPACITY"]
 
 
-
 def _is_concrete(*xs) -> bool:
   return not any(isinstance(x, jax.core.Tracer) for x in xs)
 

@@ -71,6 +71,16 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
       "device_kv_bytes_per_request"]
 
 
+def assert_bit_equal_logits(sparse, tiered, tokens, lens, steps):
+  """Prefill and greedy steps of both runners: logits equal bit for bit."""
+  ref = sparse.prefill(tokens, lens)
+  np.testing.assert_array_equal(tiered.prefill(tokens, lens), ref)
+  for _ in range(steps):
+    token = jnp.argmax(ref, -1)
+    ref = sparse.step(token)
+    np.testing.assert_array_equal(np.asarray(tiered.step(token)), np.asarray(ref))
+
+
 @pytest.mark.parametrize("name", ["quest", "quest_kv"])
 def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt, name):
   """impl.fused (the kernels interpreted on CPU) on real weights: logits bit-equal to
@@ -83,12 +93,7 @@ def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt,
   fused = backends.Runner(model, "tiered", max_len, selector=selector,
                           hot_slots=selector.top_k,
                           impl=ImplConfig(attention="xla", fused=True))
-  ref = sparse.prefill(tokens, lens)
-  np.testing.assert_array_equal(fused.prefill(tokens, lens), ref)
-  for _ in range(steps):
-    token = jnp.argmax(ref, -1)
-    ref = sparse.step(token)
-    np.testing.assert_array_equal(np.asarray(fused.step(token)), np.asarray(ref))
+  assert_bit_equal_logits(sparse, fused, tokens, lens, steps)
   assert fused.cache_stats()["misses"] > 0
 
 
@@ -174,12 +179,7 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
   ranked = backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
                            policy=PolicyConfig("rank", rank_depth=96), top_k=48,
                            impl=ImplConfig(resolve="xla"))
-  ref = sparse.prefill(tokens, lens)
-  np.testing.assert_array_equal(ranked.prefill(tokens, lens), ref)
-  for _ in range(steps):
-    token = jnp.argmax(ref, -1)
-    ref = sparse.step(token)
-    np.testing.assert_array_equal(np.asarray(ranked.step(token)), np.asarray(ref))
+  assert_bit_equal_logits(sparse, ranked, tokens, lens, steps)
   assert ranked.cache_stats()["misses"] > 0
   with pytest.raises(ValueError, match="rank_depth"):
     backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,

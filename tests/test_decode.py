@@ -222,6 +222,24 @@ def test_fused_layer_kernels_reject_what_they_do_not_do():
                    prefetch=draw_selection(h.rng, h.cfg, h.decoder.seq_len, h.prev))
 
 
+@pytest.mark.parametrize("fetch_chunk", [None, 8])  # one gather of every lane, chunks
+def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk):
+  """The compiled CPU step never copies the whole hot cache (its writes are two
+  scatters back to back; a copy per layer would cost more than the tiered step's
+  overhead), nor the host tier."""
+  cfg = make_cfg(impl=ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk))
+  selector = selectors.GivenSelector(cfg.top_k)
+  carry = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg),
+                                                   selector.init_state(4, 3, 0)))
+  q, kv = (jax.ShapeDtypeStruct((4, 3, h, 16), jnp.float32) for h in (4, 2))
+  hlo = driver._decode_step.lower(cfg, selector, carry, q, kv, kv).compile().as_text()
+  for shape in (kv_state.hot_cache_shape(cfg), kv_state.host_tier_shape(cfg)):
+    typ = f"f32[{','.join(map(str, shape))}]"
+    copies = [l for l in hlo.splitlines() if f"= {typ}" in l and " copy(" in l]
+    assert not copies, copies[:2]
+    assert f"= {typ}" in hlo  # the shape is matched at all
+
+
 def test_step_donates_state_and_does_not_retrace():
   cfg = make_cfg()
   h = Harness(cfg, [40, 50, 60])
