@@ -56,9 +56,10 @@ def load_heldout_text() -> str:
       with warnings.catch_warnings():  # typing.io / typing.re warn when touched
         warnings.simplefilter("ignore", DeprecationWarning)
         obj = getattr(module, attr)
+        doc = inspect.getdoc(obj)
       if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
         continue
-      if (doc := inspect.getdoc(obj)) and len(doc) > 80:
+      if doc and len(doc) > 80:
         parts.append(f"{attr}: {doc}")
   return "\n\n".join(parts)
 
