@@ -50,7 +50,7 @@ GPU_OPTIONS = (("xla_gpu_enable_latency_hiding_scheduler", True),)
 
 def compile_for_h200(lowered, options=GPU_OPTIONS) -> str:
   """Optimized XLA:GPU HLO text of a CUDA-lowered computation, for an H200."""
-  return _compile(lowered, options)[0]
+  return _compile(lowered, options)
 
 
 def thunk_sequence(lowered, options=GPU_OPTIONS) -> str:
@@ -65,7 +65,7 @@ def thunk_sequence(lowered, options=GPU_OPTIONS) -> str:
     return found[-1].read_text()
 
 
-def _compile(lowered, options):
+def _compile(lowered, options) -> str:
   devices = _h200_devices()
   compile_options = xc.CompileOptions()
   build = compile_options.executable_build_options
@@ -75,4 +75,4 @@ def _compile(lowered, options):
   executable = devices[0].client.compile(
       lowered.compiler_ir("stablehlo"),
       executable_devices=xc.DeviceList(devices), compile_options=compile_options)
-  return "\n".join(m.to_string() for m in executable.hlo_modules()), executable
+  return "\n".join(m.to_string() for m in executable.hlo_modules())

@@ -362,7 +362,7 @@ FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference"
 
 
 def _decode_shapes():
-  return ([(512, 2), (1024, 2)] if FLAGS.smoke else
+  return ([(1024, 2)] if FLAGS.smoke else
           [tuple(map(int, s.split(":"))) for s in FLAGS.decode_shapes])
 
 
