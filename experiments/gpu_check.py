@@ -358,7 +358,8 @@ def run_serve():
 
 
 FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference",
-               "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step")
+               "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step",
+               "tests/test_decode.py::test_fused_index_sharing_is_the_unfused_step")
 
 
 def _decode_shapes():
@@ -374,7 +375,9 @@ def run_fused():
   variants = [("full_kv", None), ("tiered", {}),
               ("tiered_fused", dict(impl=ImplConfig(fused=True))),
               ("tiered_fused_xla_attention",
-               dict(impl=ImplConfig(fused=True, attention="xla")))]
+               dict(impl=ImplConfig(fused=True, attention="xla"))),
+              ("tiered_fused_index_share_2",
+               dict(impl=ImplConfig(fused=True), index_share=2))]
   for i, (ctx, req) in enumerate(_decode_shapes()):
     bench_step(ctx, req, variants, profile=("tiered_fused",) if i == 0 else ())
 

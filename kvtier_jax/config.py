@@ -42,7 +42,8 @@ class ImplConfig:
       writes and the metadata commit of a layer in two Pallas kernels
       (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
       ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. LRU only,
-      without index sharing, lookahead prefetch or the overlapped attention.
+      without lookahead prefetch or the overlapped attention (index sharing: the
+      commit kernel fetches for the sharing layers too).
   """
 
   resolve: str = "auto"
@@ -153,8 +154,8 @@ class TierConfig:
       self._check_fused()
 
   def _check_fused(self):
-    unsupported = {"a keyed policy": self.policy.keyed, "index_share > 1":
-                   self.index_share > 1, "overlap_hit_miss": self.overlap_hit_miss}
+    unsupported = {"a keyed policy": self.policy.keyed,
+                   "overlap_hit_miss": self.overlap_hit_miss}
     for what, present in unsupported.items():
       if present:
         raise ValueError(f"the fused layer kernels (impl.fused) do not support {what}")

@@ -116,7 +116,7 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
 
   Returns:
     (out [R, Hq, D], lse f32[R, Hq], state, status i32[], AnchorResult; None on
-    the fused path, which has no layers sharing its selection).
+    the fused path without index sharing: nothing reads it).
   """
   num_req, num_units, share = cfg.num_requests, cfg.num_units, cfg.index_share
   newest = state.seq_len  # [R]
@@ -218,16 +218,19 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
                         selected, ok, active):
   """``anchor_layer`` through the fused kernels: the same state, status and outputs
   (metadata and counters equal, integer for integer), in two launches and the
-  attention."""
+  attention. With index sharing the commit also fetches and writes the metadata of
+  the layers sharing the selection."""
   fields = CacheArrays._fields
   cache = CacheArrays(*(getattr(state, name) for name in fields))
   res = resolve_fetch(layer, ok, active, state.seq_len, selected, cache,
                       state.page_table, state.host_k, state.host_v, k_new, v_new,
                       max_len=cfg.max_len, page_size=cfg.page_size,
-                      interpret=cfg.use_interpret)
+                      share=cfg.index_share, interpret=cfg.use_interpret)
   state = state.replace(**dict(zip(fields, res.cache)))
   out, lse = attention.hot_attention(cfg, q, state.hot_k, state.hot_v, layer, res.slot)
-  return out, lse, state, res.status, None
+  anchor = None if cfg.index_share == 1 else AnchorResult(
+      res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target)
+  return out, lse, state, res.status, anchor
 
 
 def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,

@@ -77,9 +77,10 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   numerics = [r["test"] for r in rows if r["section"] == "numerics" and "test" in r]
   assert len(numerics) == 2 and all("zero_copy" in t for t in numerics)
   fused = [r for r in rows if r["section"] == "fused"]
-  assert len([r for r in fused if "test" in r]) == 8  # 6 kernel cases, 2 steps
+  assert len([r for r in fused if "test" in r]) == 11  # 8 kernel cases, 3 steps
   timed = {r["variant"] for r in rows if r["section"] == "timing" and "median_ms" in r}
-  assert {"full_kv", "tiered", "tiered_fused", "tiered_fused_xla_attention"} <= timed
+  assert {"full_kv", "tiered", "tiered_fused", "tiered_fused_xla_attention",
+          "tiered_fused_index_share_2"} <= timed
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
   serve = {r["cache"]: r for r in rows if r["section"] == "serve"}

@@ -211,14 +211,17 @@ def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg
               v_new=jnp.asarray(new_kv[1]))
 
 
-@pytest.mark.parametrize("scenario,status", [
-    ("valid", 0), ("duplicate", 2), ("out_of_range", 1), ("unpaged", 4),
-    ("capacity", 4), ("refused_earlier", 0)])
-def test_fused_layer_kernels_match_reference(on_gpu, scenario, status):
+@pytest.mark.parametrize("scenario,status,share", [
+    ("valid", 0, 1), ("duplicate", 2, 1), ("out_of_range", 1, 1), ("unpaged", 4, 1),
+    ("capacity", 4, 1), ("refused_earlier", 0, 1), ("valid", 0, 2), ("unpaged", 4, 2)])
+def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share):
+  """share=2: layer 0 resolves for layers 0 and 1 (index sharing)."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
   args = _fused_problem(rng, scenario)
-  static = dict(max_len=60, page_size=8)
+  if share == 2:
+    args["layer"] = 0
+  static = dict(max_len=60, page_size=8, share=share)
   want = fused_resolve.resolve_fetch_reference(**args, **static)
   # The position map may hold anything: stale lanes of other rows and steps.
   stale = jnp.asarray(rng.integers(-2, 10, (8, 61 + 8)), jnp.int32)
@@ -236,8 +239,9 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status):
   assert int(got.status) == status, seed
   before, after = args["cache"], got.cache
   hot_k, host_k = np.asarray(after.hot_k), np.asarray(args["host_k"])
+  layer = args["layer"]
   # Slot B holds the newest token whatever happened.
-  np.testing.assert_array_equal(hot_k[1, :, :, -1].reshape(4, -1, 16), args["k_new"])
+  np.testing.assert_array_equal(hot_k[layer, :, :, -1].reshape(4, -1, 16), args["k_new"])
   unchanged = lambda name: np.testing.assert_array_equal(
       getattr(after, name), getattr(before, name), err_msg=f"{name} {seed=}")
   if scenario != "valid":  # refused: nothing but slot B changes
@@ -248,24 +252,27 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status):
   # Independent checks of the committed layer (brute force, numpy).
   sel, seq = np.asarray(args["selected"]), np.asarray(args["seq_len"])
   slot, miss = np.asarray(got.slot), np.asarray(got.is_miss)
-  new_pos, new_lru = np.asarray(after.slot_pos)[1], np.asarray(after.lru)[1]
+  new_pos, new_lru = np.asarray(after.slot_pos), np.asarray(after.lru)
   table = np.asarray(args["page_table"])
-  for r, u in np.ndindex(4, 2):
-    assert sorted(new_lru[r, u]) == list(range(12))
+  for l, r, u in np.ndindex(share, 4, 2):
+    l += layer
+    assert sorted(new_lru[l, r, u]) == list(range(12))
     if r == 2:  # inactive: metadata untouched, nothing fetched
-      np.testing.assert_array_equal(new_pos[r, u], np.asarray(before.slot_pos)[1, r, u])
+      np.testing.assert_array_equal(new_pos[l, r, u], np.asarray(before.slot_pos)[l, r, u])
       assert not miss[r, u].any()
       continue
+    np.testing.assert_array_equal(new_pos[l, r, u], new_pos[layer, r, u])  # lockstep
     for lane, pos in enumerate(sel[r, u]):
       if pos < 0:
         assert slot[r, u, lane] == -1
       elif pos == seq[r]:
         assert slot[r, u, lane] == 12  # the newest: reserved slot B
       else:
-        assert new_pos[r, u, slot[r, u, lane]] == pos
+        assert new_pos[l, r, u, slot[r, u, lane]] == pos
     for lane in np.flatnonzero(miss[r, u]):
       pos = sel[r, u, lane]
       np.testing.assert_array_equal(
-          hot_k[1, r, u, slot[r, u, lane]], host_k[1, table[r, pos // 8], pos % 8, u])
+          hot_k[l, r, u, slot[r, u, lane]], host_k[l, table[r, pos // 8], pos % 8, u])
   assert miss.sum() > 0 and not miss[0].any()  # the short request never fetches
-  assert int(after.fetched_rows[1] - before.fetched_rows[1]) == miss.sum()
+  moved = np.asarray(after.fetched_rows - before.fetched_rows)
+  assert moved[layer] == share * miss.sum() and moved.sum() == moved[layer]

@@ -180,7 +180,7 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
                    slot_pos_ref, lru_ref, score_ref, hits_ref, misses_ref, fetched_ref,
                    hot_k_ref, hot_v_ref, status_ref, *,
                    num_units, num_rows, rows_pad, num_slots, slots_pad, fetch_rows,
-                   heads, head_dim):
+                   heads, head_dim, share):
   # info_ref: i32[rows, 4]  new_pos_ref: i32[rows, Bp + kp]  new_lru_ref: i32[rows, Bp]
   # plan_*_ref: i32[rows, 2 kp]  k_new_ref, v_new_ref: [rows, Hg, D]
   # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on a GPU)
@@ -205,9 +205,12 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
     off = plan_off_ref[row, lane][:, None]
     slot = plan_slot_ref[row, lane][:, None]
     d = d_row[None, :]  # [1, D]
-    for h in range(heads):
-      hot_k_ref[layer, row, slot, h, d] = host_k_ref[layer, page, off, unit, h, d]
-      hot_v_ref[layer, row, slot, h, d] = host_v_ref[layer, page, off, unit, h, d]
+    for j in range(share):  # the layers sharing this selection get the rows too
+      for h in range(heads):
+        hot_k_ref[layer + j, row, slot, h, d] = host_k_ref[layer + j, page, off, unit,
+                                                           h, d]
+        hot_v_ref[layer + j, row, slot, h, d] = host_v_ref[layer + j, page, off, unit,
+                                                           h, d]
 
   @pl.when(block == 0)
   def _row():
@@ -225,17 +228,18 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
     @pl.when(ok & (active_ref[row // num_units] != 0))
     def _metadata():
       lane = jnp.minimum(jnp.arange(slots_pad), num_slots - 1)
-      slot_pos_ref[layer, row, lane] = new_pos_ref[row, lane]
-      lru_ref[layer, row, lane] = new_lru_ref[row, lane]
-
-      @pl.when(target >= 0)
-      def _score():
-        score_ref[layer, row, target] = jnp.float32(1.0)
+      new_pos, new_lru = new_pos_ref[row, lane], new_lru_ref[row, lane]
+      score = jnp.where(lane == target, 1.0, score_ref[layer, row, lane])
+      for j in range(share):  # lockstep: the sharing layers get the anchor's
+        slot_pos_ref[layer + j, row, lane] = new_pos
+        lru_ref[layer + j, row, lane] = new_lru
+        score_ref[layer + j, row, lane] = score
 
     @pl.when(ok)
     def _count():
-      hits_ref[layer, row] = hits_ref[layer, row] + info_ref[row, 2]
-      misses_ref[layer, row] = misses_ref[layer, row] + count
+      for j in range(share):
+        hits_ref[layer + j, row] = hits_ref[layer + j, row] + info_ref[row, 2]
+        misses_ref[layer + j, row] = misses_ref[layer + j, row] + count
 
   @pl.when((row == 0) & (block == 0))
   def _layer():
@@ -247,14 +251,14 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
 
     @pl.when(ok)
     def _moved():
-      fetched_ref[layer] = fetched_ref[layer] + moved
+      fetched_ref[layer] = fetched_ref[layer] + share * moved
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "block_sizes",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
+                                             "block_sizes", "interpret"))
 def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page_table,
                   host_k, host_v, k_new, v_new, scratch_map=None, *, max_len: int,
-                  page_size: int, block_sizes: BlockSizes = BlockSizes(),
+                  page_size: int, share: int = 1, block_sizes: BlockSizes = BlockSizes(),
                   interpret: bool = False) -> LayerResult:
   """Same contract as ``resolve_fetch_reference``; ``cache`` is updated in place.
 
@@ -311,7 +315,7 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   commit = functools.partial(
       _commit_kernel, num_units=num_units, num_rows=rows, rows_pad=rows_pad,
       num_slots=num_slots, slots_pad=slots_pad, fetch_rows=block_sizes.fetch_rows,
-      heads=heads, head_dim=head_dim)
+      heads=heads, head_dim=head_dim, share=share)
   rows_new = lambda x: x.reshape(rows, heads, head_dim).astype(cache.hot_k.dtype)
   state = [per_row(cache.slot_pos), per_row(cache.lru), per_row(cache.slot_score),
            per_row(cache.hits), per_row(cache.misses), cache.fetched_rows,
@@ -334,4 +338,5 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   new_cache = CacheArrays(*(unflat(x, old) for x, old in zip(updated, cache)))
   sel_shape = (num_req, num_units, num_sel)
   return LayerResult(new_cache, slot[:, :num_sel].reshape(sel_shape),
-                     (miss[:, :num_sel] != 0).reshape(sel_shape) & ok_all, status[0])
+                     (miss[:, :num_sel] != 0).reshape(sel_shape) & ok_all, status[0],
+                     info[:, 1].reshape(sel_shape[:2]))

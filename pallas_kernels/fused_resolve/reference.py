@@ -51,6 +51,7 @@ class LayerResult(NamedTuple):
   slot: jax.Array
   is_miss: jax.Array  # bool[R, U, k] fetched this step (False unless committed)
   status: jax.Array  # i32[] this layer's status word (0: nothing wrong)
+  target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
 
 
 def map_scratch_bytes(rows: int, max_len: int, top_k: int) -> int:
@@ -68,10 +69,10 @@ def _or_reduce(x):
                         tuple(range(x.ndim)))
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "page_size"))
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share"))
 def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheArrays,
                             page_table, host_k, host_v, k_new, v_new, *, max_len: int,
-                            page_size: int) -> LayerResult:
+                            page_size: int, share: int = 1) -> LayerResult:
   """One layer's validate + RESOLVE + fetch + commit (module docstring).
 
   Args:
@@ -82,6 +83,10 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
     page_table: i32[R, MP]; host_k, host_v: [L, NH+1, Pg, U, Hg, D].
     k_new, v_new: [R, Hkv, D] the newest token's K/V.
     max_len: T, positions per request; page_size: Pg.
+    share: layers ``layer .. layer + share - 1`` use this selection (index
+      sharing): each gets the misses fetched into the same slots, the same
+      metadata, scores and counts (lockstep); the newest token is written for
+      ``layer`` only (the sharing layers write their own).
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
@@ -115,7 +120,7 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
 
   # Hot rows: the newest to slot B (always) and its install slot; misses from host.
   rows_new = lambda x: x.reshape(num_req, num_units, heads, head_dim)
-  fetch_from = lambda host: host[layer, jnp.where(is_miss, page, 0), pos % page_size, u]
+  fetch_from = lambda host, l: host[l, jnp.where(is_miss, page, 0), pos % page_size, u]
   rr, uu = jnp.arange(num_req)[:, None], jnp.arange(num_units)[None, :]
   to_target = jnp.where(ok & (target >= 0), rr, num_req)
   to_victim = jnp.where(is_miss, r, num_req)
@@ -124,22 +129,26 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
     new = rows_new(new).astype(hot.dtype)
     hot = hot.at[layer, :, :, num_slots].set(new)
     hot = hot.at[layer, to_target, uu, target].set(new, mode="drop")
-    return hot.at[layer, to_victim, u, res.slot].set(fetch_from(host).astype(hot.dtype),
-                                                     mode="drop")
+    for j in range(share):
+      hot = hot.at[layer + j, to_victim, u, res.slot].set(
+          fetch_from(host, layer + j).astype(hot.dtype), mode="drop")
+    return hot
 
   keep = lambda new, old: jnp.where(row_ok[..., None], new, old)
   is_target = jnp.arange(num_slots) == target[..., None]
-  score = cache.slot_score[layer]
+  new_score = jnp.where(is_target, 1.0, cache.slot_score[layer])
   counted = lambda mask: jnp.where(ok, mask.sum(-1, dtype=jnp.int32), 0)
+  per_layer = lambda x, new: functools.reduce(
+      lambda acc, j: acc.at[layer + j].set(new(x[layer + j])), range(share), x)
   new_cache = CacheArrays(
-      slot_pos=cache.slot_pos.at[layer].set(keep(new_slot_pos, cache.slot_pos[layer])),
-      lru=cache.lru.at[layer].set(keep(new_lru, cache.lru[layer])),
-      slot_score=cache.slot_score.at[layer].set(
-          jnp.where(row_ok[..., None] & is_target, 1.0, score)),
-      hits=cache.hits.at[layer].add(counted((sel >= 0) & ~res.is_miss)),
-      misses=cache.misses.at[layer].add(counted(is_miss)),
-      fetched_rows=cache.fetched_rows.at[layer].add(is_miss.sum(dtype=jnp.int32)),
+      slot_pos=per_layer(cache.slot_pos, lambda old: keep(new_slot_pos, old)),
+      lru=per_layer(cache.lru, lambda old: keep(new_lru, old)),
+      slot_score=per_layer(cache.slot_score, lambda old: keep(new_score, old)),
+      hits=per_layer(cache.hits, lambda old: old + counted((sel >= 0) & ~res.is_miss)),
+      misses=per_layer(cache.misses, lambda old: old + counted(is_miss)),
+      fetched_rows=cache.fetched_rows.at[layer].add(
+          share * is_miss.sum(dtype=jnp.int32)),
       hot_k=write_hot(cache.hot_k, k_new, host_k),
       hot_v=write_hot(cache.hot_v, v_new, host_v),
   )
-  return LayerResult(new_cache, res.slot, is_miss, status)
+  return LayerResult(new_cache, res.slot, is_miss, status, target)
