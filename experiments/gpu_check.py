@@ -358,8 +358,7 @@ def run_serve():
 
 
 FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference",
-               "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step",
-               "tests/test_decode.py::test_fused_index_sharing_is_the_unfused_step")
+               "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step")
 
 
 def _decode_shapes():
