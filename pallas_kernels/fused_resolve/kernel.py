@@ -22,7 +22,9 @@ commit, grid (rows, ceil(k / fetch_rows)):
   block of the row's compacted misses from the host tier (zero-copy on a GPU: the
   kernel reads ``pinned_host`` memory itself); block 0 also writes the newest
   token (slot B always, its install slot when ok) and, for an active row, the
-  metadata and counters; program (0, 0) writes the layer's status word.
+  metadata and counters; program (0, 0) writes the layer's status word. With
+  ``share`` > 1 (index sharing) the fetch, metadata and counters also go to the
+  ``share - 1`` layers after ``layer``, in lockstep.
 
 Vectors are padded to powers of 2 (Triton tensors): padded lanes read a clamped
 index and write the same value to the same place, or a scratch column past the
