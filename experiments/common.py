@@ -49,6 +49,18 @@ def append_jsonl(path: pathlib.Path, row: dict) -> None:
     f.write(json.dumps(row, default=float) + "\n")
 
 
+def ensure_devices(count: int) -> None:
+  """On a CPU, give jax ``count`` devices (XLA's fake host devices) for a mesh; must
+  run before jax starts its backend (a runner's ``main``, before any array)."""
+  import os
+  if count <= 1 or os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
+    return
+  flag = f"--xla_force_host_platform_device_count={count}"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
 def platform() -> str:
   """What the runner computes on, e.g. ``cpu (cpu)`` or ``gpu (NVIDIA H200)``."""
   dev = jax.devices()[0]

@@ -36,6 +36,16 @@ def _h200_devices():
   return tuple(topo.devices)
 
 
+@functools.cache
+def h200_node(num_devices: int = 8):
+  """The devices of one compile-only node of ``num_devices`` H200s (a mesh built
+  on them compiles SPMD-partitioned with ``Lowered.compile``)."""
+  topo = topologies.get_topology_desc(
+      platform="cuda", target_config=TARGET_CONFIG.read_text(),
+      topology=f"1x1x{num_devices}")
+  return tuple(topo.devices)
+
+
 def lower_for_cuda(fn, *args, **kwargs):
   """``jax.jit``-lower ``fn`` for CUDA (no compile). ``fn`` may already be jitted."""
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)

@@ -9,6 +9,8 @@ Command (~3 min on a 2-core CPU at the defaults; ``--check_exact`` adds one solo
 run per request, ~2 min):
   python -m experiments.serve --cache=tiered --check_exact
   python -m experiments.serve --workload=requests.jsonl --cache=sparse
+  # Requests split over 4 devices (fake CPU devices here), checked against one device:
+  python -m experiments.serve --mesh=data:4 --check_exact
   # Agent sessions with the prefix cache in the host tier (PDD's Decode Radix Cache
   # on HiSparse), on vs off (~4 min each):
   python -m experiments.serve --sessions=skewed --prefix_cache --check_exact
@@ -38,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import common, model_setup, workloads  # noqa: F401 (model_setup: flags)
+from kvtier_jax import sharding
 from kvtier_jax.serving import State, bench
 from models import setup, text
 
@@ -77,16 +80,19 @@ flags.DEFINE_enum("disk_policy", "auto", ["auto", "load", "recompute"], "A prefi
 flags.DEFINE_bool("check_exact", False, "Decode every finished request alone with "
                   "the sparse backend (the dense one for --cache=dense, which attends "
                   "to every position) and compare tokens.")
+flags.DEFINE_string("mesh", None, "Serve over a device mesh, e.g. data:4 (requests "
+                    "split over 4 devices; --max_batch and the host budget split with "
+                    "them). On a CPU the devices are XLA's fake host devices.")
 flags.DEFINE_string("out_root", None, "Results root.")
 flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
 
 def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
-                prefix_cache=False, disk_budget_mib=0.0):
+                prefix_cache=False, disk_budget_mib=0.0, mesh=None):
   backend = workloads.build_backend(
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
-      hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib)
+      hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib, mesh=mesh)
   return workloads.build_engine(backend, max_step_tokens=FLAGS.max_step_tokens,
                                 kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
                                 disk_budget_mib=disk_budget_mib,
@@ -144,6 +150,14 @@ def main(argv):
     FLAGS.num_requests, FLAGS.prompt_range, FLAGS.output_range = 4, ["40", "150"], ["3", "6"]
     FLAGS.max_len, FLAGS.hot_slots, FLAGS.top_k, FLAGS.max_batch = 256, 64, 32, 3
     FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 64
+  data = sharding.parse_mesh(FLAGS.mesh)["data"]
+  if FLAGS.smoke:
+    FLAGS.max_batch = -(-FLAGS.max_batch // data) * data
+  if FLAGS.max_batch % data:
+    raise app.UsageError(f"--max_batch={FLAGS.max_batch} must split over data={data}")
+  shape = sharding.parse_mesh(FLAGS.mesh)
+  common.ensure_devices(shape["data"] * shape["model"])  # before jax starts
+  mesh = sharding.make_mesh(shape) if FLAGS.mesh else None
   out = common.start_run("serve", FLAGS.flag_values_dict(), FLAGS.out_root)
   model, tokenizer, _ = setup.load_model_and_prompt(None, 1)
   rng = np.random.default_rng(FLAGS.seed)
@@ -172,14 +186,14 @@ def main(argv):
                                      list(map(int, FLAGS.prompt_range)), outputs, arrivals)
   selector, params = (None, None) if FLAGS.cache == "dense" else setup.build_selector(
       FLAGS.selector, model.cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
-  print(f"platform: {common.platform()}; {len(workload)} requests; cache={FLAGS.cache}",
-        flush=True)
+  print(f"platform: {common.platform()}; {len(workload)} requests; cache={FLAGS.cache}"
+        f"; mesh={dict(mesh.shape) if mesh else 'one device'}", flush=True)
   first = workload[0]
   first = first.turn(0, first.prompt, 0.0) if isinstance(first, bench.Rollout) else first
-  workloads.warm_up(make_engine(model, FLAGS.cache, selector, params), first,
+  workloads.warm_up(make_engine(model, FLAGS.cache, selector, params, mesh=mesh), first,
                     FLAGS.chunk_size)
   engine = make_engine(model, FLAGS.cache, selector, params, FLAGS.kv_budget_mib,
-                       FLAGS.prefix_cache, FLAGS.disk_budget_mib)
+                       FLAGS.prefix_cache, FLAGS.disk_budget_mib, mesh=mesh)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
   with tqdm(total=total, desc=f"serve ({FLAGS.cache})", unit="req") as bar:

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving.bench import Rollout, RequestSpec, drive
-from models import serving
+from models import serving, sharded_serving
 
 
 def synthetic(stream: np.ndarray, rng: np.random.Generator, num: int,
@@ -166,15 +166,20 @@ def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: 
 
 def build_backend(model, cache: str, *, selector, params, max_batch: int, max_len: int,
                   chunk_size: int, page_size: int, hot_slots: int,
-                  host_budget_mib: float) -> serving.ServingBackend:
+                  host_budget_mib: float, mesh=None) -> serving.ServingBackend:
   """``model`` with one cache backend (dense / sparse / tiered) over ``max_batch``
-  slots (nothing is allocated until an engine starts on it)."""
+  slots (nothing is allocated until an engine starts on it); with a ``mesh`` of
+  data > 1 the slots and the host budget split over its devices."""
   extra = {}
   if cache == "tiered":
     extra = dict(hot_slots=hot_slots, host_pages=serving.ServingBackend.pages_for_bytes(
         model.cfg, page_size, host_budget_mib * 2**20))
   if cache != "dense":
     extra.update(selector=selector, selector_params=params)
+  if mesh is not None and mesh.size > 1:
+    return sharded_serving.DataParallelBackend(
+        model, cache, max_batch, max_len, mesh=mesh, chunk_size=chunk_size,
+        page_size=page_size, **extra)
   return serving.ServingBackend(model, cache, max_batch, max_len, chunk_size=chunk_size,
                                 page_size=page_size, **extra)
 

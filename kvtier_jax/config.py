@@ -99,6 +99,10 @@ class TierConfig:
       pass); None: no cap.
     policy: the replacement policy (a name or a ``PolicyConfig``).
     impl: the implementations (an ``ImplConfig``, or one name for every op).
+    mesh_axes: the mesh axes this (per-device) step runs sharded over, inside
+      ``shard_map`` (sharding.py): each layer agrees its refusal status over them
+      before it writes, so a refusal anywhere stops every device's writes, as on one
+      device. () off a mesh.
   """
 
   num_layers: int
@@ -119,6 +123,7 @@ class TierConfig:
   lookahead_cap: int | None = None
   policy: PolicyConfig = PolicyConfig()
   impl: ImplConfig = ImplConfig()
+  mesh_axes: tuple[str, ...] = ()
 
   def __post_init__(self):
     if isinstance(self.policy, str):
@@ -155,7 +160,8 @@ class TierConfig:
 
   def _check_fused(self):
     unsupported = {"a keyed policy": self.policy.keyed,
-                   "overlap_hit_miss": self.overlap_hit_miss}
+                   "overlap_hit_miss": self.overlap_hit_miss,
+                   "a mesh (mesh_axes)": bool(self.mesh_axes)}
     for what, present in unsupported.items():
       if present:
         raise ValueError(f"the fused layer kernels (impl.fused) do not support {what}")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtier_jax import attention, fetch, lookup
+from kvtier_jax import attention, fetch, lookup, sharding
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, install_newest, resolve_with_policy,
                                 selection_errors)
@@ -145,6 +145,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # A miss must be read from a host page: one without a page refuses the step.
   unpaged = res.is_miss & ~has_page(cfg, pages, selected)
   status |= jnp.where(unpaged.any(), STATUS_CAPACITY, 0)
+  # On a mesh every device refuses the layer with the others, before any write.
+  status = sharding.agree_status(status, cfg.mesh_axes)
   ok = ok & (status == 0)
   row_ok = ok & active  # [R]: rows whose metadata this step changes
   is_miss = res.is_miss & ok

@@ -184,13 +184,16 @@ class ServingBackend:
     host_pages: pages in the host pool (tiered; default: every slot can hold
       ``max_len``).
     index_share: layers per selection (sparse, tiered).
+    device: where the weights and the state live (default: JAX's default device);
+      the host tier lives in that device's host memory.
     tier_overrides: more ``TierConfig`` fields (impl, policy, warm start...).
   """
 
   def __init__(self, model: Transformer, backend: str, num_slots: int, max_len: int, *,
                selector=None, selector_params=None, hot_slots: int | None = None,
                chunk_size: int = 128, page_size: int = 64, host_pages: int | None = None,
-               index_share: int = 1, **tier_overrides):
+               index_share: int = 1, device: jax.Device | None = None,
+               **tier_overrides):
     if backend not in BACKENDS:
       raise ValueError(f"{backend=} must be one of {BACKENDS}")
     if backend != "dense" and selector is None:
@@ -202,7 +205,11 @@ class ServingBackend:
                        f"{page_size} (a chunk writes whole host pages)")
     cfg = model.cfg
     self.model, self.cfg, self.backend = model, cfg, backend
+    self.device = device
     self.weights = model.weights()
+    if device is not None:
+      self.weights = jax.device_put(self.weights, device)
+      selector_params = jax.device_put(selector_params, device)
     self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
     self.page_size, self.vocab_size = page_size, cfg.vocab_size
     self.selector, self.params, self.index_share = selector, selector_params, index_share
@@ -272,6 +279,10 @@ class ServingBackend:
   # State -----------------------------------------------------------------------
 
   def init(self) -> ServingState:
+    with jax.default_device(self.device):
+      return self._init()
+
+  def _init(self) -> ServingState:
     cfg, slots = self.cfg, self.num_slots
     dtype = jnp.dtype(cfg.dtype)
     shape = (cfg.num_layers, self.stage_len)
@@ -288,7 +299,7 @@ class ServingBackend:
       shared = jnp.full((slots, self.selector.num_units, self.selector.top_k), -1,
                         jnp.int32)
       return ServingState(SparseCarry(kv, sel, params, shared), staging)
-    tier = kv_state.init_state(self.tier_cfg)
+    tier = kv_state.init_state(self.tier_cfg, device=self.device)
     return ServingState(kv_decode.init_carry(self.tier_cfg, tier, sel, params), staging)
 
   def set_pages(self, state: ServingState, table: np.ndarray) -> ServingState:

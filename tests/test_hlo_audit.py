@@ -148,3 +148,12 @@ def test_graph_launches_count_a_command_buffer_once():
   graphs = hlo_audit.audit_graphs(cfg)  # the compiled fused step, both flag sets
   for launches, captured in graphs.values():
     assert launches >= 2 and captured >= 1
+
+
+def test_data_parallel_step_compiles_for_8_h200s_with_one_collective_per_layer():
+  """Sharded over 8 devices, the step copies no host tier and its only collective is
+  the per-layer refusal agreement (a few status bits)."""
+  _, cfg = hlo_audit.audit_configs(smoke=True)[0]
+  copies, in_loop, total, _ = hlo_audit.audit_data_parallel(cfg, num_devices=8)
+  assert copies == 0
+  assert in_loop == ["all-reduce s32[3]"] and total == 1, (in_loop, total)

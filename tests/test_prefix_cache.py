@@ -150,6 +150,61 @@ def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions():
   engine.pool.check(engine.radix.held_pages())
 
 
+@dataclasses.dataclass
+class TwoDeviceModel(FakeModel):
+  """FakeModel as a data-parallel model: slots 0-1 and the first half of the host
+  pages on "device" 0, the rest on device 1."""
+
+  num_slots: int = 4
+  num_partitions: int = 2
+
+
+def test_data_parallel_partitions_keep_pages_on_their_device_and_tokens_exact():
+  """With one host tier per device a slot only ever holds its device's pages (the
+  pool's check), prefixes are shared within a device, and under page pressure
+  with aborts every token still equals the solo run."""
+  rng = np.random.default_rng()
+  engine, reqs = run_with_prefix_cache(rng, 80, pages=40, abort_rate=0.05,
+                                       model=TwoDeviceModel)
+  assert sum(r.state is State.FINISHED for r in reqs) > 40
+  assert engine.cached_tokens > 0
+  assert {engine.pool.page_partition(p) for p in engine.radix.held_pages()} <= {0, 1}
+
+
+def test_data_parallel_engine_places_a_request_with_its_cached_prefix():
+  """A request goes to the device holding its cached prefix (and shares it), a new
+  one to the least loaded device."""
+  engine = Engine(TwoDeviceModel(num_host_pages=40),
+                  EngineConfig(max_step_tokens=64, prefix_cache=True))
+  prefix = list(range(1, 25))  # three chunks of 8
+  first = engine.submit(prefix + [30, 31], 30)
+  while first.state is not State.DECODING:
+    engine.step()
+  assert first.slot == 0
+  other = engine.submit([40] * 20, 30)  # nothing cached: the idle device 1
+  again = engine.submit(prefix + [50], 4)  # the prefix lives on device 0
+  engine.step()
+  engine.step()
+  assert engine.pool.slot_partition(other.slot) == 1
+  assert engine.pool.slot_partition(again.slot) == 0 and again.metrics.cached_tokens == 24
+  engine.run()
+  assert again.output == solo(TwoDeviceModel, again.prompt, 4)
+
+
+def test_page_pool_partitions_hand_out_their_own_pages():
+  pool = PagePool(8, num_slots=4, pages_per_slot=4, partitions=2)
+  assert pool.grow(0, 3) and pool.table[0, :3].tolist() == [0, 1, 2]
+  assert pool.grow(2, 2) and pool.table[2, :2].tolist() == [4, 5]
+  assert not pool.grow(1, 2) and pool.free_in(0) == 1  # device 0 has one page left
+  with pytest.raises(ValueError, match="another partition"):
+    pool.share(3, [0])
+  pool.release(0)
+  assert pool.free_in(0) == 4 and pool.num_free == 6
+  pool.check()
+  with pytest.raises(ValueError, match="partitions must divide"):
+    PagePool(7, num_slots=4, pages_per_slot=4, partitions=2)
+
+
 def test_prefix_cache_needs_a_model_that_loads_prefixes():
   with pytest.raises(ValueError, match="prefix_cache"):
     Engine(FakeModel(supports_prefix_cache=False), EngineConfig(prefix_cache=True))

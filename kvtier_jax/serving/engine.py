@@ -38,13 +38,18 @@ receiver continues it with the same tokens (PDD's relay and main decode).
 Requests are validated at ``submit`` (clear ``ValueError``s; the engine is not
 touched). A request whose logits turn non-finite fails with the reason; the others
 continue. Nothing here assumes one device: per-slot state lives in the model's
-arrays, and the scheduler only counts slots, bytes and pages.
+arrays, and the scheduler only counts slots, bytes and pages. A data-parallel model
+(``num_partitions`` P > 1: one host tier per device) splits the slots and pages into
+P ranges; a request is placed on the device holding its cached prefix when it has a
+free slot, else on the least loaded one, and shares only the prefix pages in its own
+device's host tier.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import tempfile
 import time
@@ -131,7 +136,8 @@ class Engine:
     self._on_step = on_step
     self.state = model.init()
     pages_per_slot = -(-model.max_len // model.page_size)
-    self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot)
+    self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot,
+                         getattr(model, "num_partitions", 1))
     self.radix, self.disk = None, None
     if config.prefix_cache:
       if not getattr(model, "supports_prefix_cache", False):
@@ -327,11 +333,17 @@ class Engine:
       if not free or (budget is not None and
                       self._device_in_use + charge + staging > budget):
         return
-      slot = free[0]
       matched = 0
+      shared, node = self._match(req) if self._host_pages(req.total_length) else ([], None)
+      slot = self._pick_slot(free, shared)
+      # Data parallel: only the prefix's pages in the slot's own host tier are shared.
+      part = self.pool.slot_partition(slot)
+      local = next((i for i, p in enumerate(shared) if self.pool.page_partition(p) != part),
+                   len(shared))
+      whole = local == len(shared)
+      shared = shared[:local]
       if self._host_pages(req.total_length):
-        shared, node = self._match(req)
-        on_disk = [] if node is None else self.radix.disk_path(node)
+        on_disk = [] if node is None or not whole else self.radix.disk_path(node)
         load = bool(on_disk) and self._load_from_disk(on_disk)
         upto = max(len(req.prompt), req.imported[1] if req.imported else 0)
         if not self._take_pages(slot, -(-upto // self.model.page_size), shared):
@@ -359,6 +371,22 @@ class Engine:
       if req.metrics.admitted is None:
         req.metrics.admitted = self.now()
       self.slots[slot] = req
+
+  def _pick_slot(self, free: list[int], shared: list[int]) -> int:
+    """A free slot: the lowest, or on a data-parallel model (partitions) one on the
+    device holding the cached prefix ``shared`` if it has a free slot, else on the
+    device running the fewest requests (most free pages breaking ties)."""
+    pool = self.pool
+    if pool.partitions == 1:
+      return free[0]
+    open_parts = sorted({pool.slot_partition(s) for s in free})
+    if shared and pool.page_partition(shared[0]) in open_parts:
+      part = pool.page_partition(shared[0])
+    else:
+      running = collections.Counter(pool.slot_partition(r.slot) for r in self.slots
+                                    if r is not None)
+      part = min(open_parts, key=lambda p: (running[p], -pool.free_in(p), p))
+    return next(s for s in free if pool.slot_partition(s) == part)
 
   def _match(self, req: Request) -> tuple[list[int], object]:
     """(pages, locked node) of the request's longest cached prefix; at least one
@@ -411,8 +439,10 @@ class Engine:
     """Write host pages to the disk tier (a cached prefix leaving the host)."""
     return self.disk.write(self.model.read_pages(self.state, pages))
 
-  def _evict(self, num_pages: int) -> int:
-    return self.radix.evict(num_pages, self.pool.drop,
+  def _evict(self, num_pages: int, partition: int = 0) -> int:
+    """Evict cached prefixes until ``num_pages`` pages of ``partition`` are free."""
+    drop = functools.partial(self.pool.drop, partition=partition)
+    return self.radix.evict(num_pages, drop,
                             self._spill if self.disk is not None else None)
 
   def _take_pages(self, slot: int, num_pages: int, shared: list[int]) -> bool:
@@ -420,9 +450,10 @@ class Engine:
     unused cached prefixes when the pool is short; False (nothing held) if it
     cannot."""
     fresh = num_pages - len(shared)
-    if fresh > self.pool.num_free and self.radix is not None:
-      self._evict(fresh - self.pool.num_free)
-    if fresh > self.pool.num_free:
+    part = self.pool.slot_partition(slot)
+    if fresh > self.pool.free_in(part) and self.radix is not None:
+      self._evict(fresh - self.pool.free_in(part), part)
+    if fresh > self.pool.free_in(part):
       return False
     self.pool.share(slot, shared)
     return self.pool.grow(slot, num_pages)
@@ -457,10 +488,12 @@ class Engine:
       if req.slot is None or not self._host_pages(req.total_length):
         continue
       need = req.cached // self.model.page_size + 1
+      part = self.pool.slot_partition(req.slot)
       while not self.pool.grow(req.slot, need):
-        if self.radix is not None and self._evict(1):
+        if self.radix is not None and self._evict(1, part):
           continue
         holders = [r for r in self.slots if r is not None and
+                   self.pool.slot_partition(r.slot) == part and
                    (r is req or (self.pool.table[r.slot] >= 0).any())]
         victim = max(holders, key=lambda r: r.admit_order)
         self._preempt(victim)

@@ -211,7 +211,11 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
   pool = engine.pool
   pool.table[...] = np.asarray(books["pool"]["table"], np.int32)
   pool.refs[...] = np.asarray(books["pool"]["refs"], np.int64)
-  pool._free = list(books["pool"]["free"])
+  free = books["pool"]["free"]
+  if len(free) != pool.partitions:
+    raise ValueError(f"the snapshot's pool has {len(free)} partitions, this engine's "
+                     f"{pool.partitions}")
+  pool._free = [list(stack) for stack in free]
   for spec in books["requests"]:
     metrics = Metrics(**spec["metrics"])
     req = Request(spec["id"], spec["prompt"], spec["max_new_tokens"],
