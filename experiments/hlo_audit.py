@@ -11,9 +11,10 @@ cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
   zero-copy kernel's operands;
 * in-place aliasing of every state buffer (``input_output_alias`` of the entry);
 * the Pallas (Triton) kernels present and the async host copies;
-* the data-parallel step over an 8xH200 node (``shard_map`` over mesh axis
-  ``data``, each device's host tier in its own pinned host memory): whole-host
-  copies and every collective (kvtier_jax/sharding.py: one per layer).
+* the step sharded over an 8xH200 node (``shard_map``: requests over mesh axis
+  ``data`` = 8, or 4 x KV heads over ``model`` = 2; each device's host tier in its
+  own pinned host memory): whole-host copies and every collective
+  (kvtier_jax/sharding.py: one per layer).
 
 Command (~1-2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
   python -m experiments.hlo_audit
@@ -379,36 +380,46 @@ def collectives(hlo: str) -> list[str]:
   return found
 
 
-def audit_data_parallel(cfg: TierConfig, num_devices: int = 8):
-  """The tiered step under shard_map over ``data`` = ``num_devices`` H200s (each
-  device: ``cfg.num_requests`` requests and its own host tier in its pinned host
-  memory), compiled SPMD-partitioned deviceless. Returns (whole-host copies of the
-  per-device or the global tier, the collectives inside the layer loop (each runs
-  once per layer), the collectives of the whole step, launches per layer)."""
-  mesh = jax.sharding.Mesh(np.array(deviceless.h200_node(num_devices)).reshape(-1, 1),
-                           sharding.AXES)
-  local = cfg.replace(mesh_axes=(sharding.DATA,))
+def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
+  """The tiered step under shard_map over ``data`` x ``model`` H200s of one node:
+  each device runs ``cfg.num_requests`` requests (and, with ``model`` > 1, its
+  ``cfg.num_kv_heads`` KV heads as per-KV-head units: tensor parallel) with its own
+  host tier in its pinned host memory; compiled SPMD-partitioned deviceless.
+  Returns (whole-host copies of the per-device or the global tier, the collectives
+  inside the layer loop (each runs once per layer), the collectives of the whole
+  step, launches per layer)."""
+  devices = np.array(deviceless.h200_node(data * model)).reshape(data, model)
+  mesh = jax.sharding.Mesh(devices, sharding.AXES)
+  local = cfg.replace(mesh_axes=sharding.AXES, per_kv_head=cfg.per_kv_head or model > 1)
   probe = lambda c: jax.eval_shape(lambda: decode.init_carry(c, kv_state.init_state(c)))
   small = probe(local)
-  axes = sharding.request_axes(small, probe(local.replace(
+  data_axes = sharding.request_axes(small, probe(local.replace(
       num_requests=2 * cfg.num_requests)))
-  specs = sharding.data_specs(axes, sharding.per_device_leaves(axes, ("fetched_rows",)))
+  model_axes = None
+  if model > 1:
+    model_axes = sharding.request_axes(small, probe(local.replace(
+        num_kv_heads=2 * cfg.num_kv_heads, num_q_heads=2 * cfg.num_q_heads)))
+  specs = sharding.mesh_specs(data_axes, model_axes,
+                              sharding.per_device_leaves(data_axes, ("fetched_rows",)))
   state = sharding.global_abstract(small, specs, mesh,
                                    lambda path: "pinned_host" if "host" in path else None)
-  rows = jax.sharding.PartitionSpec(None, sharding.DATA)
-  L, R, D = cfg.num_layers, cfg.num_requests * num_devices, cfg.head_dim
+  rows = jax.sharding.PartitionSpec(None, sharding.DATA, sharding.MODEL)
+  L, R, D = cfg.num_layers, cfg.num_requests * data, cfg.head_dim
   sds = lambda heads: jax.ShapeDtypeStruct(
-      (L, R, heads, D), cfg.dtype, sharding=jax.sharding.NamedSharding(mesh, rows))
-  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+      (L, R, heads * model, D), cfg.dtype, sharding=jax.sharding.NamedSharding(mesh, rows))
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, local.num_units)
   step = jax.shard_map(functools.partial(decode.decode_step, local, selector), mesh=mesh,
                        in_specs=(specs, rows, rows, rows), out_specs=(rows, specs),
                        check_vma=False)
   hlo = jax.jit(step, donate_argnums=(0,)).trace(
       state, sds(cfg.num_q_heads), sds(cfg.num_kv_heads), sds(cfg.num_kv_heads)).lower(
           lowering_platforms=("cuda",)).compile().as_text()
-  shape = kv_state.host_tier_shape(cfg)
-  whole = shape[:1] + (shape[1] * num_devices,) + shape[2:]
-  copies = sum(count_whole_host_copies(hlo, s, _hlo_dtype(cfg)) for s in (shape, whole))
+  shape = kv_state.host_tier_shape(local)
+  whole = list(shape)
+  whole[1] *= data
+  whole[3] *= model
+  copies = sum(count_whole_host_copies(hlo, tuple(s), _hlo_dtype(cfg))
+               for s in (shape, whole))
   comps = _computations(hlo)
   bodies = set(re.findall(r"body=(%[\w.\-]+)", hlo))
   in_loop = [c for name, text in comps.items() if name in bodies for c in collectives(text)]
@@ -489,11 +500,14 @@ def main(argv):
     print(f"command buffers, {name}: launches per layer (kernels captured in CUDA "
           "graphs) " + ", ".join(f"{flags_} flags {n} ({c})"
                                  for flags_, (n, c) in graphs.items()))
-  dp_copies, dp_loop, dp_all, dp_launches = audit_data_parallel(configs[0][1])
-  print(f"data parallel over 8 H200s (shard_map, data=8; {configs[0][0]}): "
-        f"{dp_copies} whole-host copies, collectives per layer: "
-        f"{', '.join(dp_loop) or 'none'}; collectives per step: {dp_all}; "
-        f"launches per layer {dp_launches:g}")
+  dp_copies = 0
+  for data, model in ((8, 1), (4, 2)):
+    copies_, in_loop, total, launches_ = audit_sharded(configs[0][1], data, model)
+    dp_copies += copies_
+    print(f"sharded over 8 H200s (shard_map, data={data}, model={model}; "
+          f"{configs[0][0]}): {copies_} whole-host copies, collectives per layer: "
+          f"{', '.join(in_loop) or 'none'}; collectives per step: {total}; "
+          f"launches per layer {launches_:g}")
   copies = sum(a.whole_host_copies for a in rows) + app_copies + pw_copies + dp_copies
   per_miss = max(a.host_to_device_bytes_per_miss for a in rows)
   unaliased = sum(a.state_params - a.aliased_params for a in rows)

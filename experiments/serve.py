@@ -9,8 +9,10 @@ Command (~3 min on a 2-core CPU at the defaults; ``--check_exact`` adds one solo
 run per request, ~2 min):
   python -m experiments.serve --cache=tiered --check_exact
   python -m experiments.serve --workload=requests.jsonl --cache=sparse
-  # Requests split over 4 devices (fake CPU devices here), checked against one device:
+  # Requests split over 4 devices (fake CPU devices here), checked against one device;
+  # then requests over 2 and KV heads over 2 (~6 min each):
   python -m experiments.serve --mesh=data:4 --check_exact
+  python -m experiments.serve --mesh=data:2,model:2 --check_exact
   # Agent sessions with the prefix cache in the host tier (PDD's Decode Radix Cache
   # on HiSparse), on vs off (~4 min each):
   python -m experiments.serve --sessions=skewed --prefix_cache --check_exact
@@ -80,9 +82,10 @@ flags.DEFINE_enum("disk_policy", "auto", ["auto", "load", "recompute"], "A prefi
 flags.DEFINE_bool("check_exact", False, "Decode every finished request alone with "
                   "the sparse backend (the dense one for --cache=dense, which attends "
                   "to every position) and compare tokens.")
-flags.DEFINE_string("mesh", None, "Serve over a device mesh, e.g. data:4 (requests "
-                    "split over 4 devices; --max_batch and the host budget split with "
-                    "them). On a CPU the devices are XLA's fake host devices.")
+flags.DEFINE_string("mesh", None, "Serve over a device mesh: data:4 (requests split "
+                    "over 4 devices; --max_batch and the host budget split with them), "
+                    "data:2,model:2 (and the KV heads over 2: --selector=quest becomes "
+                    "quest_kv). On a CPU the devices are XLA's fake host devices.")
 flags.DEFINE_string("out_root", None, "Results root.")
 flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
@@ -184,6 +187,8 @@ def main(argv):
     else:
       workload = workloads.synthetic(stream, rng, FLAGS.num_requests,
                                      list(map(int, FLAGS.prompt_range)), outputs, arrivals)
+  if shape["model"] > 1 and FLAGS.selector == "quest":
+    FLAGS.selector = "quest_kv"  # tensor parallel splits the cache by KV head
   selector, params = (None, None) if FLAGS.cache == "dense" else setup.build_selector(
       FLAGS.selector, model.cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
   print(f"platform: {common.platform()}; {len(workload)} requests; cache={FLAGS.cache}"

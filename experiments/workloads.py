@@ -166,10 +166,10 @@ def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: 
 
 def build_backend(model, cache: str, *, selector, params, max_batch: int, max_len: int,
                   chunk_size: int, page_size: int, hot_slots: int,
-                  host_budget_mib: float, mesh=None) -> serving.ServingBackend:
+                  host_budget_mib: float, mesh=None, device=None) -> serving.ServingBackend:
   """``model`` with one cache backend (dense / sparse / tiered) over ``max_batch``
-  slots (nothing is allocated until an engine starts on it); with a ``mesh`` of
-  data > 1 the slots and the host budget split over its devices."""
+  slots (nothing is allocated until an engine starts on it); over a ``mesh`` the
+  slots and the host budget split over its data rows, the KV heads over ``model``."""
   extra = {}
   if cache == "tiered":
     extra = dict(hot_slots=hot_slots, host_pages=serving.ServingBackend.pages_for_bytes(
@@ -177,11 +177,11 @@ def build_backend(model, cache: str, *, selector, params, max_batch: int, max_le
   if cache != "dense":
     extra.update(selector=selector, selector_params=params)
   if mesh is not None and mesh.size > 1:
-    return sharded_serving.DataParallelBackend(
+    return sharded_serving.MeshServingBackend(
         model, cache, max_batch, max_len, mesh=mesh, chunk_size=chunk_size,
         page_size=page_size, **extra)
   return serving.ServingBackend(model, cache, max_batch, max_len, chunk_size=chunk_size,
-                                page_size=page_size, **extra)
+                                page_size=page_size, device=device, **extra)
 
 
 def build_engine(backend, *, max_step_tokens: int, kv_budget_mib: float | None = None,

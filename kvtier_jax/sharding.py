@@ -68,10 +68,10 @@ def agree_status(status: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def request_axes(small: Any, large: Any) -> Any:
-  """Per leaf, the axis that grows with the request slots, or -1.
+  """Per leaf, the axis that grows with the request slots (or the heads), or -1.
 
   ``small`` and ``large`` are the same local state built for two slot (and host
-  page) counts (``jax.eval_shape`` results or arrays); a leaf whose shapes differ
+  page) counts, or two head counts (``jax.eval_shape`` results or arrays); a leaf whose shapes differ
   in more than one axis is an error (it would not split cleanly).
   """
   def axis(a, b):
@@ -84,17 +84,24 @@ def request_axes(small: Any, large: Any) -> Any:
   return jax.tree.map(axis, small, large)
 
 
-def data_specs(axes: Any, per_device: Any = None) -> Any:
-  """PartitionSpecs: a leaf's request axis over ``data``; a leaf without one (-1) is
+def mesh_specs(data_axes: Any, model_axes: Any = None, per_device: Any = None) -> Any:
+  """PartitionSpecs from ``request_axes`` results: a leaf's request axis over
+  ``data``, its head (unit) axis over ``model``; a leaf with neither (-1) is
   replicated unless ``per_device`` (a matching tree of bools) marks it a per-device
-  value, whose axis 0 then concatenates the devices' values."""
-  per_device = per_device if per_device is not None else jax.tree.map(lambda _: False,
-                                                                        axes)
-  def spec(axis, own):
-    if axis < 0:
-      return P(DATA) if own else P()
-    return P(*([None] * axis), DATA)
-  return jax.tree.map(spec, axes, per_device)
+  value, whose axis 0 then concatenates every device's value."""
+  no = jax.tree.map(lambda _: -1, data_axes)
+  model_axes = no if model_axes is None else model_axes
+  per_device = jax.tree.map(lambda _: False, data_axes) if per_device is None else per_device
+  def spec(data, model, own):
+    if data < 0 and model < 0:
+      return P((DATA, MODEL)) if own else P()
+    dims = [None] * (max(data, model) + 1)
+    if data >= 0:
+      dims[data] = DATA
+    if model >= 0:
+      dims[model] = MODEL
+    return P(*dims)
+  return jax.tree.map(spec, data_axes, model_axes, per_device)
 
 
 def assemble(mesh: Mesh, specs: Any, per_device: list[Any]) -> Any:

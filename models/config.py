@@ -71,6 +71,10 @@ class ModelConfig:
       token and layer: ``indexer_head_dim`` elements of ``indexer_dtype`` plus one
       scale of ``indexer_scale_bytes``.
     quest_page_size: tokens per Quest page (each page keeps min and max keys).
+    tp_axis: the mesh axis the heads and the MLP hidden units are split over when
+      this config describes one device's part of a tensor-parallel model (inside
+      ``shard_map``: the attention output and MLP projections are summed over it);
+      None on one device.
   """
 
   name: str
@@ -95,6 +99,7 @@ class ModelConfig:
   indexer_dtype: str = "float8_e4m3fn"
   indexer_scale_bytes: int = 0
   quest_page_size: int = 0
+  tp_axis: str | None = None
 
   def __post_init__(self):
     for field in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):

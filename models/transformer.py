@@ -25,6 +25,7 @@ V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import pathlib
@@ -106,6 +107,34 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
   up = jnp.einsum("...e,ef->...f", x, w_up, precision=PRECISION)
   return jnp.einsum("...f,fe->...e", jax.nn.silu(gate) * up, w_down,
                     precision=PRECISION)
+
+
+def _tp_sum(cfg: ModelConfig, partial: jax.Array) -> jax.Array:
+  """A projection's partial sum over this device's heads or MLP hidden units, summed
+  over the tensor-parallel axis (the identity on one device)."""
+  return partial if cfg.tp_axis is None else jax.lax.psum(partial, cfg.tp_axis)
+
+
+def pad_kv_heads(cfg: ModelConfig, weights: dict[str, jax.Array], multiple: int):
+  """(cfg, weights) with the KV heads padded to a multiple of ``multiple`` by heads
+  that contribute exactly zero: zero q/k/v projections (their attention output is a
+  mean of zero values) and zero output-projection rows. Lets the heads split evenly
+  over a tensor-parallel axis (SmolLM2's 3 KV heads over 2 devices)."""
+  heads = -(-cfg.num_kv_heads // multiple) * multiple
+  if heads == cfg.num_kv_heads:
+    return cfg, weights
+  group = cfg.num_q_heads // cfg.num_kv_heads
+  def pad(a, axis, count):
+    shape = list(a.shape)
+    shape[axis] = count
+    return jnp.concatenate([a, jnp.zeros(shape, a.dtype)], axis)
+  extra = heads - cfg.num_kv_heads
+  out = dict(weights)
+  out["wq"] = pad(weights["wq"], 2, extra * group)  # [L, E, Hq, D]: head h reads kv h // G
+  out["wk"] = pad(weights["wk"], 2, extra)
+  out["wv"] = pad(weights["wv"], 2, extra)
+  out["wo"] = pad(weights["wo"], 1, extra * group)  # [L, Hq, D, E]
+  return dataclasses.replace(cfg, num_kv_heads=heads, num_q_heads=heads * group), out
 
 
 def _masked_softmax_attention(q, k, v, mask):
@@ -509,9 +538,9 @@ def apply_prefill_chunk(cfg: ModelConfig, weights, stage_k, stage_v, stage_x, to
         q.reshape(1, num_tokens, cfg.num_kv_heads, group, cfg.head_dim), keys[None],
         values[None], causal)  # [1, C, Hkv, G, D]
     attn = attn.reshape(num_tokens, cfg.num_q_heads, cfg.head_dim)
-    x = x + jnp.einsum("chd,hde->ce", attn, w["wo"], precision=PRECISION)
+    x = x + _tp_sum(cfg, jnp.einsum("chd,hde->ce", attn, w["wo"], precision=PRECISION))
     h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+    x = x + _tp_sum(cfg, gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"]))
     return (x, stage_k, stage_v, stage_x), None
 
   x = weights["embed"][tokens]  # [C, E]
@@ -557,9 +586,9 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
       out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
     else:
       out, carry = attend(layer_index, q, k_new, v_new, carry, h, member=member)
-    x = x + jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION)
+    x = x + _tp_sum(cfg, jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION))
     h_mlp = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    x = x + gated_mlp(h_mlp, w["w_gate"], w["w_up"], w["w_down"])
+    x = x + _tp_sum(cfg, gated_mlp(h_mlp, w["w_gate"], w["w_up"], w["w_down"]))
     return x, carry, (q, k_new, v_new, h, out)
 
   def layers(state, xs):

@@ -72,7 +72,7 @@ def main():
   probe = lambda c: jax.eval_shape(lambda: decode.init_carry(
       c, kv_state.init_state(c), selector.init_state(L, c.num_requests, c.max_len)))
   axes = sharding.request_axes(probe(LOCAL), probe(LOCAL.replace(num_requests=2 * PER_DEVICE)))
-  specs = sharding.data_specs(axes, sharding.per_device_leaves(axes, ("fetched_rows",)))
+  specs = sharding.mesh_specs(axes, per_device=sharding.per_device_leaves(axes, ("fetched_rows",)))
   locals_ = []
   for d, device in enumerate(mesh.devices.flat):
     part = to_local(tier_np, d)

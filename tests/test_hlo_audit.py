@@ -150,10 +150,11 @@ def test_graph_launches_count_a_command_buffer_once():
     assert launches >= 2 and captured >= 1
 
 
-def test_data_parallel_step_compiles_for_8_h200s_with_one_collective_per_layer():
-  """Sharded over 8 devices, the step copies no host tier and its only collective is
-  the per-layer refusal agreement (a few status bits)."""
+@pytest.mark.parametrize("data,model", [(8, 1), (4, 2)])
+def test_sharded_step_compiles_for_8_h200s_with_one_collective_per_layer(data, model):
+  """Requests over ``data`` and KV heads over ``model``: the step copies no host tier
+  and its only collective is the per-layer refusal agreement (a few status bits)."""
   _, cfg = hlo_audit.audit_configs(smoke=True)[0]
-  copies, in_loop, total, _ = hlo_audit.audit_data_parallel(cfg, num_devices=8)
+  copies, in_loop, total, _ = hlo_audit.audit_sharded(cfg, data, model)
   assert copies == 0
   assert in_loop == ["all-reduce s32[3]"] and total == 1, (in_loop, total)

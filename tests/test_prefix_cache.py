@@ -191,6 +191,17 @@ def test_data_parallel_engine_places_a_request_with_its_cached_prefix():
   assert again.output == solo(TwoDeviceModel, again.prompt, 4)
 
 
+def test_data_parallel_engine_refuses_a_request_no_device_can_hold():
+  """40 pages over 2 devices: a request needing 21 fits the pool but no device's
+  host tier; it is refused at submit (it would wait forever)."""
+  engine = Engine(TwoDeviceModel(num_host_pages=40, max_len=128),
+                  EngineConfig(max_step_tokens=64))
+  with pytest.raises(ValueError, match="per device"):
+    engine.submit([1] * 80, 4)  # 84 positions: 21 pages of 4
+  engine.submit([1] * 76, 4)  # 20 pages: fits one device
+  engine.run()
+
+
 def test_page_pool_partitions_hand_out_their_own_pages():
   pool = PagePool(8, num_slots=4, pages_per_slot=4, partitions=2)
   assert pool.grow(0, 3) and pool.table[0, :3].tolist() == [0, 1, 2]

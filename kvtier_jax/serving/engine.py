@@ -184,9 +184,10 @@ class Engine:
     if total > model.max_len:
       raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = "
                        f"{total} exceeds the context of {model.max_len} positions")
-    if self._host_pages(total) > model.num_host_pages:
+    if self._host_pages(total) > self.pool.num_pages // self.pool.partitions:
       raise ValueError(f"{total} positions need {self._host_pages(total)} host pages; "
-                       f"the host tier has {model.num_host_pages}")
+                       f"the host tier has {self.pool.num_pages // self.pool.partitions}"
+                       + (" per device" if self.pool.partitions > 1 else ""))
     budget = self.config.kv_budget_bytes
     if budget is not None and model.device_bytes(total) + model.staging_bytes() > budget:
       raise ValueError(f"{total} positions need {model.device_bytes(total)} device bytes;"

@@ -67,6 +67,11 @@ class ServingModel(Protocol):
     garbage and their slots unchanged. Raises ``StepRefused`` (with the state
     unchanged) when the step refused its input."""
 
+  # Optional: a data-parallel model (requests over D devices, one host tier each)
+  # splits its slots and host pages into ``num_partitions`` equal ranges; slot s
+  # may only hold pages of its own range (default 1).
+  num_partitions: int
+
   # Optional: a prefix cache (``EngineConfig.prefix_cache``) needs both.
   supports_prefix_cache: bool
 

@@ -1,0 +1,62 @@
+"""An engine replica in its own process, driven over a ``multiprocessing`` pipe (a
+router in front of several of them: router.py).
+
+Messages to the replica: ``("submit", request dict)`` (``id``, ``prompt``,
+``max_new_tokens``), ``("reset",)`` (report and start a fresh engine: a new
+measurement on the same compiled model) and ``("stop",)``. From it: ``("ready",)``
+once its engine is built, ``("first", id)`` at a request's first token, ``("done",
+id, state, output, cached_tokens)`` when it ends, and ``("stats", dict)`` on reset
+and stop: the engine's prompt tokens, those served by its prefix cache and the
+prompt tokens it computed. With ``gather`` (the multi-controller runtime's
+all-gather, e.g. ``jax.experimental.multihost_utils.process_allgather``) every
+replica reports all replicas' stats, gathered by a collective, not by the router.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+_STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
+
+
+def serve(engine_factory: Callable[[], object], conn, *,
+          gather: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+  """Run engines from ``engine_factory`` on the messages of ``conn`` until stop."""
+  engine, reported, computed = engine_factory(), set(), [0]
+  conn.send(("ready",))
+
+  def first_token(req, token):
+    del token
+    if len(req.output) == 1:
+      conn.send(("first", req.id))
+
+  def stats() -> dict:
+    row = np.array([engine.prompt_tokens, engine.cached_tokens, computed[0],
+                    engine.steps], np.int64)
+    rows = row[None] if gather is None else np.asarray(gather(row)).reshape(-1, row.size)
+    return dict(replicas=[dict(zip(_STATS, map(int, r))) for r in rows])
+
+  while True:
+    while conn.poll(0 if engine.has_work else None):
+      kind, *args = conn.recv()
+      if kind == "submit":
+        spec = args[0]
+        engine.submit(spec["prompt"], spec["max_new_tokens"], request_id=spec["id"],
+                      on_token=first_token)
+      elif kind in ("reset", "stop"):
+        conn.send(("stats", stats()))
+        if kind == "stop":
+          return
+        engine, reported, computed = engine_factory(), set(), [0]
+        conn.send(("ready",))
+      else:
+        raise ValueError(f"unknown message {kind!r}")
+    if engine.has_work:
+      computed[0] += engine.step()["prefill_tokens"]
+      for req in engine.requests.values():
+        if req.state.done and req.id not in reported:
+          reported.add(req.id)
+          conn.send(("done", req.id, req.state.value, list(req.output),
+                     req.metrics.cached_tokens))
