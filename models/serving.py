@@ -413,20 +413,10 @@ class ServingBackend:
   def restore_state(self, leaves: list[np.ndarray]) -> ServingState:
     """The state ``snapshot`` returned, placed as ``init`` places it (the host tier
     in host memory): the compiled steps run on it without recompiling."""
-    template = self.init()
-    slots, treedef = jax.tree.flatten(template)
-    extra = 1 if self.backend == "tiered" else 0
-    if len(leaves) != len(slots) + extra:
-      raise ValueError(f"{len(leaves)} arrays for a state of {len(slots) + extra}")
-    for i, (leaf, slot) in enumerate(zip(leaves, slots)):
-      if leaf.shape != slot.shape or leaf.dtype != slot.dtype:
-        raise ValueError(f"array {i}: {leaf.dtype}{list(leaf.shape)} where the state has "
-                         f"{slot.dtype}{list(slot.shape)}")
-    placed = [jax.device_put(leaf, slot.sharding) for leaf, slot in zip(leaves, slots)]
-    del template, slots
-    if extra:
-      self.driver.seq_len = np.asarray(leaves[-1], np.int64).copy()
-    return jax.tree.unflatten(treedef, placed)
+    state, lens = place_snapshot(self.init(), leaves, self.backend == "tiered")
+    if lens is not None:
+      self.driver.seq_len = lens
+    return state
 
   def stats(self, state: ServingState) -> dict:
     if self.backend != "tiered":
@@ -434,6 +424,24 @@ class ServingBackend:
     stats = kv_state.cache_stats(self.tier_cfg, state.cache.tier)
     return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
                                   "host_to_device_bytes")}
+
+
+def place_snapshot(template, leaves: list[np.ndarray], with_lengths: bool):
+  """(``template``'s pytree with its arrays replaced by ``leaves``, each placed as the
+  template's is, and the trailing length mirror int64 or None); ``ValueError`` if
+  the arrays do not fit the template."""
+  slots, treedef = jax.tree.flatten(template)
+  extra = int(with_lengths)
+  if len(leaves) != len(slots) + extra:
+    raise ValueError(f"{len(leaves)} arrays for a state of {len(slots) + extra}")
+  for i, (leaf, slot) in enumerate(zip(leaves, slots)):
+    if leaf.shape != slot.shape or leaf.dtype != slot.dtype:
+      raise ValueError(f"array {i}: {leaf.dtype}{list(leaf.shape)} where the state has "
+                       f"{slot.dtype}{list(slot.shape)}")
+  placed = [jax.device_put(leaf, slot.sharding) for leaf, slot in zip(leaves, slots)]
+  del template, slots  # the template's buffers go before the caller keeps the copy
+  lens = np.asarray(leaves[-1], np.int64).copy() if with_lengths else None
+  return jax.tree.unflatten(treedef, placed), lens
 
 
 def _tiered_run(cfg, tier_cfg, selector, weights, carry, tokens):

@@ -37,7 +37,8 @@ from kvtier_jax import sharding
 from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
-from models.serving import ServingBackend, ServingState, _dense_step, _sparse_step
+from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
+                            place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
 
 # Leaves without a request or head axis that differ per device: concatenated.
@@ -354,22 +355,11 @@ class MeshServingBackend:
     return leaves
 
   def restore_state(self, leaves: list[np.ndarray]) -> ShardedState:
-    template = self.init()
-    slots, treedef = jax.tree.flatten(template)
-    extra = 1 if self.backend == "tiered" else 0
-    if len(leaves) != len(slots) + extra:
-      raise ValueError(f"{len(leaves)} arrays for a state of {len(slots) + extra}")
-    for i, (leaf, slot) in enumerate(zip(leaves, slots)):
-      if leaf.shape != slot.shape or leaf.dtype != slot.dtype:
-        raise ValueError(f"array {i}: {leaf.dtype}{list(leaf.shape)} where the state has "
-                         f"{slot.dtype}{list(slot.shape)}")
-    placed = [jax.device_put(leaf, slot.sharding) for leaf, slot in zip(leaves, slots)]
-    del template, slots
-    if extra:
-      lens = np.asarray(leaves[-1], np.int64)
-      for r, group in enumerate(self.groups):
+    state, lens = place_snapshot(self.init(), leaves, self.backend == "tiered")
+    for r, group in enumerate(self.groups):
+      if lens is not None:
         group.driver.seq_len = lens[r * self._per:(r + 1) * self._per].copy()
-    return jax.tree.unflatten(treedef, placed)
+    return state
 
   def stats(self, state: ShardedState) -> dict:
     if self.backend != "tiered":

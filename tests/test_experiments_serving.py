@@ -11,8 +11,9 @@ from tests.test_experiments import only_run, run
 def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_path):
   """A JSONL workload served by the tiered engine with the prefix cache: independent
   requests (text and token-id prompts, staggered arrivals) and session turns, whose
-  later turns hit the earlier prompt's chunks. --check_exact decodes each request's
-  full prompt alone with the sparse backend: every one must match."""
+  later turns hit the earlier prompt's chunks, over a 2 x 2 device mesh (requests and
+  KV heads). --check_exact decodes each request's full prompt alone with the sparse
+  backend on one device: every one must match."""
   from pydoc_data.topics import topics
   words, more = topics["assert"].split(), topics["import"].split()
   workload = tmp_path / "requests.jsonl"
@@ -24,8 +25,11 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
       dict(id="a2", session="a", append=" ".join(more[110:125]), max_new_tokens=4),
       dict(id="a3", session="a", append=" ".join(more[125:130]), max_new_tokens=3),
   ]) + "\n")
+  # Over a data:2 x model:2 mesh of fake CPU devices (requests over 2 rows, each with
+  # its own host tier; SmolLM2's KV heads padded 3 -> 4 over 2 devices per row), so
+  # the mesh path serves the prefix cache too; --check_exact runs on one device.
   out = run("experiments.serve", "--smoke", "--prefix_cache", "--check_exact",
-            f"--workload={workload}", f"--out_root={tmp_path}")
+            "--mesh=data:2,model:2", f"--workload={workload}", f"--out_root={tmp_path}")
   last = out.strip().splitlines()[-1]
   pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
              r"tok/s ttft_p50=[\d.e+-]+ s ttft_p99=[\d.e+-]+ s tpot_p50=[\d.e+-]+ ms "
@@ -41,6 +45,7 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   assert rows[0]["prefix_hit"] > 0.15 and rows[0]["hit_p90"] > 0.5
   assert rows[0]["prefill_tokens"] < rows[0]["prompt_tokens"]
   assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
+  assert "mesh={'data': 2, 'model': 2}" in out
 
 
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):

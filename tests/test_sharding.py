@@ -1,15 +1,15 @@
 """Requests over a mesh (kvtier_jax/sharding.py, models/sharded_serving.py) on fake
-CPU devices, each in a subprocess (jax fixes its device count when it starts): the
-sharded tiered step equals the one-device step in every array, refusals included,
-and the data-parallel engine on SmolLM2 yields each request's one-device tokens."""
+CPU devices, in a subprocess (jax fixes its device count when it starts): the
+sharded tiered step equals the one-device step in every array, refusals included.
+The engine over a data x model mesh on SmolLM2 (prefix cache, sessions, exactness
+against one device) is tests/test_experiments_serving.py's serve smoke."""
 
 import json
-import re
 
 import pytest
 
 from kvtier_jax import sharding
-from tests.test_experiments import only_run, run
+from tests.test_experiments import run
 
 
 def test_parse_mesh_and_clear_errors():
@@ -30,25 +30,6 @@ def test_sharded_step_equals_the_one_device_step_on_4_devices():
   out = run("tests.sharding_worker")
   result = json.loads(out.strip().splitlines()[-1])
   assert result["refused"] == 2 and result["misses"] > 0, result
-
-
-@pytest.mark.parametrize("mesh", ["data:2,model:2"])
-def test_serve_over_a_mesh_is_exact(tmp_path, mesh):
-  """``serve --mesh``: SmolLM2 requests over 2 rows of devices (each with its own
-  host tier) and KV heads (padded 3 -> 4) over 2 devices per row: every request's
-  tokens equal its one-device sparse run. (Requests alone, data:4, are the worker
-  test above and the recorded full run.)"""
-  out = run("experiments.serve", "--smoke", f"--mesh={mesh}", "--check_exact",
-            f"--out_root={tmp_path}")
-  last = out.strip().splitlines()[-1]
-  match = re.search(r"requests=(\d+) .* exact=(\d+)/(\d+)", last)
-  assert match, last
-  requests, matched, finished = map(int, match.groups())
-  assert matched == finished == requests == 4, last
-  _, rows = only_run(tmp_path, "serve")
-  assert rows[0]["misses"] > 0
-  data, _, model = mesh.partition(",model:")
-  assert f"mesh={{'data': 2, 'model': {model or 1}}}" in out
 
 
 def test_padded_kv_heads_contribute_exactly_zero():
