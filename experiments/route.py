@@ -13,7 +13,7 @@ runtime (``jax.distributed`` on localhost, gloo CPU collectives): their stats ar
 all-gathered by a collective. Both policies run on the same replicas (a fresh engine
 each) and the same sessions; greedy tokens must be identical under both.
 
-Command (~6 min on a 2-core CPU; ``--smoke`` ~1 min):
+Command (~3.5 min on a 2-core CPU; ``--smoke`` ~1 min):
   python -m experiments.route --replicas=2
 Results: results/route/<time>/ (config.json, rows.jsonl: one row per policy,
 requests.jsonl, table.md, plot.png). Last line: ``route: replicas=N sessions=S
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import os
 import socket
 import time
 

@@ -28,7 +28,6 @@ import dataclasses
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
