@@ -233,6 +233,8 @@ def main(argv):
                    "requests holding a slot",
                    f"serve: cache={FLAGS.cache}, budget {FLAGS.kv_budget_mib:g} MiB")
   print(table)
+  if mesh is not None:  # a per-slot output XLA placed off its row's layout is copied
+    print(f"mesh: {engine.model.reshards} per-slot outputs re-placed")
   print(f"results: {out}")
   print(last_line(row))
 

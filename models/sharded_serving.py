@@ -96,7 +96,6 @@ class MeshServingBackend:
     self.mesh, self.rows, self.width = mesh, rows, width
     self._overrides = {k: v for k, v in kwargs.items()  # TierConfig fields
                        if k not in ("hot_slots", "chunk_size", "page_size", "index_share")}
-    self.devices = list(mesh.devices.flat)
     self._per = num_slots // rows
     self._row_meshes = [jax.sharding.Mesh(mesh.devices[r:r + 1], sharding.AXES)
                         for r in range(rows)]
@@ -140,7 +139,7 @@ class MeshServingBackend:
     self.weights = sharding.assemble(mesh, self._w_specs,
                                      [w for row in per_device for w in row])
     self._step = None
-    self.reshards = 0  # per-slot outputs XLA placed otherwise (moved back; tests: 0)
+    self.reshards = 0  # per-slot outputs XLA placed otherwise (moved back: a copy)
 
   # Layout --------------------------------------------------------------------
 

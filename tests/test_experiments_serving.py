@@ -46,6 +46,7 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   assert rows[0]["prefill_tokens"] < rows[0]["prompt_tokens"]
   assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
   assert "mesh={'data': 2, 'model': 2}" in out
+  assert "mesh: 0 per-slot outputs re-placed" in out  # XLA kept every layout
 
 
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
