@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
-from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
@@ -359,9 +358,4 @@ class MeshServingBackend:
         group.driver.seq_len = lens[r * self._per:(r + 1) * self._per].copy()
     return state
 
-  def stats(self, state: ShardedState) -> dict:
-    if self.backend != "tiered":
-      return {}
-    stats = kv_state.cache_stats(self.tier_cfg, state.cache.tier)
-    return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
-                                  "host_to_device_bytes")}
+  stats = ServingBackend.stats  # the same counters, summed over every device's cache

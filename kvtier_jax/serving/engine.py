@@ -440,7 +440,7 @@ class Engine:
     """Write host pages to the disk tier (a cached prefix leaving the host)."""
     return self.disk.write(self.model.read_pages(self.state, pages))
 
-  def _evict(self, num_pages: int, partition: int = 0) -> int:
+  def _evict(self, num_pages: int, partition: int) -> int:
     """Evict cached prefixes until ``num_pages`` pages of ``partition`` are free."""
     drop = functools.partial(self.pool.drop, partition=partition)
     return self.radix.evict(num_pages, drop,
