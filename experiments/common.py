@@ -107,13 +107,16 @@ def line_plot(path: pathlib.Path, xs: Sequence[float], ys: Sequence[float],
   plt.close(fig)
 
 
-def latest_trace() -> pathlib.Path:
-  """The newest full (not --smoke) trace run."""
+def latest_trace(text: str | None = "any") -> pathlib.Path:
+  """The newest full (not --smoke) trace run; of one text if ``text`` is not "any"
+  (the run's ``--prompt_file``: None for the pydoc corpus, ``models.text.HELDOUT``)."""
   runs = sorted(pathlib.Path(RESULTS, "trace").glob("*/traces.npz"))
-  full = [r for r in runs
-          if not json.loads((r.parent / "config.json").read_text())["flags"].get("smoke")]
+  flags_of = {r: json.loads((r.parent / "config.json").read_text())["flags"] for r in runs}
+  full = [r for r in runs if not flags_of[r].get("smoke")
+          and (text == "any" or flags_of[r].get("prompt_file") == text)]
   if not full:
-    raise FileNotFoundError("no trace: run python -m experiments.trace first")
+    which = "" if text == "any" else f" --prompt_file={text}" if text else ""
+    raise FileNotFoundError(f"no trace: run python -m experiments.trace{which} first")
   return full[-1]
 
 

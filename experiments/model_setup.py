@@ -8,7 +8,8 @@ from absl import flags
 from models.setup import DEFAULT_INDEXER, SELECTORS
 
 flags.DEFINE_string("prompt_file", None, "Text file for the prompt (default: Python's "
-                    "pydoc_data.topics, shipped with CPython).")
+                    "pydoc_data.topics, shipped with CPython; 'heldout': stdlib "
+                    "docstrings, disjoint from it, models.text.load_heldout_text).")
 flags.DEFINE_integer("prompt_tokens", 1024, "Prompt length in tokens.")
 flags.DEFINE_integer("offset", 0, "Token offset of the prompt in the text.")
 flags.DEFINE_enum("selector", "quest", SELECTORS, "Sparse-attention selector "

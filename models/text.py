@@ -16,13 +16,19 @@ import pathlib
 import numpy as np
 
 
+HELDOUT = "heldout"  # the ``prompt_file`` name of ``load_heldout_text``
+
+
 def load_text(prompt_file: str | pathlib.Path | None = None) -> str:
-  """The prompt corpus: ``prompt_file``'s text, or the pydoc topics.
+  """The prompt corpus: ``prompt_file``'s text, the pydoc topics (None), or the
+  held-out docstrings (``HELDOUT``; a file of that name: ``./heldout``).
 
   The topics dict's values are joined in sorted key order with a blank line
   between topics, so the text (and every token offset into it) is the same on
   every run and machine with the same Python minor version.
   """
+  if prompt_file == HELDOUT:
+    return load_heldout_text()
   if prompt_file is not None:
     return pathlib.Path(prompt_file).read_text(encoding="utf-8")
   from pydoc_data.topics import topics

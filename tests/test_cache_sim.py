@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.analysis.cache_sim import (OFFLINE_POLICIES, POLICIES, compare_policies, replay,
-                                  synthetic_trace)
+from experiments.analysis.cache_sim import (LEARNED, LEARNED_FEATURES, OFFLINE_POLICIES,
+                                           POLICIES, compare_policies, replay,
+                                           synthetic_trace)
 from kvtier_jax.resolve import resolve
 
 ONLINE = tuple(p for p in POLICIES if p not in OFFLINE_POLICIES)
@@ -612,3 +613,143 @@ def test_compare_policies_pools_traces_and_measures_the_gap():
     lru, opt = got["lru"]["miss_rate"], got["belady"]["miss_rate"]
     assert got["fifo"]["gap_closed"] == pytest.approx(
         (lru - got["fifo"]["miss_rate"]) / (lru - opt))
+
+
+# ---------------------------------------------------------- learned key --
+
+
+def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos=64):
+  """learned: evict the resident, unrequested entries with the smallest
+  key_fn(features) (LEARNED_FEATURES from their definitions, on dicts), ties by
+  LRU position; ``log`` gets (t, position, features, steps to its next request)
+  of every candidate."""
+  order, out, top = [], [], 0
+  last, count, ema, prev_rank, fetched, hits = {}, {}, {}, {}, {}, {}
+  rank_ema, ranked_freq = [1.0] * num_pos, [0.0] * num_pos
+  rows = [[int(p) for p in row if p >= 0] for row in stream]
+  for t, (want, ranked) in enumerate(zip(rows, ranks)):
+    m = len(ranked)
+    at = {int(p): r for r, p in enumerate(ranked) if p >= 0}
+    top = max([top, *want])
+    for p in range(num_pos):
+      rank_ema[p] = 0.5 * rank_ema[p] + 0.5 * (at.get(p, m) / m)
+      ranked_freq[p] = alpha * ranked_freq[p] + (p in at)
+    wset, resident = set(want), set(order)
+    misses = [p for p in want if p not in resident]
+
+    def feats(p):
+      since = t - last[p]
+      return np.array([at.get(p, m) / m, prev_rank.get(p, 1.0),
+                       ema[p] * alpha ** since, np.log1p(since), np.log1p(count[p]),
+                       np.log1p(t - fetched[p]), np.log1p(hits[p]), p / (top + 1.0),
+                       rank_ema[p], ranked_freq[p]])
+
+    cands = [p for p in order if p not in wset]
+    keys = {p: float(key_fn(feats(p))) for p in cands}
+    if log is not None:
+      for p in cands:
+        later = [u for u in range(t + 1, len(rows)) if p in rows[u]]
+        log.append((t, p, feats(p), (later[0] if later else len(rows)) - t))
+    for _ in range(max(0, len(order) + len(misses) - capacity)):
+      cand = [p for p in order if p not in wset]
+      order.remove(min(cand, key=lambda p: (keys[p], order.index(p))))
+    for p in want:
+      ema[p] = (ema[p] * alpha ** (t - last[p]) if p in count else 0.0) + 1.0
+      count[p] = count.get(p, 0) + 1
+      last[p] = t
+      if p in resident:
+        hits[p] += 1
+      else:
+        fetched[p], hits[p] = t, 0
+    prev_rank = {p: r / m for p, r in at.items()}
+    order = lru_order(order, want, resident)
+    out.append(len(misses))
+  return out
+
+
+def linear_key(seed):
+  """A key that mixes every feature with random signs (elementwise, so the scalar
+  oracle and the batched replay round alike)."""
+  w = np.random.default_rng(seed).normal(size=len(LEARNED_FEATURES))
+  return lambda f: sum(w[i] * f[..., i] for i in range(len(w)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("capacity", [12, 18])
+def test_learned_matches_oracle(seed, capacity):
+  sel = make_trace(seed + 180, k=12, num_pos=64)
+  ranks = make_ranks(sel, seed)
+  key_fn = linear_key(seed)
+  want = [learned_oracle(s, r, capacity, key_fn, 0.8) for s, r in zip(sel, ranks)]
+  np.testing.assert_array_equal(
+      replay(sel, capacity, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8), want)
+
+
+def test_learned_collects_the_candidates_and_their_next_request():
+  sel = make_trace(190, batch=(2,), k=12, num_pos=48)
+  ranks = make_ranks(sel, 3, num_pos=48)
+  key_fn, got = linear_key(7), []
+
+  def collect(t, feats, cand, reuse_in):
+    for s, b in zip(*np.nonzero(cand)):
+      got.append((s, t, feats[s, b].copy(), int(reuse_in[s, b])))
+
+  replay(sel, 14, LEARNED, ranks=ranks, key_fn=key_fn, collect=collect)
+  for s in range(2):
+    log = []
+    learned_oracle(sel[s], ranks[s], 14, key_fn, log=log, num_pos=48)
+    rel = LEARNED_FEATURES.index("rel_pos")
+    mine = sorted(((t, f, d) for g, t, f, d in got if g == s),
+                  key=lambda e: (e[0], e[1][rel]))  # by (step, rel_pos): one order
+    want = sorted(((t, f, d) for t, _, f, d in log), key=lambda e: (e[0], e[1][rel]))
+    assert len(mine) == len(want) > 0
+    for (t, f, d), (t2, f2, d2) in zip(mine, want):
+      assert (t, d) == (t2, d2)
+      np.testing.assert_array_equal(f, f2)
+
+
+def test_learned_is_causal_and_needs_a_key():
+  sel = make_trace(200, batch=(3,), k=12)
+  ranks = make_ranks(sel, 2)
+  other, other_ranks = sel.copy(), ranks.copy()
+  other[:, 25:] = make_trace(201, batch=(3,), steps=15, k=12)
+  other_ranks[:, 25:] = ranks[:, 25:, ::-1]
+  key_fn = linear_key(1)
+  np.testing.assert_array_equal(
+      replay(sel, 16, LEARNED, ranks=ranks, key_fn=key_fn)[:, :25],
+      replay(other, 16, LEARNED, ranks=other_ranks, key_fn=key_fn)[:, :25])
+  with pytest.raises(ValueError, match="key_fn"):
+    replay(sel, 16, LEARNED)
+  with pytest.raises(ValueError, match="finite keys"):
+    replay(sel, 16, LEARNED, key_fn=lambda f: f[..., 0] / 0.0)
+
+
+def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
+  """train() on labels that a threshold of two features decides: its logit ranks
+  them (AUC ~1), the saved model gives the same keys, a model trained on other
+  features is refused, and so are one-class labels."""
+  from experiments.analysis import learned_policy as lp
+  rng = np.random.default_rng(0)
+  feats = rng.random((6000, len(LEARNED_FEATURES)))
+  rank, since = (feats[:, LEARNED_FEATURES.index(n)] for n in ("rank_now", "since_request"))
+  reuse_in = np.where(rank + 0.5 * since < 0.7, 2, 40)  # reused soon iff low rank, recent
+  model = lp.train(feats, reuse_in, np.full(6000, 100), horizon=4, steps=300)
+  key = model(feats)
+  soon = reuse_in <= 4
+  auc = (key[soon][:, None] > key[~soon][None, :]).mean()
+  assert auc > 0.99, auc
+  model.save(tmp_path / "key.npz")
+  again = lp.KeyModel.load(tmp_path / "key.npz")
+  np.testing.assert_array_equal(again(feats), key)
+  slot = lp.train(feats, reuse_in, np.full(6000, 100), horizon=4, steps=50,
+                  uses=lp.SLOT_FEATURES)
+  assert slot.uses == lp.SLOT_FEATURES and slot(feats).shape == (6000,)
+  np.savez(tmp_path / "other.npz", **{**dict(np.load(tmp_path / "key.npz")),
+                                      "features": np.array(["a", "b"])})
+  with pytest.raises(ValueError, match="trained on features"):
+    lp.KeyModel.load(tmp_path / "other.npz")
+  with pytest.raises(ValueError, match="one class"):
+    lp.train(feats, np.full(6000, 2), np.full(6000, 100), horizon=4)
+  # Unknown label (trace ends before the horizon, not reused): dropped, not negative.
+  with pytest.raises(ValueError, match="too few"):
+    lp.train(feats[:300], reuse_in[:300], np.full(300, 3), horizon=4)

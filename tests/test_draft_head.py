@@ -70,6 +70,27 @@ def test_heldout_text_is_disjoint_from_the_training_text():
   # No long passage of the held-out text appears in the training text.
   probes = [heldout[i:i + 200] for i in range(0, len(heldout) - 200, 20_011)]
   assert probes and not any(p in train for p in probes)
+  assert text.load_text(text.HELDOUT) == heldout  # --prompt_file=heldout
+
+
+def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypatch):
+  import json as json_lib
+
+  from experiments import common
+  monkeypatch.setattr(common, "RESULTS", tmp_path)
+  for name, prompt_file, smoke in [("20260101-000000", None, False),
+                                   ("20260101-000001", "heldout", False),
+                                   ("20260101-000002", None, True)]:
+    run_dir = tmp_path / "trace" / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "traces.npz").write_bytes(b"")
+    (run_dir / "config.json").write_text(json_lib.dumps(
+        {"flags": {"prompt_file": prompt_file, "smoke": smoke}}))
+  assert common.latest_trace().parent.name == "20260101-000001"
+  assert common.latest_trace(None).parent.name == "20260101-000000"
+  assert common.latest_trace(text.HELDOUT).parent.name == "20260101-000001"
+  with pytest.raises(FileNotFoundError, match="--prompt_file=other"):
+    common.latest_trace("other")
 
 
 def run(module, *args):

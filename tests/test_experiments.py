@@ -164,3 +164,40 @@ def test_pdd_smoke(tmp_path):
   assert (run_dir / "plot.png").stat().st_size > 0
   last = out.strip().splitlines()[-1]
   assert last.startswith("pdd: skewed_p50=") and "ttft_p90_cut=" in last
+
+
+def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
+  """The learned key is trained on --train_trace and reported on --trace only; the
+  same file for both is refused."""
+  from experiments.analysis import cache_sim, learned_policy
+
+  def save(name, seed):
+    sel, _ = cache_sim.synthetic_trace(seed, streams=4, steps=48, k=16, context=768,
+                                       facts=64)
+    trace = np.moveaxis(sel.reshape(2, 2, 48, 16), 2, 0).astype(np.int16)
+    np.savez_compressed(tmp_path / name, toy=trace)
+    return tmp_path / name
+
+  train, heldout = save("train.npz", 0), save("heldout.npz", 1)
+  run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
+      "--slots_per_k=2", "--horizons=4,16", "--learned_steps=60",
+      f"--out_root={tmp_path}")
+  run_dir, rows = only_run(tmp_path, "policies")
+  training = [r for r in rows if r.get("table") == "learned_training"]
+  assert sorted(r["horizon"] for r in training) == [4, 16]
+  report = {r["policy"]: r for r in rows if "policy" in r}
+  assert report.keys() == {*cache_sim.POLICIES, "learned"}
+  assert report["belady"]["miss_rate"] <= report["learned"]["miss_rate"]
+  model = learned_policy.KeyModel.load(run_dir / "learned_toy.npz")
+  assert model.horizon in (4, 16) and model.uses == learned_policy.FEATURES
+  slot = learned_policy.KeyModel.load(run_dir / "learned_slot_features_toy.npz")
+  assert slot.uses == learned_policy.SLOT_FEATURES and slot.horizon == model.horizon
+  assert [r["table"] for r in rows if "slot_features_only" in r] == ["learned_slot_features"]
+  sel = np.load(heldout)["toy"]
+  got = cache_sim.replay(np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16), 32,
+                         "learned", key_fn=model).sum()
+  assert report["learned"]["miss_rate"] == got / (sel >= 0).sum()
+  proc = subprocess.run([sys.executable, "-m", "experiments.policies", f"--trace={train}",
+                         f"--train_trace={train}", f"--out_root={tmp_path}"],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0 and "same file" in proc.stderr

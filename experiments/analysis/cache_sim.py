@@ -23,12 +23,27 @@ import numpy as np
 
 from kvtier_jax import policies
 
-__all__ = ["POLICIES", "OFFLINE_POLICIES", "replay", "compare_policies",
-           "synthetic_trace"]
+__all__ = ["POLICIES", "OFFLINE_POLICIES", "LEARNED", "LEARNED_FEATURES", "replay",
+           "compare_policies", "synthetic_trace"]
 
 POLICIES = ("lru", "fifo", "random", "belady", "clock", "sieve", "2q", "arc", "lru2",
             "freq", "score", "rank")
 OFFLINE_POLICIES = ("belady",)  # these read the future of the trace
+# A policy whose retention key is a function of LEARNED_FEATURES given to replay
+# (``key_fn``), e.g. a model trained on another trace (learned_policy.py).
+LEARNED = "learned"
+LEARNED_FEATURES = (
+    "rank_now",  # r / m: the selector's rank of the position this step (1: unranked)
+    "rank_prev",  # the same one step earlier
+    "freq",  # EMA (alpha) of the position's requests, kept after eviction
+    "since_request",  # log1p(steps since the position's last request)
+    "requests",  # log1p(requests of the position so far)
+    "since_fetch",  # log1p(steps since the slot fetched it)
+    "hits",  # log1p(requests of it since that fetch)
+    "rel_pos",  # position / (largest position requested so far + 1)
+    "rank_ema",  # EMA (1/2 per step) of rank_now, over every step since the start
+    "ranked_freq",  # EMA (alpha) of [in the top-m ranking], every step
+)
 
 _PAD = -1
 _NEVER = np.iinfo(np.int64).max  # a key above every stamp
@@ -45,7 +60,7 @@ class _Replay:
   k: int  # selected entries per step
   num_pos: int  # dense position ids; num_pos is the padding id
   sel: np.ndarray  # i64[T, S, k]
-  ranks: np.ndarray | None  # i64[T, S, m] ("rank")
+  ranks: np.ndarray | None  # i64[T, S, m] ("rank", "learned")
   rank_freq: float
   seed: int
   slot_ids: np.ndarray  # i64[B]
@@ -53,6 +68,8 @@ class _Replay:
   score_alpha: float
   twoq_in: float
   twoq_out: float
+  key_fn: Any = None  # "learned": f[S, B, F] features -> f[S, B] retention keys
+  collect: Any = None  # "learned": collect(t, features, candidates, reuse_in)
 
 
 @dataclasses.dataclass
@@ -81,8 +98,9 @@ class _Step:
 
 def _validate(selections, capacity, policy) -> np.ndarray:
   """Checks every documented precondition; returns the selections as an array."""
-  if policy not in POLICIES:
-    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+  if policy not in POLICIES and policy != LEARNED:
+    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES} or "
+                     f"{LEARNED!r}")
   sel = np.asarray(selections)
   if not np.issubdtype(sel.dtype, np.integer):
     raise ValueError(f"selections must be an integer array, got dtype {sel.dtype}")
@@ -555,19 +573,89 @@ class _Rank(_Ranked):
     return _lex_pick(st, key, self.rec[:, :-1])
 
 
+class _Learned(_Policy):
+  """Evict the smallest ``key_fn(features)`` (LEARNED_FEATURES, per slot), ties by
+  LRU. The per-position history (last request, count, EMA, previous rank) outlives
+  evictions: a fixed table of one entry per position, like the position map."""
+
+  def __init__(self, c):
+    num_cols = c.num_pos + 1  # the padding column never holds a slot
+    self.c = c
+    self.rec = np.zeros((c.S, c.B + 1), np.int64)  # LRU stamps (ties)
+    self.last_req = np.zeros((c.S, num_cols), np.int64)
+    self.count = np.zeros((c.S, num_cols), np.int64)
+    self.ema = np.zeros((c.S, num_cols))  # as of the step last_req
+    self.prev_rank = np.ones((c.S, num_cols))
+    self.rank_ema = np.ones((c.S, num_cols))
+    self.ranked_freq = np.zeros((c.S, num_cols))
+    self.fetched = np.zeros((c.S, c.B + 1), np.int64)
+    self.hits = np.zeros((c.S, c.B + 1), np.int64)
+    self.top = np.zeros((c.S, 1))
+    if c.collect is not None:
+      self.nxt = _next_use(c.sel, c.num_pos)
+      self.slot_next = np.zeros((c.S, c.B + 1), np.int64)
+
+  def pick(self, st):
+    c = self.c
+    ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
+    num_ranked = ranked.shape[1]
+    rank_of = np.full((c.S, c.num_pos + 1), num_ranked, np.int64)
+    rank_of[st.rows, ranked] = np.arange(num_ranked)
+    rank_of[:, c.num_pos] = num_ranked
+    self.rank_now = rank_of / num_ranked
+    self.rank_ema = 0.5 * self.rank_ema + 0.5 * self.rank_now
+    self.ranked_freq = c.alpha * self.ranked_freq + (rank_of < num_ranked)
+    valid = st.cur < c.num_pos
+    self.top = np.maximum(self.top, np.where(valid, st.cur, -1).max(1, keepdims=True))
+    pos = np.where(st.empty, c.num_pos, st.held_pos)  # i64[S, B]
+    since = st.t - self.last_req[st.rows, pos]
+    feats = np.stack([
+        self.rank_now[st.rows, pos], self.prev_rank[st.rows, pos],
+        self.ema[st.rows, pos] * c.alpha ** since, np.log1p(since),
+        np.log1p(self.count[st.rows, pos]), np.log1p(st.t - self.fetched[:, :-1]),
+        np.log1p(self.hits[:, :-1]), pos / (self.top + 1.0),
+        self.rank_ema[st.rows, pos], self.ranked_freq[st.rows, pos]],
+        axis=-1)  # f64[S, B, F]
+    if c.collect is not None:  # candidates: filled slots this step does not request
+      c.collect(st.t, feats, ~st.empty & ~st.pinned, self.slot_next[:, :-1] - st.t)
+    key = np.asarray(c.key_fn(feats), np.float64)
+    if key.shape != st.empty.shape or not np.isfinite(key).all():
+      raise ValueError(f"key_fn must return finite keys of shape {st.empty.shape}, "
+                       f"got {key.shape}")
+    return _lex_pick(st, key, self.rec[:, :-1])
+
+  def commit(self, st):
+    c, rows = self.c, st.rows
+    cur = st.cur  # padding entries write the padding column
+    since = st.t - self.last_req[rows, cur]
+    self.ema[rows, cur] = np.where(self.count[rows, cur] > 0,
+                                   self.ema[rows, cur] * c.alpha ** since, 0.0) + 1.0
+    self.count[rows, cur] += 1
+    self.last_req[rows, cur] = st.t
+    self.prev_rank = self.rank_now
+    miss_slot = np.where(st.miss, st.slot_in, st.scratch)
+    hit_slot = np.where(st.hit, st.slot_in, st.scratch)
+    self.fetched[rows, miss_slot] = st.t
+    self.hits[rows, miss_slot] = 0
+    self.hits[rows, hit_slot] += 1
+    _touch(self.rec, st)
+    if c.collect is not None:
+      self.slot_next[rows, st.slot_in] = self.nxt[st.t]
+
+
 def _make_policy(c):
   if c.policy in ("lru", "fifo"):
     return _Queue(c, c.policy == "lru")
   if c.policy in ("lru2", "freq", "score"):
     return _Ranked(c, c.policy)
   return {"random": _Random, "belady": _Belady, "clock": _Clock, "sieve": _Sieve,
-          "2q": _TwoQ, "arc": _Arc, "rank": _Rank}[c.policy](c)
+          "2q": _TwoQ, "arc": _Arc, "rank": _Rank, LEARNED: _Learned}[c.policy](c)
 
 
 def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None,
            ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
            twoq_in: float = 0.25, twoq_out: float = 0.5,
-           rank_freq: float = 0.3) -> np.ndarray:
+           rank_freq: float = 0.3, key_fn=None, collect=None) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -622,6 +710,11 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     and f the ``"freq"`` EMA (``alpha``); ties by LRU. The selector scored every
     position to pick its top k, so the ranking of the resident ones is known at
     selection time (causal). ``rank_freq=0``: the rank alone.
+  * ``"learned"`` (``LEARNED``, not in ``POLICIES``): evict the smallest
+    ``key_fn(features)``, ties by LRU; ``features`` f64[S, B, F] are
+    ``LEARNED_FEATURES`` of each slot at eviction time (all causal; the
+    position history is kept after eviction; ``rel_pos`` assumes the ids are
+    positions, true whenever they are dense), ``ranks`` as for ``"rank"``.
 
   Args:
     selections: int[..., T, k] positions requested at each step, distinct within a
@@ -641,6 +734,13 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     twoq_in, twoq_out: ``"2q"`` Kin and Kout as fractions of capacity, in (0, 1]
       (the paper's 25% and 50%).
     rank_freq: ``"rank"`` weight of the frequency EMA, >= 0.
+    key_fn: ``"learned"`` only: f64[S, B, F] -> f[S, B] retention keys (higher
+      keeps longer); S = streams, B = capacity.
+    collect: ``"learned"`` only, for training: called at every step before the
+      eviction as ``collect(t, features, candidates, reuse_in)``, candidates
+      bool[S, B] the filled slots the step does not request (the ones it may
+      evict), reuse_in i64[S, B] the steps until their next request (T - t: never).
+      It reads the future: for building training labels, never in a key.
   Defaults were tuned at B = 2k on ``synthetic_trace`` (better decays grow with
   B / k; see ``compare_policies``).
 
@@ -657,6 +757,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   _validate_params(params)
   if not (np.isfinite(rank_freq) and rank_freq >= 0):
     raise ValueError(f"rank_freq={rank_freq} must be finite and >= 0")
+  if policy == LEARNED and not callable(key_fn):
+    raise ValueError(f"policy {LEARNED!r} needs key_fn, got {key_fn!r}")
   score = _validate_scores(scores, sel) if policy == "score" else None
   batch, (num_steps, k) = sel.shape[:-2], sel.shape[-2:]
   num_streams, num_slots = int(np.prod(batch, dtype=np.int64)), int(capacity)
@@ -665,7 +767,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     return np.moveaxis(out, 0, -1).reshape(batch + (num_steps,))
   sel = np.moveaxis(sel.reshape(num_streams, num_steps, k).astype(np.int64), 1, 0)
   ranked = None
-  if policy == "rank":
+  if policy in ("rank", LEARNED):
     ranked = sel if ranks is None else np.moveaxis(
         _validate_ranks(ranks, np.asarray(selections)).reshape(
             num_streams, num_steps, -1).astype(np.int64), 1, 0)
@@ -683,7 +785,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   pol = _make_policy(_Replay(
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
       sel=sel, ranks=ranked, rank_freq=rank_freq, seed=seed, slot_ids=slot_ids,
-      **params))
+      key_fn=key_fn, collect=collect, **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]
@@ -751,7 +853,7 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
       for sel, score, ranks in traces:
         size = round(cap * np.shape(sel)[-1]) if isinstance(cap, float) else cap
         args = dict(kw, scores=score) if policy == "score" else (
-            dict(kw, ranks=ranks) if policy == "rank" else kw)
+            dict(kw, ranks=ranks) if policy in ("rank", LEARNED) else kw)
         misses += int(replay(sel, size, policy, **args).sum())
       rates[policy], secs[policy] = misses / max(valid, 1), time.perf_counter() - start
     gap = rates["lru"] - rates["belady"]
