@@ -368,7 +368,9 @@ def _decode_shapes():
 
 def run_fused():
   """The fused layer kernels: their tests compiled, then the step per shape against
-  the default tiered step and full KV (issue 16's target: <= 1.2x full KV)."""
+  the default tiered step and full KV (issue 16's target: <= 1.2x full KV); and the
+  overlapped hit/miss attention with and without the miss gather on its own CUDA
+  stream (``ImplConfig.fetch_stream``)."""
   if FLAGS.fused_tests:
     run_numerics("fused", FUSED_TESTS, filter_="fused")
   variants = [("full_kv", None), ("tiered", {}),
@@ -376,7 +378,10 @@ def run_fused():
               ("tiered_fused_xla_attention",
                dict(impl=ImplConfig(fused=True, attention="xla"))),
               ("tiered_fused_index_share_2",
-               dict(impl=ImplConfig(fused=True), index_share=2))]
+               dict(impl=ImplConfig(fused=True), index_share=2)),
+              ("tiered_overlap", dict(overlap_hit_miss=True)),
+              ("tiered_overlap_fetch_stream_1",
+               dict(overlap_hit_miss=True, impl=ImplConfig(fetch_stream=1)))]
   for i, (ctx, req) in enumerate(_decode_shapes()):
     bench_step(ctx, req, variants, profile=("tiered_fused",) if i == 0 else ())
 

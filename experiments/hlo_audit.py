@@ -45,7 +45,7 @@ from kvtier_jax.config import ImplConfig, TierConfig
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
 
-KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows",
+KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows", "gather_rows",
                 "fused_resolve_classify", "fused_resolve_commit")
 _PASSIVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call",
             "conditional", "dynamic-update-slice-start", "dynamic-update-slice-done",
@@ -115,22 +115,28 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
   return out
 
 
+def _is_fetch_start(line: str) -> bool:
+  """An async miss fetch: a HostExecute gather, or a call on its own CUDA stream."""
+  return (('custom_call_target="HostExecute"' in line and "custom-call-start" in line)
+          or (" call-start(" in line and "_xla_stream_annotation" in line))
+
+
 def ops_overlapping_host_fetch(hlo: str) -> int:
-  """Compute instructions scheduled between a HostExecute start and its done.
+  """Compute instructions scheduled between an async fetch's start and its done
+  (a HostExecute gather, or the zero-copy gather on a second stream).
 
   The optimized HLO is scheduled (``is_scheduled=true``), so textual order within a
   computation is execution order on the stream: ops between the async start and
-  done run while the host gather and its copy are in flight.
+  done run while the fetch is in flight.
   """
   best = 0
   for comp in re.split(r"\n(?=\S)", hlo):  # one block per computation
     lines = comp.splitlines()
     starts = {m.group(1): i for i, l in enumerate(lines)
-              if 'custom_call_target="HostExecute"' in l and "custom-call-start" in l
-              and (m := re.match(r"\s*(%\S+) =", l))}
+              if _is_fetch_start(l) and (m := re.match(r"\s*(%\S+) =", l))}
     for name, i in starts.items():
       for j in range(i + 1, len(lines)):
-        if "custom-call-done" in lines[j] and name in lines[j]:
+        if "call-done(" in lines[j] and f"({name})" in lines[j]:
           between = lines[i + 1:j]
           best = max(best, sum(1 for l in between
                                if re.search(r" (fusion|dot|custom-call|convolution)\(", l)))
@@ -309,7 +315,7 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   if gathers:
     per_miss = max(nbytes / rows for rows, nbytes in gathers)
   else:  # zero-copy kernels: each missed row is read once for K and once for V
-    zero_copy = "fetch_rows" in hlo or "fused_resolve_commit" in hlo
+    zero_copy = any(n in hlo for n in ("fetch_rows", "gather_rows", "fused_resolve_commit"))
     per_miss = 2 * cfg.row_bytes if zero_copy else 0.0
   triton = [l for l in hlo.splitlines() if "__gpu$xla.gpu.triton" in l]
   kernels = tuple(sorted({n for l in triton for n in KERNEL_NAMES if n in l}))
@@ -462,6 +468,9 @@ def audit_configs(smoke: bool):
        base.replace(overlap_hit_miss=True)),
       ("xla kernels, host-gather fetch, index shared by 2 layers",
        base.replace(index_share=2)),
+      ("GPU default, zero-copy gather on CUDA stream 1, overlapped hit/miss attention",
+       base.replace(impl=dataclasses.replace(impl("xla", "pallas", "pallas"),
+                                             fetch_stream=1), overlap_hit_miss=True)),
   ]
 
 

@@ -44,6 +44,12 @@ class ImplConfig:
       ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. LRU only,
       without lookahead prefetch or the overlapped attention (index sharing: the
       commit kernel fetches for the sharing layers too).
+    fetch_stream: with ``overlap_hit_miss`` and the zero-copy fetch, gather the
+      misses into a staging buffer with a kernel on CUDA stream N
+      (``compute_on("gpu_stream:N")``, scheduled to start first), so the
+      attention over the resident rows runs meanwhile; the rows then go to
+      their slots as the host-gather path's do. Interpreted (off GPU) the same
+      staging kernel runs inline. None: the in-place zero-copy fetch.
   """
 
   resolve: str = "auto"
@@ -53,6 +59,7 @@ class ImplConfig:
   interpret: bool | None = None
   fetch_chunk: int | None = None
   fused: bool = False
+  fetch_stream: int | None = None
 
   def __post_init__(self):
     for name in ("resolve", "attention", "fetch"):
@@ -61,6 +68,9 @@ class ImplConfig:
       raise ValueError(f"{self.lookup=} must be 'auto' or one of {lookup.METHODS}")
     if self.fetch_chunk is not None and self.fetch_chunk < 1:
       raise ValueError(f"{self.fetch_chunk=} must be >= 1 (or None)")
+    if self.fetch_stream is not None and (self.fetch_stream < 0 or self.fetch == "xla"):
+      raise ValueError(f"{self.fetch_stream=} needs a stream id >= 0 and the zero-copy "
+                       f"fetch (fetch='pallas' or 'auto'), got fetch={self.fetch!r}")
 
   @classmethod
   def every(cls, impl: str, **kw) -> "ImplConfig":
@@ -155,6 +165,9 @@ class TierConfig:
     if self.policy.keyed and self.impl.resolve == "pallas":
       raise ValueError(f"the {self.policy.name} policy has no Pallas RESOLVE kernel: "
                        "impl.resolve='xla'")
+    if self.impl.fetch_stream is not None and not self.overlap_hit_miss:
+      raise ValueError("impl.fetch_stream overlaps the miss fetch with the attention "
+                       "over resident rows: it needs overlap_hit_miss=True")
     if self.impl.fused:
       self._check_fused()
 

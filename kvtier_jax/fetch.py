@@ -15,10 +15,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+from jax.experimental.xla_metadata import set_xla_metadata
 try:  # jax <= 0.10: the function transform is compute_on2
   from jax.experimental.compute_on import compute_on2 as host_compute
 except ImportError:  # jax >= 0.11: compute_on itself takes (f, compute_type, out_memory_spaces)
@@ -170,6 +173,33 @@ def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_
   hot_k, hot_v = fetch_rows(plan.src, plan.dest, plan.count, host_k, host_v, hot_k,
                             hot_v, interpret=cfg.use_interpret)
   return hot_k, hot_v, plan.count
+
+
+def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, selected,
+                         slot, is_miss) -> MissRows:
+  """Zero-copy gather of one layer's missed rows into a staging buffer (Pallas).
+
+  With ``cfg.impl.fetch_stream`` = N (compiled, not interpreted) the kernel runs on
+  CUDA stream N: XLA makes the streamed call an async ``call-start`` /
+  ``call-done`` pair, and the ``force_delay`` scheduler hint puts the start
+  before the independent work that follows (without it XLA's scheduler leaves
+  the computation unscheduled and the pair back to back). The ``pinned_host``
+  operands pass into the call without a copy (experiments/hlo_audit.py checks).
+  """
+  from pallas_kernels.fetch import BlockSizes, gather_rows_call
+  blocks = BlockSizes()
+  plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, blocks.block_rows)
+  interpret = cfg.use_interpret
+  gather = functools.partial(gather_rows_call, block_sizes=blocks, interpret=interpret)
+  if cfg.impl.fetch_stream is None or interpret:
+    rows_k, rows_v = gather(plan.src, plan.count, host_k, host_v)
+  else:
+    # The kernel must sit directly in the streamed jit: a nested jit (the public
+    # gather_rows) loses the stream ("No ExecutionStreamId found").
+    streamed = compute_on(f"gpu_stream:{cfg.impl.fetch_stream}")(jax.jit(gather))
+    with set_xla_metadata(scheduler_hint="force_delay"):
+      rows_k, rows_v = streamed(plan.src, plan.count, host_k, host_v)
+  return MissRows(plan.dest, rows_k, rows_v, plan.count, plan.lane)
 
 
 def scatter_rows(hot, dest, rows):

@@ -325,21 +325,33 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
 
   The hit partial depends only on rows already in the hot cache (plus the newest
   token, written first), so XLA can run it while the host gather is in flight;
-  with the host-gather fetch the miss partial reads the fetched rows straight from
-  the transfer buffer. Exact to f32 rounding (only the summation order changes).
+  with the host-gather fetch, or the zero-copy gather on its own stream
+  (``impl.fetch_stream``), the miss partial reads the fetched rows straight from
+  the staging buffer. Exact to f32 rounding (only the summation order changes).
   """
   hot_k = fetch.scatter_rows(hot_k, dest, new_k)  # newest -> slot B (+ install slot)
   hot_v = fetch.scatter_rows(hot_v, dest, new_v)
   hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
   out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
-  if common.use_kernel(cfg.impl.fetch, "fetch"):
+  zero_copy = common.use_kernel(cfg.impl.fetch, "fetch")
+  if zero_copy and cfg.impl.fetch_stream is None:
     hot_k, hot_v, moved = fetch.fetch_misses_kernel(
         cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
                                            jnp.where(is_miss, res.slot, EMPTY))
   else:
-    rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
-                               is_miss, first_chunk_always=True)
+    if zero_copy:  # staged, on its own stream (ImplConfig.fetch_stream)
+      rows = fetch.gather_misses_kernel(cfg, host_k, host_v, pages, layer, selected,
+                                        res.slot, is_miss)
+      # Nothing reads the staged rows before the hit partial exists, so XLA's
+      # scheduler (bottom-up) issues the gather's done after the hit attention
+      # and its start before it: the attention runs while the rows are in flight.
+      out_h, lse_h, rows_k, rows_v = jax.lax.optimization_barrier(
+          (out_h, lse_h, rows.k, rows.v))
+      rows = rows._replace(k=rows_k, v=rows_v)
+    else:
+      rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
+                                 is_miss, first_chunk_always=True)
     lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
     out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
     hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)

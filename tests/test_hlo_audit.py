@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
                                 reason="needs jax-cuda12-plugin (pip install -e .[audit])")
 
 
-@pytest.mark.parametrize("variant", range(7))
+@pytest.mark.parametrize("variant", range(8))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
   audit = hlo_audit.audit_config(cfg, name)
@@ -25,6 +25,9 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   if cfg.impl.fused:
     assert {"fused_resolve_classify", "fused_resolve_commit"} <= set(audit.kernels)
     assert "fetch_rows" not in audit.kernels and audit.host_executes == 0
+  elif cfg.impl.fetch_stream is not None:  # staged zero-copy gather, own stream
+    assert "gather_rows" in audit.kernels and "fetch_rows" not in audit.kernels
+    assert audit.host_executes == 0
   elif cfg.impl.fetch == "pallas":
     assert "fetch_rows" in audit.kernels and audit.host_executes == 0
   else:
@@ -33,8 +36,8 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
                                                and not cfg.impl.fused)
   assert ("sparse_decode_attention" in audit.kernels) == (cfg.impl.attention == "pallas")
   # Overlapped hit/miss attention, and the shared layers' fetch issued at the
-  # anchor: compute is scheduled while a host gather is in flight (with the
-  # latency-hiding scheduler the audit enables).
+  # anchor: compute is scheduled while a host gather, or the gather on its own
+  # stream, is in flight (with the latency-hiding scheduler the audit enables).
   assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or cfg.index_share > 1)
 
 

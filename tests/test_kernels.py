@@ -9,7 +9,8 @@ import pytest
 from pallas_kernels import fused_resolve
 from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import BlockSizes as FetchBlocks
-from pallas_kernels.fetch import fetch_rows, fetch_rows_reference
+from pallas_kernels.fetch import (fetch_rows, fetch_rows_reference, gather_rows,
+                                  gather_rows_reference)
 from pallas_kernels.sparse_decode_attention import (BlockSizes, sparse_decode_attention,
                                                     sparse_decode_attention_reference)
 from tests import util
@@ -107,6 +108,31 @@ def test_fetch_kernel_copies_exactly_the_planned_rows(on_gpu, count):
     np.testing.assert_array_equal(got_k[dl, dr, du, ds], host[l, r, p, u])
 
 
+@pytest.mark.parametrize("count", [0, 1, 13, 40])
+def test_gather_kernel_stages_exactly_the_planned_rows(on_gpu, count):
+  """The staging gather (the second-stream fetch): lanes < count hold their host
+  rows, equal to the reference and to a numpy read row by row; lanes past count are
+  unspecified (never read by the step) and not compared."""
+  rng = np.random.default_rng(100 + count)
+  L, NH, Pg, U, Hg, D, N = 2, 5, 8, 2, 3, 16, 40
+  host = rng.standard_normal((L, NH, Pg, U, Hg, D)).astype(np.float32)
+  host[:, 0] = np.nan  # rows no plan names: a stray read shows up as NaN
+  src = np.stack([rng.integers(0, L, N), rng.integers(1, NH, N), rng.integers(0, Pg, N),
+                  rng.integers(0, U, N)], -1).astype(np.int32)
+  args = [jnp.asarray(x) for x in (src, count, host, host + 1)]
+  want = gather_rows_reference(*args)
+  got = gather_rows(*args, block_sizes=FetchBlocks(8), interpret=not on_gpu)
+  for w, g, h in zip(want, got, (host, host + 1)):
+    assert g.shape == (N, Hg, D)
+    np.testing.assert_array_equal(np.asarray(g)[:count], np.asarray(w)[:count])
+    for lane, (l, page, off, u) in enumerate(src[:count]):  # numpy, row by row
+      np.testing.assert_array_equal(np.asarray(g)[lane], h[l, page, off, u])
+  np.testing.assert_array_equal(np.asarray(want[0])[count:], 0.0)
+  with pytest.raises(ValueError, match="multiple"):
+    gather_rows(*[jnp.asarray(x) for x in (src[:36], count, host, host)],
+                block_sizes=FetchBlocks(8), interpret=True)
+
+
 def test_fetch_kernel_rejects_odd_head_dim():
   hot = jnp.zeros((1, 1, 1, 4, 1, 12))
   host = jnp.zeros((1, 1, 5, 1, 1, 12))
@@ -132,6 +158,10 @@ def test_every_kernel_lowers_for_cuda_via_triton():
           lambda *a: sparse_decode_attention(*a, interpret=False),
           f((4, 9, 64), jnp.bfloat16), f((2, 4, 1, 129, 3, 64), jnp.bfloat16),
           f((2, 4, 1, 129, 3, 64), jnp.bfloat16), f((), i32), f((4, 1, 100), i32)),
+      "gather_rows": _lower_for_cuda(
+          lambda *a: gather_rows(*a, interpret=False),
+          f((64, 4), i32), f((), i32),
+          f((2, 4, 65, 1, 3, 64), jnp.bfloat16), f((2, 4, 65, 1, 3, 64), jnp.bfloat16)),
       "fetch_rows": _lower_for_cuda(
           lambda *a: fetch_rows(*a, interpret=False),
           f((64, 4), i32), f((64, 4), i32), f((), i32),

@@ -1,4 +1,9 @@
-"""Zero-copy miss fetch: a kernel that reads missed rows from the host tier itself.
+"""Zero-copy miss fetch: kernels that read missed rows from the host tier itself.
+
+``fetch_rows`` copies them into their hot-cache slots in place; ``gather_rows``
+writes them to a small staging buffer instead, so that it can run on a second
+stream while attention reads the hot cache (a kernel writing the hot cache in
+place cannot overlap a reader of it without a copy of the whole cache).
 
 On a GPU the host tier is a ``pinned_host`` buffer, which XLA hands to the Triton
 custom call without a copy (docs/DESIGN.md, "Host memory in XLA"); under unified virtual
@@ -68,3 +73,59 @@ def fetch_rows(src, dest, count, host_k, host_v, hot_k, hot_v, *,
   )(src, dest, jnp.asarray(count, jnp.int32).reshape((1,)), host_k, host_v, hot_k,
     hot_v)
 
+
+
+def _gather_kernel(src_ref, count_ref, host_k_ref, host_v_ref, rows_k_ref, rows_v_ref,
+                   *, block_rows, heads, head_dim):
+  # src_ref: i32[N, 4]; count_ref: i32[1]
+  # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on GPU)
+  # rows_*_ref: [N, Hg, D] staging rows; lanes >= count are left unwritten
+  first = pl.program_id(0) * block_rows
+  count = count_ref[0]
+
+  @pl.when(first < count)
+  def _copy():
+    lane = first + jnp.arange(block_rows)  # [bR]; N is a multiple of bR
+    read = jnp.minimum(lane, count - 1)
+    col = lambda j: src_ref[read, j][:, None]  # [bR, 1]
+    sl, sr, sp, su = (col(j) for j in range(4))
+    out = jnp.where(lane < count, lane, read)[:, None]  # past count: repeat the last
+    d = jnp.arange(head_dim)[None, :]  # [1, D]
+    for h in range(heads):
+      rows_k_ref[out, h, d] = host_k_ref[sl, sr, sp, su, h, d]
+      rows_v_ref[out, h, d] = host_v_ref[sl, sr, sp, su, h, d]
+
+
+def gather_rows_call(src, count, host_k, host_v, *, block_sizes: BlockSizes = BlockSizes(),
+                     interpret: bool = False):
+  """``gather_rows`` without its ``jax.jit``: for callers that must place the
+  kernel directly inside their own jitted function (a ``compute_on`` stream)."""
+  heads, head_dim = host_k.shape[-2:]
+  if head_dim & (head_dim - 1):
+    raise ValueError(f"{head_dim=} must be a power of 2 for the gather kernel")
+  bs = block_sizes
+  if src.shape[0] % bs.block_rows:
+    raise ValueError(f"{src.shape[0]} lanes must be a multiple of {bs.block_rows=}")
+  whole = pl.no_block_spec
+  kernel = functools.partial(_gather_kernel, block_rows=bs.block_rows, heads=heads,
+                             head_dim=head_dim)
+  rows = jax.ShapeDtypeStruct((src.shape[0], heads, head_dim), host_k.dtype)
+  return pl.pallas_call(
+      kernel,
+      grid=(src.shape[0] // bs.block_rows,),
+      in_specs=[whole] * 4,
+      out_specs=[whole, whole],
+      out_shape=[rows, rows],
+      compiler_params=common.triton_params(bs.num_warps, 1),
+      interpret=interpret,
+      name="gather_rows",
+  )(src, jnp.asarray(count, jnp.int32).reshape((1,)), host_k, host_v)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def gather_rows(src, count, host_k, host_v, *, block_sizes: BlockSizes = BlockSizes(),
+                interpret: bool = False):
+  """Same contract as ``gather_rows_reference`` on lanes < count (the others are
+  left unwritten: never read them)."""
+  return gather_rows_call(src, count, host_k, host_v, block_sizes=block_sizes,
+                          interpret=interpret)

@@ -1,4 +1,4 @@
-"""Pure-jnp row copy host tier -> hot cache: the reference of the fetch kernel."""
+"""Pure-jnp row copies out of the host tier: the references of the fetch kernels."""
 
 from __future__ import annotations
 
@@ -29,3 +29,21 @@ def fetch_rows_reference(src, dest, count, host_k, host_v, hot_k, hot_v):
   return (hot_k.at[idx].set(rows_k.astype(hot_k.dtype), mode="drop"),
           hot_v.at[idx].set(rows_v.astype(hot_v.dtype), mode="drop"))
 
+
+
+def gather_rows_reference(src, count, host_k, host_v):
+  """The ``count`` planned rows, compacted.
+
+  Args:
+    src: i32[N, 4] (layer, page, offset, unit) rows of the host tier.
+    count: i32[] lanes 0..count-1 are valid.
+    host_k, host_v: [L, NH+1, Pg, U, Hg, D].
+
+  Returns:
+    (rows_k, rows_v) [N, Hg, D]; lanes >= count are zero (the kernel leaves them
+    unwritten).
+  """
+  keep = (jnp.arange(src.shape[0]) < count)[:, None, None]
+  s = jnp.where(keep[:, :, 0], src, 0)
+  take = lambda host: jnp.where(keep, host[s[:, 0], s[:, 1], s[:, 2], s[:, 3]], 0)
+  return take(host_k), take(host_v)
