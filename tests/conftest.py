@@ -37,9 +37,9 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
-# The heaviest files first (seconds on the 2-core CI machine, 2026-12-01), so that
-# under ``-n 2 --dist loadfile`` the light files fill in behind them instead of one
-# heavy file running alone at the end (longest-processing-time-first).
+# The heaviest files first (by their seconds on the 2-core CI machine, 2026-12-01),
+# so that under ``-n 2 --dist worksteal`` the light tests are what is left to steal
+# at the end, not one long test running alone (longest-processing-time-first).
 HEAVY_FILES_FIRST = ("test_backends_parity.py", "test_experiments.py",
                      "test_backends.py", "test_serving_model.py", "test_decode.py",
                      "test_draft_head.py", "test_experiments_serving.py",

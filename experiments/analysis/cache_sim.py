@@ -553,6 +553,17 @@ class _Ranked(_Policy):  # lru2 / freq / score: evict the smallest (key, LRU sta
     self.key[at] = np.where(st.hit, self.key[at] + st.score, st.score)
 
 
+def _rank_of(c, st):
+  """(i64[S, num_pos + 1] each position's index in this step's ranking, m where
+  absent or padding; m): the selector's ranking as a position table."""
+  ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
+  num_ranked = ranked.shape[1]
+  rank_of = np.full((c.S, c.num_pos + 1), num_ranked, np.int64)
+  rank_of[st.rows, ranked] = np.arange(num_ranked)
+  rank_of[:, c.num_pos] = num_ranked  # padding ranks nothing
+  return rank_of, num_ranked
+
+
 class _Rank(_Ranked):
   """Evict the lowest ``(1 - rank / m) + rank_freq * f``: the selector's current rank
   of the entry (absent = m, the worst) plus ``rank_freq`` times its "freq" EMA f
@@ -563,11 +574,7 @@ class _Rank(_Ranked):
 
   def pick(self, st):
     c = self.c
-    ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
-    num_ranked = ranked.shape[1]
-    rank_of = np.full((c.S, c.num_pos + 1), num_ranked, np.int64)
-    rank_of[st.rows, ranked] = np.arange(num_ranked)
-    rank_of[:, c.num_pos] = num_ranked  # padding ranks nothing
+    rank_of, num_ranked = _rank_of(c, st)
     rank = rank_of[st.rows, np.where(st.empty, c.num_pos, st.held_pos)]
     key = policies.rank_key(rank, num_ranked, self.key[:, :-1], c.rank_freq)
     return _lex_pick(st, key, self.rec[:, :-1])
@@ -597,11 +604,7 @@ class _Learned(_Policy):
 
   def pick(self, st):
     c = self.c
-    ranked = c.ranks[st.t]  # i64[S, m] dense ids, padding = num_pos
-    num_ranked = ranked.shape[1]
-    rank_of = np.full((c.S, c.num_pos + 1), num_ranked, np.int64)
-    rank_of[st.rows, ranked] = np.arange(num_ranked)
-    rank_of[:, c.num_pos] = num_ranked
+    rank_of, num_ranked = _rank_of(c, st)
     self.rank_now = rank_of / num_ranked
     self.rank_ema = 0.5 * self.rank_ema + 0.5 * self.rank_now
     self.ranked_freq = c.alpha * self.ranked_freq + (rank_of < num_ranked)
