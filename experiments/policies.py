@@ -57,12 +57,16 @@ def _streams(data, name):
   return common.trace_streams(data[name]), None, ranks
 
 
-def _gap(trace, slots, key_fn):
+def _bounds(trace, slots):
+  """Misses of LRU and Belady: the ends of the gap."""
   sel, _, ranks = trace
-  misses = {p: cache_sim.replay(sel, slots, p, ranks=ranks).sum()
-            for p in ("lru", "belady")}
+  return {p: cache_sim.replay(sel, slots, p, ranks=ranks).sum() for p in ("lru", "belady")}
+
+
+def _gap(trace, slots, key_fn, bounds):
+  sel, _, ranks = trace
   got = cache_sim.replay(sel, slots, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn).sum()
-  return (misses["lru"] - got) / max(misses["lru"] - misses["belady"], 1)
+  return (bounds["lru"] - got) / max(bounds["lru"] - bounds["belady"], 1)
 
 
 def train_keys(train_data, names, out):
@@ -74,11 +78,11 @@ def train_keys(train_data, names, out):
   for name in tqdm(names, desc="learned keys"):
     trace = _streams(train_data, name)
     slots = round(TRAIN_B * trace[0].shape[-1])
-    best = None
+    bounds, best = _bounds(trace, slots), None
     for horizon in map(int, FLAGS.horizons):
       model = learned_policy.fit(trace[0], trace[2], slots, horizon,
                                  steps=FLAGS.learned_steps)
-      gap = _gap(trace, slots, model)
+      gap = _gap(trace, slots, model, bounds)
       rows.append(dict(selector=name, horizon=horizon, train_gap_closed=float(gap)))
       common.append_row(out, dict(table="learned_training", **rows[-1]))
       if best is None or gap > best[0]:
@@ -125,7 +129,8 @@ def main(argv):
   ablation = []
   for name, model in slot_models.items():
     trace = _streams(data, name)
-    gap = _gap(trace, round(TRAIN_B * trace[0].shape[-1]), model)
+    slots = round(TRAIN_B * trace[0].shape[-1])
+    gap = _gap(trace, slots, model, _bounds(trace, slots))
     full = next(r["gap_closed"] for r in rows if r["selector"] == name
                 and r["B_over_k"] == TRAIN_B and r["policy"] == cache_sim.LEARNED)
     ablation.append(dict(selector=name, horizon=model.horizon, all_features=full,

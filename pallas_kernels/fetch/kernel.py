@@ -74,7 +74,6 @@ def fetch_rows(src, dest, count, host_k, host_v, hot_k, hot_v, *,
     hot_v)
 
 
-
 def _gather_kernel(src_ref, count_ref, host_k_ref, host_v_ref, rows_k_ref, rows_v_ref,
                    *, block_rows, heads, head_dim):
   # src_ref: i32[N, 4]; count_ref: i32[1]

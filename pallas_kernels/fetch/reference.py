@@ -30,7 +30,6 @@ def fetch_rows_reference(src, dest, count, host_k, host_v, hot_k, hot_v):
           hot_v.at[idx].set(rows_v.astype(hot_v.dtype), mode="drop"))
 
 
-
 def gather_rows_reference(src, count, host_k, host_v):
   """The ``count`` planned rows, compacted.
 
