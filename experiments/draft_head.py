@@ -74,7 +74,7 @@ def main(argv):
   window = 128 if FLAGS.smoke else FLAGS.window
   train_windows, eval_windows = (2, 1) if FLAGS.smoke else (FLAGS.train_windows,
                                                              FLAGS.eval_windows)
-  steps = 20 if FLAGS.smoke else FLAGS.steps
+  steps = 6 if FLAGS.smoke else FLAGS.steps
   out = common.start_run("draft_head", FLAGS.flag_values_dict(), FLAGS.out_root)
   model, tokenizer, _ = tfm.load_smollm2()
   cfg, weights = model.cfg, model.weights()

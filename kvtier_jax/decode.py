@@ -47,8 +47,25 @@ class TieredCarry:
 def init_carry(cfg: TierConfig, tier: TieredKVState, sel=None, params=None,
                prefetch=None, active=None) -> TieredCarry:
   active = jnp.ones((cfg.num_requests,), bool) if active is None else jnp.asarray(active)
-  return TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0),
-                     AnchorResult.empty(cfg), active, prefetch)
+  return committed(TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0),
+                               AnchorResult.empty(cfg), active, prefetch))
+
+
+def committed(tree):
+  """``tree`` with every eager, uncommitted array committed where it already lives.
+
+  jit keys its compiled code on whether each argument is committed to a device. A
+  carry built eagerly (uncommitted scalars, a jitted prefill's outputs) and the
+  carry the step returns (committed) would compile the step twice. Inside a trace
+  (tracers) nothing changes.
+  """
+  def commit(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and (
+        not x.committed):
+      return jax.device_put(x, x.sharding)
+    return x
+
+  return jax.tree.map(commit, tree)
 
 
 @functools.cache

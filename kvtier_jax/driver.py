@@ -86,7 +86,9 @@ class TieredDriver:
     self.check_room(active)
     if active is not None:
       carry = carry.replace(active=jnp.asarray(active))
-    out, carry = self._step(carry, *args)
+    # Committed like the carry the step returns: an argument that is committed in
+    # one call and not in the next (logits fed back as tokens) compiles twice.
+    out, carry = self._step(carry, *decode.committed(args))
     carry = _append(self.cfg, carry)
     status = int(carry.status)
     if status:

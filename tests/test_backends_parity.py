@@ -24,11 +24,14 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
                            selector_params=params, hot_slots=slots_per_k * selector.top_k)
   ref, got = sparse.prefill(tokens, lens), tiered.prefill(tokens, lens)
   np.testing.assert_array_equal(ref, got)
-  for _ in range(steps):
+  for step in range(steps):
     token = jnp.argmax(ref, axis=-1)
     ref, got = sparse.step(token), tiered.step(token)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(ref, -1))
+    if step == 0:  # the step compiles once: later calls (committed tokens) reuse it
+      compiled = backends.tiered_step._cache_size()
+  assert backends.tiered_step._cache_size() == compiled
   stats = tiered.cache_stats()
   assert stats["misses"] > 0, "the test must exercise fetches"
   assert stats["device_kv_bytes_per_request"] < sparse.cache_stats()[
