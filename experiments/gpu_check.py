@@ -53,6 +53,7 @@ from experiments import timing
 from kvtier_jax.resolve import resolve
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
+from kvtier_jax.policies import PolicyConfig
 from pallas_kernels import common
 from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import fetch_rows
@@ -379,6 +380,8 @@ def run_fused():
                dict(impl=ImplConfig(fused=True, attention="xla"))),
               ("tiered_fused_index_share_2",
                dict(impl=ImplConfig(fused=True), index_share=2)),
+              ("tiered_fused_rank",  # a keyed policy: XLA key + sort, then the kernels
+               dict(impl=ImplConfig(fused=True), policy=PolicyConfig("rank"))),
               ("tiered_overlap", dict(overlap_hit_miss=True)),
               ("tiered_overlap_fetch_stream_1",
                dict(overlap_hit_miss=True, impl=ImplConfig(fetch_stream=1)))]

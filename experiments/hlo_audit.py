@@ -41,6 +41,7 @@ from experiments import deviceless
 from kvtier_jax import decode, full_kv, selectors, sharding
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
+from kvtier_jax.policies import PolicyConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
@@ -471,6 +472,8 @@ def audit_configs(smoke: bool):
       ("GPU default, zero-copy gather on CUDA stream 1, overlapped hit/miss attention",
        base.replace(impl=dataclasses.replace(impl("xla", "pallas", "pallas"),
                                              fetch_stream=1), overlap_hit_miss=True)),
+      ("fused layer kernels, rank policy (XLA key + one sort per row)",
+       base.replace(impl=fused, policy=PolicyConfig("rank"))),
   ]
 
 

@@ -172,8 +172,7 @@ class TierConfig:
       self._check_fused()
 
   def _check_fused(self):
-    unsupported = {"a keyed policy": self.policy.keyed,
-                   "overlap_hit_miss": self.overlap_hit_miss,
+    unsupported = {"overlap_hit_miss": self.overlap_hit_miss,
                    "a mesh (mesh_axes)": bool(self.mesh_axes)}
     for what, present in unsupported.items():
       if present:

@@ -25,30 +25,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtier_jax import attention, fetch, lookup, sharding
+from kvtier_jax import attention, fetch, lookup, policies, sharding
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, install_newest, resolve_with_policy,
                                 selection_errors)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
-from pallas_kernels.fused_resolve import CacheArrays, resolve_fetch
+from pallas_kernels.fused_resolve import CacheArrays, effective_slot_pos, resolve_fetch
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
 class AnchorResult(NamedTuple):
-  """An anchor layer's RESOLVE, replayed by the layers sharing its selection."""
+  """An anchor layer's RESOLVE, replayed by the layers sharing its selection.
+
+  The lookahead prefetch's rows are fetched by each sharing layer after its own
+  attention (the anchor's prefetch may refill a slot this step still reads), so
+  the anchor hands on its plan: ``kp`` = 0 without a prefetch.
+  """
 
   slot: jax.Array  # i32[R, U, k]
   is_hit: jax.Array  # bool[R, U, k] served without a fetch (newest included)
   is_miss: jax.Array  # bool[R, U, k] fetched (by the anchor, for every layer)
   target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
+  prefetch_pos: jax.Array  # i32[R, U, kp] positions predicted for the next step
+  prefetch_slot: jax.Array  # i32[R, U, kp] the slot each one goes to
+  prefetch_miss: jax.Array  # bool[R, U, kp] fetched ahead (not resident yet)
 
   @classmethod
-  def empty(cls, cfg: TierConfig) -> "AnchorResult":
+  def empty(cls, cfg: TierConfig, prefetch_width: int = 0) -> "AnchorResult":
     shape = (cfg.num_requests, cfg.num_units, cfg.top_k)
+    ahead = shape[:2] + (prefetch_width,)
     return cls(jnp.full(shape, EMPTY, jnp.int32), jnp.zeros(shape, bool),
-               jnp.zeros(shape, bool), jnp.full(shape[:2], EMPTY, jnp.int32))
+               jnp.zeros(shape, bool), jnp.full(shape[:2], EMPTY, jnp.int32),
+               jnp.full(ahead, EMPTY, jnp.int32), jnp.full(ahead, EMPTY, jnp.int32),
+               jnp.zeros(ahead, bool))
+
+  @classmethod
+  def no_prefetch(cls, slot, is_hit, is_miss, target) -> "AnchorResult":
+    ahead = slot.shape[:2] + (0,)
+    return cls(slot, is_hit, is_miss, target, jnp.zeros(ahead, jnp.int32),
+               jnp.zeros(ahead, jnp.int32), jnp.zeros(ahead, bool))
 
 
 def _or_reduce(x):
@@ -125,9 +142,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     raise ValueError(f"selector returned {selected.shape}, expected "
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
   if cfg.impl.fused:
-    if prefetch is not None:
-      raise ValueError("the fused layer kernels (impl.fused) do not prefetch")
-    return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected, ok, active)
+    return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected, ok, active,
+                               ranks, prefetch)
   selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   pages = state.page_table
 
@@ -188,12 +204,15 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
                                                   is_miss)
     moved += shared_moved
 
-  # Lookahead prefetch for the next step.
+  # Lookahead prefetch for the next step (this layer's rows; the sharing layers
+  # fetch theirs after their attention).
   prefetched = jnp.zeros((num_req, num_units), jnp.int32)
+  plan = None
   if prefetch is not None:
-    new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched = _prefetch(
-        cfg, host_k, host_v, pages, hot_k, hot_v, layer, new_slot_pos, new_lru,
-        new_score, prefetch, newest_u, row_ok[:, None, None], ranks)
+    (new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched,
+     plan) = _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v, layer, new_slot_pos,
+                       new_lru, new_score, prefetch, newest_u, row_ok[:, None, None],
+                       ranks)
     moved += pf_moved
 
   is_hit = (selected >= 0) & ~res.is_miss
@@ -213,26 +232,72 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       prefetched=state.prefetched.at[layer].add(prefetched),
       fetched_rows=state.fetched_rows.at[layer].add(moved),
   )
-  return out, lse, state, status, AnchorResult(res.slot, is_hit, is_miss, target)
+  anchor = AnchorResult.no_prefetch(res.slot, is_hit, is_miss, target)
+  if plan is not None:
+    anchor = anchor._replace(prefetch_pos=prefetch, prefetch_slot=plan[0],
+                             prefetch_miss=plan[1])
+  return out, lse, state, status, anchor
 
 
 def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                        selected, ok, active):
+                        selected, ok, active, ranks=None, prefetch=None):
   """``anchor_layer`` through the fused kernels: the same state, status and outputs
   (metadata and counters equal, integer for integer), in two launches and the
   attention. With index sharing the commit also fetches and writes the metadata of
-  the layers sharing the selection."""
+  the layers sharing the selection. A keyed policy adds its key (XLA ops) and one
+  sort per row before the kernels; a lookahead prefetch runs after the attention,
+  as on the unfused path, over the committed metadata (XLA RESOLVE and fetch)."""
   fields = CacheArrays._fields
   cache = CacheArrays(*(getattr(state, name) for name in fields))
+  key = None
+  if cfg.policy.keyed:
+    selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
+    ranks = selected if ranks is None else ranks
+    key = policies.victim_key(cfg.policy, effective_slot_pos(state.slot_pos[layer],
+                                                             state.seq_len),
+                              state.slot_score[layer], ranks, **_positions(cfg))
   res = resolve_fetch(layer, ok, active, state.seq_len, selected, cache,
-                      state.page_table, state.host_k, state.host_v, k_new, v_new,
+                      state.page_table, state.host_k, state.host_v, k_new, v_new, key,
                       max_len=cfg.max_len, page_size=cfg.page_size,
-                      share=cfg.index_share, interpret=cfg.use_interpret)
+                      share=cfg.index_share,
+                      score_decay=cfg.policy.freq_alpha if cfg.policy.keyed else None,
+                      interpret=cfg.use_interpret)
   state = state.replace(**dict(zip(fields, res.cache)))
   out, lse = attention.hot_attention(cfg, q, state.hot_k, state.hot_v, layer, res.slot)
-  anchor = None if cfg.index_share == 1 else AnchorResult(
-      res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target)
+  plan = None
+  if prefetch is not None:
+    state, plan = _fused_prefetch(cfg, state, layer, prefetch,
+                                  ok & (res.status == 0) & active, ranks)
+  anchor = None
+  if cfg.index_share > 1:
+    anchor = AnchorResult.no_prefetch(res.slot, (res.slot >= 0) & ~res.is_miss,
+                                      res.is_miss, res.target)
+    if plan is not None:
+      anchor = anchor._replace(prefetch_pos=prefetch, prefetch_slot=plan[0],
+                               prefetch_miss=plan[1])
   return out, lse, state, res.status, anchor
+
+
+def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, row_ok,
+                    ranks=None):
+  """The lookahead prefetch after a fused commit: what ``anchor_layer`` does after
+  its attention, from the metadata the commit wrote (rows not ``row_ok`` bool[R]
+  keep theirs). Returns (state, the plan for the sharing layers)."""
+  share = cfg.index_share
+  newest = jnp.broadcast_to(state.seq_len[:, None], (cfg.num_requests, cfg.num_units))
+  slot_pos, lru, score, hot_k, hot_v, moved, prefetched, plan = _prefetch(
+      cfg, state.host_k, state.host_v, state.page_table, state.hot_k, state.hot_v,
+      layer, state.slot_pos[layer], state.lru[layer], state.slot_score[layer],
+      prefetch, newest, row_ok[:, None, None], ranks)
+  old = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, share)
+  keep = lambda new, x: jax.lax.dynamic_update_slice_in_dim(
+      x, jnp.where(row_ok[None, :, None, None], jnp.broadcast_to(new, (share,) + new.shape),
+                   old(x)), layer, 0)
+  return state.replace(
+      hot_k=hot_k, hot_v=hot_v, slot_pos=keep(slot_pos, state.slot_pos),
+      lru=keep(lru, state.lru), slot_score=keep(score, state.slot_score),
+      prefetched=state.prefetched.at[layer].add(prefetched),
+      fetched_rows=state.fetched_rows.at[layer].add(moved)), plan
 
 
 def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
@@ -240,8 +305,9 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   """A layer that reuses its anchor's selection (index sharing).
 
   Its misses were fetched and its metadata set by the anchor (lockstep), so no
-  RESOLVE and no host read happen here: the newest token goes to slot B (and the
-  install slot), then attention over the anchor's slots.
+  RESOLVE happens here: the newest token goes to slot B (and the install slot),
+  then attention over the anchor's slots; then the rows the anchor prefetched for
+  the next step, if any, into the slots its plan names.
 
   Returns (out [R, Hq, D], lse f32[R, Hq], state).
   """
@@ -249,7 +315,13 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   hot_k = fetch.scatter_rows(state.hot_k, dest, new_k)
   hot_v = fetch.scatter_rows(state.hot_v, dest, new_v)
   out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, anchor.slot)
-  return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v)
+  fetched_rows = state.fetched_rows
+  if anchor.prefetch_pos.shape[-1]:
+    hot_k, hot_v, moved = _fetch_for_layer(
+        cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v, layer,
+        anchor.prefetch_pos, anchor.prefetch_slot, anchor.prefetch_miss)
+    fetched_rows = fetched_rows.at[layer].add(moved)
+  return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v, fetched_rows=fetched_rows)
 
 
 def cap_misses(cfg: TierConfig, state: TieredKVState, layer, selected, cap: int):
@@ -285,7 +357,9 @@ def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, o
   A RESOLVE over the prediction: predicted positions already resident are hits
   (protected, promoted), the first ``cfg.lookahead_cap`` others become misses
   that take victims. Positions >= ``newest`` (not in the host tier yet) are
-  skipped, and so are positions without a host page (``page_table``).
+  skipped, and so are positions without a host page (``page_table``). Under a
+  keyed policy the key picks the victims; the score only restarts at 1 in the
+  refilled slots (``policies.prefetched_score``).
   Returns (ResolveOutputs, score).
   """
   if predicted.shape[-1] > cfg.hot_slots:
@@ -298,24 +372,26 @@ def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, o
   wanted = usable & ~resident
   if cfg.lookahead_cap is not None:
     wanted &= jnp.cumsum(wanted, axis=-1) <= cfg.lookahead_cap
-  return _resolve(cfg, slot_pos, lru, score,
-                  jnp.where(wanted | (usable & resident), predicted, EMPTY),
-                  jnp.full_like(newest, EMPTY), ranks)
+  res, _ = _resolve(cfg, slot_pos, lru, score,
+                    jnp.where(wanted | (usable & resident), predicted, EMPTY),
+                    jnp.full_like(newest, EMPTY), ranks)
+  return res, policies.prefetched_score(cfg.policy, score, res.slot, res.is_miss)
 
 
 def _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v, layer, slot_pos, lru, score,
               predicted, newest, ok, ranks=None):
-  """Fetch predicted, not-yet-resident positions into victims (capped).
+  """Fetch predicted, not-yet-resident positions of ``layer`` into victims (capped).
 
   Returns (slot_pos, lru, score, hot_k, hot_v, rows moved, prefetched per unit
-  i32[R, U]).
+  i32[R, U], the plan (slot i32[R, U, kp], fetched bool[R, U, kp]) that the layers
+  sharing this selection replay after their attention).
   """
   res, score = prefetch_resolve(cfg, slot_pos, lru, score, predicted, newest, ok, ranks,
                                 pages)
   hot_k, hot_v, moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k, hot_v,
                                          layer, predicted, res.slot, res.is_miss)
   return (res.slot_pos, res.lru, score, hot_k, hot_v, moved,
-          res.is_miss.sum(-1, dtype=jnp.int32))
+          res.is_miss.sum(-1, dtype=jnp.int32), (res.slot, res.is_miss))
 
 
 def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, selected,

@@ -96,17 +96,30 @@ def victim_key(policy: PolicyConfig, slot_pos, score, ranks=None, *,
   return rank_key(rank.astype(score.dtype), ranks.shape[-1], score, policy.rank_freq)
 
 
+def _slot_mask(score, slot, where):
+  """bool[..., B]: the slots ``slot`` i32[..., k] names where ``where``."""
+  num_slots = score.shape[-1]
+  flat_slot = slot.reshape(-1, slot.shape[-1])
+  row = jnp.arange(flat_slot.shape[0], dtype=jnp.int32)[:, None]
+  return jnp.zeros((flat_slot.shape[0], num_slots), bool).at[
+      row, jnp.where(where.reshape(flat_slot.shape), flat_slot, num_slots)].set(
+          True, mode="drop").reshape(score.shape)
+
+
 def next_score(policy: PolicyConfig, score, slot, is_miss):
   """The per-slot EMA after a RESOLVE that served ``slot`` i32[..., k] (B: the
   newest token's reserved slot, -1 padding; ``is_miss`` the refilled ones)."""
   if policy.name == "lru":
     return score
-  num_slots = score.shape[-1]
-  flat_slot = slot.reshape(-1, slot.shape[-1])
-  row = jnp.arange(flat_slot.shape[0], dtype=jnp.int32)[:, None]
-  mark = lambda where: jnp.zeros((flat_slot.shape[0], num_slots), bool).at[
-      row, jnp.where(where.reshape(flat_slot.shape), flat_slot, num_slots)].set(
-          True, mode="drop").reshape(score.shape)
-  regular = (slot >= 0) & (slot < num_slots)
-  score = decayed(score, mark(regular & ~is_miss), policy.freq_alpha)
-  return filled(score, mark(is_miss)).astype(score.dtype)
+  regular = (slot >= 0) & (slot < score.shape[-1])
+  score = decayed(score, _slot_mask(score, slot, regular & ~is_miss), policy.freq_alpha)
+  return filled(score, _slot_mask(score, slot, is_miss)).astype(score.dtype)
+
+
+def prefetched_score(policy: PolicyConfig, score, slot, is_miss):
+  """The EMA after a lookahead prefetch: the refilled slots restart at 1, and
+  nothing decays or counts as a hit (the EMA moves once per decode step, with what
+  was selected, not predicted)."""
+  if policy.name == "lru":
+    return score
+  return filled(score, _slot_mask(score, slot, is_miss)).astype(score.dtype)

@@ -118,7 +118,8 @@ def test_index_sharing_and_draft_lookahead_keep_parity(model_and_prompt):
 def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
   """policy="rank": the oracle selector built at top-96 ranks, the tiered cache
   attends its first 48 (= the top-48 selection) and evicts by rank; logits equal
-  the sparse top-48 run's bit for bit."""
+  the sparse top-48 run's bit for bit, unfused and through the fused layer kernels
+  (whose victims, LRU order and scores are then the unfused run's)."""
   model, ids = model_and_prompt
   heads = dict(num_kv_heads=model.cfg.num_kv_heads,
                q_per_kv=model.cfg.num_q_heads // model.cfg.num_kv_heads,
@@ -127,11 +128,18 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
   steps, tokens, lens = 6, ids[None], [len(ids)]
   max_len = len(ids) + steps + 1
   sparse = backends.Runner(model, "sparse", max_len, selector=top48)
-  ranked = backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
-                           policy=PolicyConfig("rank", rank_depth=96), top_k=48,
-                           impl=ImplConfig(resolve="xla"))
-  assert_bit_equal_logits(sparse, ranked, tokens, lens, steps)
-  assert ranked.cache_stats()["misses"] > 0
+  runs = [backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
+                          policy=PolicyConfig("rank", rank_depth=96), top_k=48,
+                          impl=impl)
+          for impl in (ImplConfig(resolve="xla", attention="xla"),
+                       ImplConfig(attention="xla", fused=True))]
+  for ranked in runs:
+    assert_bit_equal_logits(sparse, ranked, tokens, lens, steps)
+    assert ranked.cache_stats()["misses"] > 0
+  unfused, fused = (r.carry.tier for r in runs)
+  for name in ("slot_pos", "lru", "slot_score", "hits", "misses"):
+    np.testing.assert_array_equal(getattr(fused, name), getattr(unfused, name),
+                                  err_msg=name)
   with pytest.raises(ValueError, match="rank_depth"):
     backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
                     policy=PolicyConfig("rank", rank_depth=80), top_k=48).prefill(

@@ -212,15 +212,17 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable(impl):
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("per_kv_head,share", [(False, 1), (True, 1), (False, 2)])
-def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share):
+@pytest.mark.parametrize("per_kv_head,share,policy", [
+    (False, 1, "lru"), (True, 1, "rank"), (False, 2, "lru"), (False, 2, "freq")])
+def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share, policy):
   """impl.fused (two kernels per layer, interpreted here): outputs bit-equal to
   full-KV sparse attention (XLA attention on both sides), and every metadata array,
   counter and the hot cache equal to the unfused step's (XLA RESOLVE, zero-copy fetch
   kernel); with index sharing (share=2) the anchor's commit fetches for the layer
-  sharing its selection."""
+  sharing its selection. Under a keyed policy (freq, rank) the victims, the LRU order
+  and the score EMA are the unfused keyed RESOLVE's."""
   seed = int(np.random.default_rng().integers(2**31))
-  cfgs = [make_cfg(impl=impl, per_kv_head=per_kv_head, index_share=share)
+  cfgs = [make_cfg(impl=impl, per_kv_head=per_kv_head, index_share=share, policy=policy)
           for impl in (FUSED, ImplConfig(resolve="xla", attention="xla", fetch="pallas"))]
   fused, unfused = (Harness(c, [40, 100, 7], seed=seed) for c in cfgs)
   for _ in range(25):
@@ -238,17 +240,42 @@ def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share):
   assert kv_state.cache_stats(cfgs[0], fused.state)["misses"] > 0
   if share == 2:
     assert int(np.asarray(fused.state.fetched_rows)[1]) == 0  # fetched by the anchor
+  # The EMA accumulates under a keyed policy (LRU keeps 0, or 1 for an install).
+  assert (np.asarray(fused.state.slot_score).max() > 1.0) == (policy != "lru")
 
 
 def test_fused_layer_kernels_reject_what_they_do_not_do():
-  for bad in (dict(policy="freq"), dict(overlap_hit_miss=True), dict(head_dim=24)):
+  for bad in (dict(overlap_hit_miss=True), dict(head_dim=24)):
     with pytest.raises(ValueError, match="fused"):
       make_cfg(impl=FUSED, **bad)
-  h = Harness(make_cfg(impl=FUSED, lookahead_cap=4), [40, 50, 60])
-  with pytest.raises(ValueError, match="do not prefetch"):
-    h.decoder.step(h.state, *step_inputs(h.rng, h.cfg),
-                   draw_selection(h.rng, h.cfg, h.decoder.seq_len, h.prev),
-                   prefetch=draw_selection(h.rng, h.cfg, h.decoder.seq_len, h.prev))
+
+
+def test_fused_path_prefetches_like_the_unfused_step():
+  """A lookahead prefetch on the fused path (index sharing by 2, the freq policy):
+  outputs bit-equal to full KV, every array equal to the unfused step's, and the
+  prefetched rows are hits next step."""
+  seed = int(np.random.default_rng().integers(2**31))
+  cfgs = [make_cfg(impl=impl, index_share=2, policy="freq", hot_slots=24, top_k=12,
+                   lookahead_cap=6)
+          for impl in (FUSED, ImplConfig(resolve="xla", attention="xla", fetch="pallas"))]
+  fused, unfused = (Harness(c, [40, 100, 70], seed=seed) for c in cfgs)
+  nxt = draw_selection(fused.rng, cfgs[0], fused.decoder.seq_len, fused.prev)
+  for _ in range(15):
+    sel, fused.prev = nxt, nxt
+    nxt = draw_selection(fused.rng, cfgs[0], fused.decoder.seq_len + 1, sel)
+    for x in (sel, nxt):
+      x[1], x[3] = x[0], x[2]  # what the sharing layers attend
+    ahead = np.where(nxt == fused.decoder.seq_len[None, :, None, None], -1, nxt)
+    inputs = step_inputs(fused.rng, cfgs[0])
+    (out, ref), (out_u, _) = (h.step(sel, inputs, prefetch=ahead)
+                              for h in (fused, unfused))
+    np.testing.assert_array_equal(out, ref, err_msg=f"{seed=}")
+    np.testing.assert_array_equal(out_u, ref, err_msg=f"{seed=}")
+  for name in ("slot_pos", "lru", "slot_score", "hits", "misses", "prefetched",
+               "fetched_rows", "seq_len", "hot_k", "hot_v"):
+    np.testing.assert_array_equal(getattr(fused.state, name),
+                                  getattr(unfused.state, name), err_msg=f"{name} {seed=}")
+  assert int(np.asarray(fused.state.prefetched).sum()) > 0
 
 
 @pytest.mark.parametrize("fetch_chunk", [None, 8])  # one gather of every lane, chunks
@@ -324,6 +351,29 @@ def test_prefetched_positions_are_hits_next_step(impl):
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
   after = kv_state.cache_stats(cfg, h.state)
   assert after["misses"] == mid["misses"], "prefetched positions must all be hits"
+
+
+def test_prefetch_with_index_sharing_fetches_for_the_sharing_layers():
+  """index_share=2 with a lookahead prefetch: the prefetched rows go to the anchor
+  and to the layer sharing its selection (both get the anchor's metadata), so the
+  sharing layer never attends a slot whose row was not fetched."""
+  cfg = make_cfg(impl=ImplConfig(fetch="xla", fetch_chunk=8), hot_slots=32, top_k=16,
+                 index_share=2)
+  h = Harness(cfg, [300, 250, 400], seed=int(np.random.default_rng().integers(2**31)))
+  for _ in range(12):
+    sels = [draw_selection(h.rng, cfg, h.decoder.seq_len + t, h.prev) for t in range(2)]
+    for sel in sels:
+      sel[1], sel[3] = sel[0], sel[2]  # what the sharing layers attend
+    sels[1] = np.where(sels[1] == h.decoder.seq_len[None, :, None, None], -1, sels[1])
+    inputs = step_inputs(h.rng, cfg)
+    out, h.state = h.decoder.step(h.state, *inputs, sels[0], prefetch=sels[1])
+    ref, h.full = h.full_step(h.full, *inputs, jnp.asarray(sels[0]))
+    h.prev = sels[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+  stats = kv_state.cache_stats(cfg, h.state)
+  assert stats["prefetched"] > 0
+  st = jax.device_get(h.state)
+  np.testing.assert_array_equal(st.slot_pos[1], st.slot_pos[0])  # lockstep
 
 
 def test_host_tier_lives_in_host_memory_and_is_accounted():

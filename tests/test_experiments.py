@@ -80,7 +80,7 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   assert len(numerics) == 2 and all("zero_copy" in t for t in numerics)
   timed = {r["variant"] for r in rows if r["section"] == "timing" and "median_ms" in r}
   assert {"full_kv", "tiered", "tiered_fused", "tiered_fused_xla_attention",
-          "tiered_fused_index_share_2", "tiered_overlap",
+          "tiered_fused_index_share_2", "tiered_fused_rank", "tiered_overlap",
           "tiered_overlap_fetch_stream_1"} <= timed
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))

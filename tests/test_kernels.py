@@ -179,7 +179,14 @@ def test_every_kernel_lowers_for_cuda_via_triton():
       f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
       f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
       f((R, Hg, D), jnp.bfloat16))
-  assert texts["fused_resolve"].count("__gpu$xla.gpu.triton") == 2  # classify, commit
+  texts["fused_resolve_keyed"] = _lower_for_cuda(  # a keyed policy's victim order
+      lambda *a: fused_resolve.resolve_fetch(*a, max_len=T, page_size=64,
+                                             score_decay=0.9),
+      f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
+      f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
+      f((R, Hg, D), jnp.bfloat16), f((R, U, B), jnp.float32))
+  for name in ("fused_resolve", "fused_resolve_keyed"):  # classify, commit
+    assert texts[name].count("__gpu$xla.gpu.triton") == 2, name
   for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, f"{name} did not lower to a Triton call"
 
@@ -241,17 +248,23 @@ def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg
               v_new=jnp.asarray(new_kv[1]))
 
 
-@pytest.mark.parametrize("scenario,status,share", [
-    ("valid", 0, 1), ("duplicate", 2, 1), ("out_of_range", 1, 1), ("unpaged", 4, 1),
-    ("capacity", 4, 1), ("refused_earlier", 0, 1), ("valid", 0, 2), ("unpaged", 4, 2)])
-def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share):
-  """share=2: layer 0 resolves for layers 0 and 1 (index sharing)."""
+@pytest.mark.parametrize("scenario,status,share,keyed", [
+    ("valid", 0, 1, False), ("duplicate", 2, 1, False), ("out_of_range", 1, 1, False),
+    ("unpaged", 4, 1, False), ("capacity", 4, 1, False), ("refused_earlier", 0, 1, False),
+    ("valid", 0, 2, False), ("unpaged", 4, 2, False), ("valid", 0, 1, True),
+    ("valid", 0, 2, True)])
+def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, keyed):
+  """share=2: layer 0 resolves for layers 0 and 1 (index sharing). keyed: a
+  retention key with many ties and the score EMA (a keyed policy)."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
   args = _fused_problem(rng, scenario)
   if share == 2:
     args["layer"] = 0
   static = dict(max_len=60, page_size=8, share=share)
+  if keyed:
+    args["key"] = jnp.asarray(rng.integers(0, 4, (4, 2, 12)), jnp.float32)
+    static["score_decay"] = 0.75
   want = fused_resolve.resolve_fetch_reference(**args, **static)
   # The position map may hold anything: stale lanes of other rows and steps.
   stale = jnp.asarray(rng.integers(-2, 10, (8, 61 + 8)), jnp.int32)
@@ -306,3 +319,36 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share):
   assert miss.sum() > 0 and not miss[0].any()  # the short request never fetches
   moved = np.asarray(after.fetched_rows - before.fetched_rows)
   assert moved[layer] == share * miss.sum() and moved.sum() == moved[layer]
+  if keyed:
+    _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed)
+
+
+def _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed):
+  """Brute force, numpy: the misses take the evictable slots in selection order,
+  empty ones first (in LRU order), then by key, ties in LRU order; every slot's
+  score decays by 0.75, a
+  hit adds 1, a refilled slot and the install slot restart at 1."""
+  sel, seq = np.asarray(args["selected"]), np.asarray(args["seq_len"])
+  key = np.asarray(args["key"], np.float64)
+  old_pos, old_lru = np.asarray(before.slot_pos)[layer], np.asarray(before.lru)[layer]
+  old_score = np.asarray(before.slot_score)[layer].astype(np.float64)
+  new_score = np.asarray(after.slot_score)[layer]
+  new_pos = np.asarray(after.slot_pos)[layer]
+  for r, u in np.ndindex(4, 2):
+    if r == 2:
+      continue  # inactive
+    pos = np.where(old_pos[r, u] >= seq[r], -1, old_pos[r, u])
+    wanted = {p for p in sel[r, u] if 0 <= p < seq[r]}
+    hits = {s for s in range(12) if pos[s] in wanted}
+    lru_index = {s: i for i, s in enumerate(old_lru[r, u])}
+    evictable = sorted((s for s in range(12) if s not in hits),
+                       key=lambda s: (pos[s] >= 0, key[r, u, s] if pos[s] >= 0 else 0,
+                                      lru_index[s]))
+    victims = slot[r, u][miss[r, u]].tolist()
+    assert victims == evictable[:len(victims)], seed
+    want = 0.75 * old_score[r, u] + np.isin(np.arange(12), list(hits))
+    want[victims] = 1.0
+    installed = [s for s in range(12) if pos[s] < 0 and s not in victims]
+    if installed and new_pos[r, u, installed[0]] == seq[r]:
+      want[installed[0]] = 1.0
+    np.testing.assert_allclose(new_score[r, u], want, rtol=1e-6, err_msg=f"{seed=}")

@@ -1,5 +1,7 @@
 from pallas_kernels.fused_resolve.config import BlockSizes
-from pallas_kernels.fused_resolve.kernel import resolve_fetch
+from pallas_kernels.fused_resolve.kernel import resolve_fetch, victim_order
 from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
+                                                    effective_slot_pos,
                                                     map_scratch_bytes,
-                                                    resolve_fetch_reference)
+                                                    resolve_fetch_reference,
+                                                    updated_score)

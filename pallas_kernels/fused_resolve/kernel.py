@@ -17,6 +17,11 @@ classify, grid (rows,), one program per (request, unit) row, O(B + k):
      takes the lowest-index empty slot left; write the new LRU order and slot
      positions, the slot serving each entry, and the compacted misses' host
      (page, offset) and victim slot; a miss without a page is a capacity refusal.
+  Under a keyed replacement policy the wrapper sorts each row's slots by key
+  once (XLA: empty first, then the key, ties in LRU order; a Triton program has
+  no sort) and step 2 also walks that *victim order*, so the j-th miss takes the
+  j-th evictable in it; the new LRU order keeps its rule. The score EMA of the
+  policies is updated in the same walk.
 commit, grid (rows, ceil(k / fetch_rows)):
   ok = no earlier refusal and no row's status set; then each program copies its
   block of the row's compacted misses from the host tier (zero-copy on a GPU: the
@@ -42,7 +47,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import common
 from pallas_kernels.fused_resolve.config import BlockSizes
-from pallas_kernels.fused_resolve.reference import CacheArrays, LayerResult
+from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
+                                                    effective_slot_pos)
 
 _STATUS_BITS = (common.STATUS_OUT_OF_RANGE, common.STATUS_DUPLICATE,
                 common.STATUS_CAPACITY)
@@ -58,23 +64,28 @@ def _any(x):
 
 
 def _classify_kernel(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
-                     page_table_ref, *refs, given_map, **static):
+                     score_ref, order_ref, page_table_ref, *refs, given_map, **static):
   # A given scratch map is an extra input aliased to the first output.
   _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
-            page_table_ref, *refs[given_map:], **static)
+            score_ref, order_ref, page_table_ref, *refs[given_map:], **static)
 
 
 def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref,
-              page_table_ref, map_ref, new_pos_ref, new_lru_ref, slot_ref, miss_ref,
-              plan_page_ref, plan_off_ref, plan_slot_ref, info_ref, held_ref, evict_ref, *,
-              num_units, num_slots, num_sel, slots_pad, sel_pad, max_len, page_size,
+              score_ref, order_ref, page_table_ref, map_ref, new_pos_ref, new_lru_ref,
+              new_score_ref, slot_ref, miss_ref, plan_page_ref, plan_off_ref,
+              plan_slot_ref, info_ref, held_ref, evict_ref, rank_ref, *, num_units,
+              num_slots, num_sel, slots_pad, sel_pad, max_len, page_size, score_decay,
               interpret):
   # layer_ref: i32[1]  active_ref, seq_len_ref: i32[R]  sel_ref: i32[rows, k]
-  # slot_pos_ref, lru_ref: i32[L, rows, B]  page_table_ref: i32[R, MP]
+  # slot_pos_ref, lru_ref: i32[L, rows, B]  score_ref: f32[L, rows, B]
+  # order_ref: i32[rows, B] victim order (keyed policies; unread under LRU)
+  # page_table_ref: i32[R, MP]
   # map_ref: i32[rows, T+1 + kp] (scratch)  new_pos_ref: i32[rows, Bp + kp]
-  # new_lru_ref: i32[rows, Bp]  slot_ref, miss_ref: i32[rows, kp]
+  # new_lru_ref: i32[rows, Bp]  new_score_ref: f32[rows, Bp]
+  # slot_ref, miss_ref: i32[rows, kp]
   # plan_*_ref: i32[rows, 2 kp]  info_ref: i32[rows, 4] (status, target, hits, misses)
-  # held_ref: i32[rows, kp + Bp]  evict_ref: i32[rows, 2 Bp] (scratch)
+  # held_ref: i32[rows, kp + Bp]  evict_ref, rank_ref: i32[rows, 2 Bp] (scratch)
+  keyed = score_decay is not None
   row = pl.program_id(0)
   req = row // num_units
   layer = layer_ref[0]
@@ -102,22 +113,34 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
   dup = valid & (map_ref[row, col] != lane_k)
 
   # 2. Membership in LRU order (padded lanes carry their own lane id, never a slot).
+  def walk(order):  # slot ids [Bp] -> (their positions, -1 empty; hit; selection lane)
+    pos = slot_pos_ref[layer, row, jnp.where(in_b, order, 0)]
+    pos = jnp.where(in_b & (pos >= 0) & (pos < newest), pos, -1)
+    probe = pos >= 0  # (< newest <= max_len: inside the map)
+    owner = jnp.where(probe, map_ref[row, jnp.where(probe, pos, 0)], -1)
+    owner_ok = (owner >= 0) & (owner < num_sel)
+    owner = jnp.where(owner_ok, owner, 0)
+    return pos, probe & active & owner_ok & (sel_ref[row, owner] == pos), owner
+
   lru = jnp.where(in_b, lru_ref[layer, row, clamp_b], lane_b)  # [Bp]
-  pos_lru = slot_pos_ref[layer, row, jnp.where(in_b, lru, 0)]
-  pos_lru = jnp.where(in_b & (pos_lru >= 0) & (pos_lru < newest), pos_lru, -1)
-  probe = pos_lru >= 0  # (< newest <= max_len: inside the map)
-  owner = jnp.where(probe, map_ref[row, jnp.where(probe, pos_lru, 0)], -1)
-  owner_ok = (owner >= 0) & (owner < num_sel)
-  owner = jnp.where(owner_ok, owner, 0)
-  hit = probe & active & owner_ok & (sel_ref[row, owner] == pos_lru)  # confirmed
+  pos_lru, hit, owner = walk(lru)
   held_ref[row, jnp.where(hit, owner, sel_pad + lane_b)] = lru
   hit_count = jnp.cumsum(hit.astype(jnp.int32))
   hit_rank = hit_count - 1
   evict_rank = lane_b - hit_count  # rank among the evictables, for those
   evictable = in_b & ~hit
   num_evict = num_slots - jnp.sum(hit.astype(jnp.int32))
-  evict_ref[row, jnp.where(evictable, evict_rank, slots_pad + lane_b)] = lru
+  if keyed:  # the victims' ranks come from the victim order, walked the same way
+    order = jnp.where(in_b, order_ref[row, clamp_b], lane_b)
+    _, hit_order, _ = walk(order)
+    victim_rank = lane_b - jnp.cumsum(hit_order.astype(jnp.int32))
+    evict_ref[row, jnp.where(in_b & ~hit_order, victim_rank, slots_pad + lane_b)] = order
+    rank_ref[row, jnp.where(in_b, order, slots_pad + lane_b)] = victim_rank
+  else:
+    evict_ref[row, jnp.where(evictable, evict_rank, slots_pad + lane_b)] = lru
   _barrier(interpret)
+  # Each LRU lane's rank in the victim order (LRU: the order itself).
+  victim_rank = rank_ref[row, lru] if keyed else evict_rank
 
   # 3. Victims, the install slot, the new LRU order.
   held = held_ref[row, lane_k]
@@ -126,20 +149,26 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
   num_miss = jnp.sum(miss.astype(jnp.int32))
   victim = evict_ref[row, jnp.where(miss, jnp.minimum(miss_rank, 2 * slots_pad - 1), 0)]
   victim = jnp.where(miss, jnp.clip(victim, 0, num_slots - 1), 0)
-  taken = evictable & (evict_rank < num_miss)
+  taken = evictable & (victim_rank < num_miss)
   empty_left = evictable & (pos_lru < 0) & ~taken & active
   target = jnp.min(jnp.where(empty_left, lru, slots_pad))
   has_target = target < num_slots
   target = jnp.where(has_target, target, -1)
+  # [evictables kept, LRU order] ++ [victims, miss order] ++ [hits, LRU order].
+  kept_rank = (jnp.cumsum((evictable & ~taken).astype(jnp.int32)) - 1 if keyed
+               else evict_rank - num_miss)  # (LRU: the victims are a prefix)
   new_index = jnp.where(hit, num_evict + hit_rank,
-                        jnp.where(taken, num_evict - num_miss + evict_rank,
-                                  evict_rank - num_miss))
+                        jnp.where(taken, num_evict - num_miss + victim_rank, kept_rank))
   is_target = lru == target  # never for padded lanes (ids >= B)
   target_index = jnp.max(jnp.where(is_target, new_index, -1))
   new_index = jnp.where(is_target, num_slots - 1,
                         jnp.where(has_target & (new_index > target_index), new_index - 1,
                                   new_index))
   new_lru_ref[row, jnp.where(in_b, new_index, lane_b)] = lru
+  score = score_ref[layer, row, jnp.where(in_b, lru, 0)]
+  if keyed:  # the policies' EMA: decay, a hit adds 1, a refilled slot restarts at 1
+    score = jnp.where(taken, 1.0, score_decay * score + hit.astype(jnp.float32))
+  new_score_ref[row, lru] = score  # (padded lanes: their own ids, past B)
 
   base = slot_pos_ref[layer, row, clamp_b]
   new_pos_ref[row, lane_b] = jnp.where(in_b & (base >= 0) & (base < newest), base, -1)
@@ -175,7 +204,8 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
 
 
 def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
-                   plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref, v_new_ref,
+                   new_score_ref, plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref,
+                   v_new_ref,
                    host_k_ref, host_v_ref,
                    _slot_pos_in, _lru_in, _score_in, _hits_in, _misses_in, _fetched_in,
                    _hot_k_in, _hot_v_in,
@@ -184,6 +214,7 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
                    num_units, num_rows, rows_pad, num_slots, slots_pad, fetch_rows,
                    heads, head_dim, share):
   # info_ref: i32[rows, 4]  new_pos_ref: i32[rows, Bp + kp]  new_lru_ref: i32[rows, Bp]
+  # new_score_ref: f32[rows, Bp]
   # plan_*_ref: i32[rows, 2 kp]  k_new_ref, v_new_ref: [rows, Hg, D]
   # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on a GPU)
   # slot_pos_ref, lru_ref, score_ref: [L, rows, B]  hits_ref, misses_ref: i32[L, rows]
@@ -231,7 +262,7 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
     def _metadata():
       lane = jnp.minimum(jnp.arange(slots_pad), num_slots - 1)
       new_pos, new_lru = new_pos_ref[row, lane], new_lru_ref[row, lane]
-      score = jnp.where(lane == target, 1.0, score_ref[layer, row, lane])
+      score = jnp.where(lane == target, 1.0, new_score_ref[row, lane])
       for j in range(share):  # lockstep: the sharing layers get the anchor's
         slot_pos_ref[layer + j, row, lane] = new_pos
         lru_ref[layer + j, row, lane] = new_lru
@@ -256,17 +287,29 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
       fetched_ref[layer] = fetched_ref[layer] + share * moved
 
 
+def victim_order(slot_pos, lru, key, seq_len):
+  """i32[R, U, B] each row's slot ids in the order misses take them: empty slots
+  (uncommitted included) first, then by ``key`` ascending, ties in LRU order; hits
+  are skipped by the kernel. One stable sort per row, in XLA."""
+  empty = effective_slot_pos(slot_pos, seq_len) < 0
+  key_lru = jnp.take_along_axis(jnp.where(empty, -jnp.inf, key), lru, axis=-1)
+  return jnp.take_along_axis(lru, jnp.argsort(key_lru, axis=-1, stable=True), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
-                                             "block_sizes", "interpret"))
+                                             "score_decay", "block_sizes", "interpret"))
 def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page_table,
-                  host_k, host_v, k_new, v_new, scratch_map=None, *, max_len: int,
-                  page_size: int, share: int = 1, block_sizes: BlockSizes = BlockSizes(),
+                  host_k, host_v, k_new, v_new, key=None, scratch_map=None, *,
+                  max_len: int, page_size: int, share: int = 1,
+                  score_decay: float | None = None,
+                  block_sizes: BlockSizes = BlockSizes(),
                   interpret: bool = False) -> LayerResult:
   """Same contract as ``resolve_fetch_reference``; ``cache`` is updated in place.
 
-  ``scratch_map``: optional i32[R*U, max_len + 1 + next_pow2(k)] the position map
-  starts from (any contents: tests fill it with stale lanes); by default a fresh,
-  uninitialised buffer.
+  ``key`` (a keyed policy) needs ``score_decay``: the kernels then take the victims
+  in the order of one XLA sort per row. ``scratch_map``: optional
+  i32[R*U, max_len + 1 + next_pow2(k)] the position map starts from (any contents:
+  tests fill it with stale lanes); by default a fresh, uninitialised buffer.
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
@@ -276,6 +319,11 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
                      "positions in one step: B must be >= k")
   if head_dim & (head_dim - 1):
     raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
+  if (key is None) != (score_decay is None):
+    raise ValueError("a retention key and score_decay go together (a keyed policy)")
+  if key is not None and key.shape != (num_req, num_units, num_slots):
+    raise ValueError(f"key {key.shape} must be {(num_req, num_units, num_slots)} "
+                     "(R, U, B)")
   rows = num_req * num_units
   slots_pad = common.next_power_of_2(num_slots)
   sel_pad = common.next_power_of_2(num_sel)
@@ -292,27 +340,36 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   given_map = scratch_map is not None
   if given_map and scratch_map.shape != map_shape:
     raise ValueError(f"scratch_map {scratch_map.shape} must be {map_shape}")
+  sel_rows = selected.reshape(rows, num_sel)
+  if key is None:
+    order = sel_rows  # unread under LRU (an operand that costs no op to build)
+  else:
+    order = victim_order(cache.slot_pos[layer[0]], cache.lru[layer[0]], key,
+                         seq_len).reshape(rows, num_slots)
   classify = functools.partial(
       _classify_kernel, num_units=num_units, num_slots=num_slots, num_sel=num_sel,
       slots_pad=slots_pad, sel_pad=sel_pad, max_len=max_len, page_size=page_size,
-      interpret=interpret, given_map=given_map)
-  (_, new_pos, new_lru, slot, miss, plan_page, plan_off, plan_slot, info, _,
-   _) = pl.pallas_call(
+      score_decay=score_decay, interpret=interpret, given_map=given_map)
+  (_, new_pos, new_lru, new_score, slot, miss, plan_page, plan_off, plan_slot, info, _,
+   _, _) = pl.pallas_call(
        classify,
        grid=(rows,),
-       in_specs=[whole] * (7 + given_map),
-       out_specs=[whole] * 11,
-       input_output_aliases={7: 0} if given_map else {},
+       in_specs=[whole] * (9 + given_map),
+       out_specs=[whole] * 13,
+       input_output_aliases={9: 0} if given_map else {},
        out_shape=[i32(*map_shape), i32(rows, slots_pad + sel_pad),
-                  i32(rows, slots_pad), i32(rows, sel_pad), i32(rows, sel_pad),
+                  i32(rows, slots_pad),
+                  jax.ShapeDtypeStruct((rows, slots_pad), cache.slot_score.dtype),
+                  i32(rows, sel_pad), i32(rows, sel_pad),
                   i32(rows, 2 * sel_pad), i32(rows, 2 * sel_pad), i32(rows, 2 * sel_pad),
-                  i32(rows, 4), i32(rows, sel_pad + slots_pad), i32(rows, 2 * slots_pad)],
+                  i32(rows, 4), i32(rows, sel_pad + slots_pad), i32(rows, 2 * slots_pad),
+                  i32(rows, 2 * slots_pad)],
        compiler_params=params,
        interpret=interpret,
        name="fused_resolve_classify",
-   )(layer, active, as_i32(seq_len, num_req), selected.reshape(rows, num_sel),
-     per_row(cache.slot_pos), per_row(cache.lru), page_table,
-     *([scratch_map] if given_map else []))
+   )(layer, active, as_i32(seq_len, num_req), sel_rows,
+     per_row(cache.slot_pos), per_row(cache.lru), per_row(cache.slot_score), order,
+     page_table, *([scratch_map] if given_map else []))
 
   commit = functools.partial(
       _commit_kernel, num_units=num_units, num_rows=rows, rows_pad=rows_pad,
@@ -325,15 +382,15 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   *updated, status = pl.pallas_call(
       commit,
       grid=(rows, common.cdiv(num_sel, block_sizes.fetch_rows)),
-      in_specs=[whole] * 21,
+      in_specs=[whole] * 22,
       out_specs=[whole] * 9,
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state] + [i32(1)],
-      input_output_aliases={13 + i: i for i in range(8)},
+      input_output_aliases={14 + i: i for i in range(8)},
       compiler_params=params,
       interpret=interpret,
       name="fused_resolve_commit",
-  )(layer, ok, active, info, new_pos, new_lru, plan_page, plan_off, plan_slot,
-    rows_new(k_new), rows_new(v_new), host_k, host_v, *state)
+  )(layer, ok, active, info, new_pos, new_lru, new_score, plan_page, plan_off,
+    plan_slot, rows_new(k_new), rows_new(v_new), host_k, host_v, *state)
 
   ok_all = (ok[0] != 0) & (status[0] == 0)
   unflat = lambda x, old: x.reshape(old.shape)

@@ -4,14 +4,19 @@ Per (request, unit) row of layer ``layer`` (docs/DESIGN.md, "The fused layer ste
 
 1. *validate*: an active row's selection must name distinct positions in
    ``[0, newest]`` (``-1`` padding); a request at ``max_len`` cannot grow;
-2. *RESOLVE* (LRU) over the valid entries, slot positions at or past ``newest``
-   counting as empty (uncommitted); then the newest token also takes the
-   lowest-index empty slot, if any (``install_newest``);
+2. *RESOLVE* over the valid entries, slot positions at or past ``newest``
+   counting as empty (uncommitted): misses take the evictable slots in LRU order,
+   or, given a per-slot retention ``key`` (a replacement policy), the lowest key
+   first (empty slots first, ties in LRU order); then the newest token also takes
+   the lowest-index empty slot, if any (``install_newest``);
 3. a miss whose position has no host page makes the row refuse (capacity);
 4. *commit*, only when ``ok`` and no row of the layer refused: the missed rows are
    copied from the host tier into their victims, the newest token into its install
    slot, and the metadata and counters of the active rows are written. The newest
    token always goes to reserved slot ``B`` (its row is rewritten every step).
+   With ``score_decay`` alpha the per-slot score is the policies' EMA (every slot
+   decays by alpha, a hit adds 1, a refilled slot restarts at 1); the install
+   slot's score is 1 in every case.
 
 Inactive rows select nothing, refuse nothing and keep their metadata. The status
 word says why the layer refused (bits of ``pallas_kernels.common``); the unpaged
@@ -69,10 +74,30 @@ def _or_reduce(x):
                         tuple(range(x.ndim)))
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share"))
+def effective_slot_pos(slot_pos, seq_len):
+  """i32[R, U, B] one layer's slot positions with uncommitted ones (at or past the
+  newest position, left by a refused step) as empty: what RESOLVE reads."""
+  newest = seq_len[:, None, None]
+  return jnp.where(slot_pos >= newest, -1, slot_pos)
+
+
+def updated_score(score, slot, is_miss, decay: float):
+  """f32[..., B] the EMA after a RESOLVE served ``slot`` i32[..., k] (``is_miss``
+  the refilled lanes): decay all, +1 per hit slot, 1 for a refilled one."""
+  num_slots = score.shape[-1]
+  lanes = jnp.arange(num_slots)
+  regular = (slot >= 0) & (slot < num_slots)
+  marks = lambda where: (jnp.where(where, slot, num_slots)[..., None] == lanes).any(-2)
+  score = decay * score + marks(regular & ~is_miss)
+  return jnp.where(marks(is_miss), 1.0, score).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
+                                             "score_decay"))
 def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheArrays,
-                            page_table, host_k, host_v, k_new, v_new, *, max_len: int,
-                            page_size: int, share: int = 1) -> LayerResult:
+                            page_table, host_k, host_v, k_new, v_new, key=None, *,
+                            max_len: int, page_size: int, share: int = 1,
+                            score_decay: float | None = None) -> LayerResult:
   """One layer's validate + RESOLVE + fetch + commit (module docstring).
 
   Args:
@@ -83,10 +108,13 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
     page_table: i32[R, MP]; host_k, host_v: [L, NH+1, Pg, U, Hg, D].
     k_new, v_new: [R, Hkv, D] the newest token's K/V.
     max_len: T, positions per request; page_size: Pg.
+    key: optional f32[R, U, B] retention key of the layer's slots (a keyed
+      replacement policy); None: LRU.
     share: layers ``layer .. layer + share - 1`` use this selection (index
       sharing): each gets the misses fetched into the same slots, the same
       metadata, scores and counts (lockstep); the newest token is written for
       ``layer`` only (the sharing layers write their own).
+    score_decay: alpha of the score EMA (keyed policies); None keeps the scores.
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
@@ -98,9 +126,8 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
   sel = jnp.where(bad, -1, sel)
   row_dup = _duplicates(sel)
 
-  slot_pos = cache.slot_pos[layer]
-  slot_pos = jnp.where(slot_pos >= newest[..., None], -1, slot_pos)
-  res = cache_resolve_reference(slot_pos, cache.lru[layer], sel, newest)
+  slot_pos = effective_slot_pos(cache.slot_pos[layer], seq_len)
+  res = cache_resolve_reference(slot_pos, cache.lru[layer], sel, newest, None, key)
   new_slot_pos, new_lru, target = install_newest(res.slot_pos, res.lru, newest)
   target = jnp.where(act, target, -1)
 
@@ -136,7 +163,10 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
 
   keep = lambda new, old: jnp.where(row_ok[..., None], new, old)
   is_target = jnp.arange(num_slots) == target[..., None]
-  new_score = jnp.where(is_target, 1.0, cache.slot_score[layer])
+  score = cache.slot_score[layer]
+  if score_decay is not None:
+    score = updated_score(score, res.slot, res.is_miss, score_decay)
+  new_score = jnp.where(is_target, 1.0, score)
   counted = lambda mask: jnp.where(ok, mask.sum(-1, dtype=jnp.int32), 0)
   per_layer = lambda x, new: functools.reduce(
       lambda acc, j: acc.at[layer + j].set(new(x[layer + j])), range(share), x)
