@@ -47,7 +47,7 @@ class TieredCarry:
 def init_carry(cfg: TierConfig, tier: TieredKVState, sel=None, params=None,
                prefetch=None, active=None) -> TieredCarry:
   active = jnp.ones((cfg.num_requests,), bool) if active is None else jnp.asarray(active)
-  width = 0 if prefetch is None else prefetch.shape[-1]
+  width = None if prefetch is None else prefetch.shape[-1]
   return committed(TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0),
                                AnchorResult.empty(cfg, width), active, prefetch))
 

@@ -41,31 +41,27 @@ class AnchorResult(NamedTuple):
 
   The lookahead prefetch's rows are fetched by each sharing layer after its own
   attention (the anchor's prefetch may refill a slot this step still reads), so
-  the anchor hands on its plan: ``kp`` = 0 without a prefetch.
+  the anchor hands on its plan (None without a prefetch).
   """
 
   slot: jax.Array  # i32[R, U, k]
   is_hit: jax.Array  # bool[R, U, k] served without a fetch (newest included)
   is_miss: jax.Array  # bool[R, U, k] fetched (by the anchor, for every layer)
   target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
-  prefetch_pos: jax.Array  # i32[R, U, kp] positions predicted for the next step
-  prefetch_slot: jax.Array  # i32[R, U, kp] the slot each one goes to
-  prefetch_miss: jax.Array  # bool[R, U, kp] fetched ahead (not resident yet)
+  prefetch_pos: jax.Array | None = None  # i32[R, U, kp] predicted for the next step
+  prefetch_slot: jax.Array | None = None  # i32[R, U, kp] the slot each one goes to
+  prefetch_miss: jax.Array | None = None  # bool[R, U, kp] fetched ahead
 
   @classmethod
-  def empty(cls, cfg: TierConfig, prefetch_width: int = 0) -> "AnchorResult":
+  def empty(cls, cfg: TierConfig, prefetch_width: int | None = None) -> "AnchorResult":
     shape = (cfg.num_requests, cfg.num_units, cfg.top_k)
-    ahead = shape[:2] + (prefetch_width,)
+    plan = ()
+    if prefetch_width is not None:
+      ahead = shape[:2] + (prefetch_width,)
+      plan = (jnp.full(ahead, EMPTY, jnp.int32), jnp.full(ahead, EMPTY, jnp.int32),
+              jnp.zeros(ahead, bool))
     return cls(jnp.full(shape, EMPTY, jnp.int32), jnp.zeros(shape, bool),
-               jnp.zeros(shape, bool), jnp.full(shape[:2], EMPTY, jnp.int32),
-               jnp.full(ahead, EMPTY, jnp.int32), jnp.full(ahead, EMPTY, jnp.int32),
-               jnp.zeros(ahead, bool))
-
-  @classmethod
-  def no_prefetch(cls, slot, is_hit, is_miss, target) -> "AnchorResult":
-    ahead = slot.shape[:2] + (0,)
-    return cls(slot, is_hit, is_miss, target, jnp.zeros(ahead, jnp.int32),
-               jnp.zeros(ahead, jnp.int32), jnp.zeros(ahead, bool))
+               jnp.zeros(shape, bool), jnp.full(shape[:2], EMPTY, jnp.int32), *plan)
 
 
 def _or_reduce(x):
@@ -232,10 +228,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       prefetched=state.prefetched.at[layer].add(prefetched),
       fetched_rows=state.fetched_rows.at[layer].add(moved),
   )
-  anchor = AnchorResult.no_prefetch(res.slot, is_hit, is_miss, target)
-  if plan is not None:
-    anchor = anchor._replace(prefetch_pos=prefetch, prefetch_slot=plan[0],
-                             prefetch_miss=plan[1])
+  anchor = AnchorResult(res.slot, is_hit, is_miss, target,
+                        *(() if plan is None else (prefetch, *plan)))
   return out, lse, state, status, anchor
 
 
@@ -268,13 +262,9 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   if prefetch is not None:
     state, plan = _fused_prefetch(cfg, state, layer, prefetch,
                                   ok & (res.status == 0) & active, ranks)
-  anchor = None
-  if cfg.index_share > 1:
-    anchor = AnchorResult.no_prefetch(res.slot, (res.slot >= 0) & ~res.is_miss,
-                                      res.is_miss, res.target)
-    if plan is not None:
-      anchor = anchor._replace(prefetch_pos=prefetch, prefetch_slot=plan[0],
-                               prefetch_miss=plan[1])
+  anchor = None if cfg.index_share == 1 else AnchorResult(
+      res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target,
+      *(() if plan is None else (prefetch, *plan)))
   return out, lse, state, res.status, anchor
 
 
@@ -316,7 +306,7 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   hot_v = fetch.scatter_rows(state.hot_v, dest, new_v)
   out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, anchor.slot)
   fetched_rows = state.fetched_rows
-  if anchor.prefetch_pos.shape[-1]:
+  if anchor.prefetch_pos is not None:
     hot_k, hot_v, moved = _fetch_for_layer(
         cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v, layer,
         anchor.prefetch_pos, anchor.prefetch_slot, anchor.prefetch_miss)

@@ -260,7 +260,7 @@ def test_fused_path_prefetches_like_the_unfused_step():
           for impl in (FUSED, ImplConfig(resolve="xla", attention="xla", fetch="pallas"))]
   fused, unfused = (Harness(c, [40, 100, 70], seed=seed) for c in cfgs)
   nxt = draw_selection(fused.rng, cfgs[0], fused.decoder.seq_len, fused.prev)
-  for _ in range(15):
+  for _ in range(10):
     sel, fused.prev = nxt, nxt
     nxt = draw_selection(fused.rng, cfgs[0], fused.decoder.seq_len + 1, sel)
     for x in (sel, nxt):
