@@ -205,8 +205,7 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
 
 def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
                    new_score_ref, plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref,
-                   v_new_ref,
-                   host_k_ref, host_v_ref,
+                   v_new_ref, host_k_ref, host_v_ref,
                    _slot_pos_in, _lru_in, _score_in, _hits_in, _misses_in, _fetched_in,
                    _hot_k_in, _hot_v_in,
                    slot_pos_ref, lru_ref, score_ref, hits_ref, misses_ref, fetched_ref,
