@@ -349,6 +349,7 @@ def _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed
     want = 0.75 * old_score[r, u] + np.isin(np.arange(12), list(hits))
     want[victims] = 1.0
     installed = [s for s in range(12) if pos[s] < 0 and s not in victims]
-    if installed and new_pos[r, u, installed[0]] == seq[r]:
+    if installed:  # the newest token takes the lowest-index empty slot left
+      assert new_pos[r, u, installed[0]] == seq[r], seed
       want[installed[0]] = 1.0
     np.testing.assert_allclose(new_score[r, u], want, rtol=1e-6, err_msg=f"{seed=}")
