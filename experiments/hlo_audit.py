@@ -472,7 +472,9 @@ def audit_configs(smoke: bool):
       ("GPU default, zero-copy gather on CUDA stream 1, overlapped hit/miss attention",
        base.replace(impl=dataclasses.replace(impl("xla", "pallas", "pallas"),
                                              fetch_stream=1), overlap_hit_miss=True)),
-      ("fused layer kernels, rank policy (XLA key + one sort per row)",
+      ("fused layer kernels, freq policy (one sort per row in XLA)",
+       base.replace(impl=fused, policy=PolicyConfig("freq"))),
+      ("fused layer kernels, rank policy (XLA rank lookup + one sort per row)",
        base.replace(impl=fused, policy=PolicyConfig("rank"))),
   ]
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not deviceless.available(),
                                 reason="needs jax-cuda12-plugin (pip install -e .[audit])")
 
 
-@pytest.mark.parametrize("variant", range(9))
+@pytest.mark.parametrize("variant", range(10))
 def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   name, cfg = hlo_audit.audit_configs(smoke=True)[variant]
   audit = hlo_audit.audit_config(cfg, name)
