@@ -150,8 +150,7 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
 
   # RESOLVE; uncommitted positions left in the metadata by a refused step
   # (>= seq_len) count as empty.
-  slot_pos = state.slot_pos[layer]
-  slot_pos = jnp.where(slot_pos >= newest_u[..., None], EMPTY, slot_pos)
+  slot_pos = effective_slot_pos(state.slot_pos[layer], newest)
   res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
                             selected, newest_u, ranks)
   # A miss must be read from a host page: one without a page refuses the step.
