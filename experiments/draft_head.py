@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common
+from experiments import common, model_setup  # noqa: F401 (model_setup: --model_layers)
 from models import backends, draft_head, text
 from models import transformer as tfm
 
@@ -76,7 +76,7 @@ def main(argv):
                                                              FLAGS.eval_windows)
   steps = 6 if FLAGS.smoke else FLAGS.steps
   out = common.start_run("draft_head", FLAGS.flag_values_dict(), FLAGS.out_root)
-  model, tokenizer, _ = tfm.load_smollm2()
+  model, tokenizer, _ = tfm.load_smollm2(num_layers=FLAGS.model_layers)
   cfg, weights = model.cfg, model.weights()
   train_ids = text.tokenize_prompt(tokenizer, text.load_text(), train_windows * window)
   heldout = text.load_heldout_text()
@@ -92,7 +92,7 @@ def main(argv):
   head, history = draft_head.train(cfg, weights, feat_prev, token, feat_next, label, tc)
   ckpt = draft_head.save(out / "draft_head", head, dict(
       trained_on="pydoc_data.topics", windows=train_windows, window=window, steps=steps,
-      labels=FLAGS.labels))
+      labels=FLAGS.labels, model_layers=cfg.num_layers))
   head = draft_head.load(ckpt)  # evaluate what was saved
 
   feat_prev, token, feat_next, label = stacked_examples(eval_f, eval_t)

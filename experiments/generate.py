@@ -30,7 +30,8 @@ flags.DEFINE_integer("hot_slots", None, "B for the tiered cache (default 2k).")
 def main(argv):
   del argv
   model, tokenizer, ids = setup.load_model_and_prompt(
-      FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset)
+      FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset,
+      num_layers=FLAGS.model_layers)
   selector = params = None
   kwargs = {}
   if FLAGS.cache != "dense":

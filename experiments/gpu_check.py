@@ -89,7 +89,7 @@ SERVE_ARGS = ("--model=qwen3_8b_like --contexts=32768,131072 --concurrency=16 "
               "--num_requests=16 --output_len=512 --kv_budget_mib=24576 "
               "--host_budget_mib=65536 --max_batch=16 --hot_slots=4096 --page_size=64 "
               "--chunk_size=8192 --max_step_tokens=8192")
-SERVE_SMOKE_ARGS = ("--model=smollm2_135m --num_layers=2 --contexts=256 --concurrency=3 "
+SERVE_SMOKE_ARGS = ("--model=smollm2_135m --model_layers=2 --contexts=256 --concurrency=3 "
                     "--num_requests=3 --output_len=4 --kv_budget_mib=2 --max_batch=3 "
                     "--hot_slots=64 --chunk_size=64 --max_step_tokens=128")
 flags.DEFINE_string("serve_args", SERVE_ARGS, "serve: experiments.serve_sweep flags.")

@@ -82,7 +82,7 @@ def receive(engine, handoff) -> tuple[float, object]:
 
 def serve_receiver(port: int) -> None:
   """The MainDecode process: accept handoffs from the socket, finish them, reply."""
-  model, _, _ = setup.load_model_and_prompt(None, 1)
+  model, _, _ = setup.load_model_and_prompt(None, 1, num_layers=FLAGS.model_layers)
   engine = build(model)
   with socket.create_connection(("127.0.0.1", port)) as sock:
     while True:
@@ -111,9 +111,11 @@ def main(argv):
     listener = socket.create_server(("127.0.0.1", 0))
     peer = subprocess.Popen([sys.executable, "-m", "experiments.handoff",
                              f"--serve_port={listener.getsockname()[1]}",
-                             f"--hot_slots={FLAGS.hot_slots}", f"--max_len={FLAGS.max_len}"],
+                             f"--hot_slots={FLAGS.hot_slots}", f"--max_len={FLAGS.max_len}",
+                             *([f"--model_layers={FLAGS.model_layers}"]
+                               if FLAGS.model_layers else [])],
                             env=dict(os.environ))
-  model, tokenizer, _ = setup.load_model_and_prompt(None, 1)
+  model, tokenizer, _ = setup.load_model_and_prompt(None, 1, num_layers=FLAGS.model_layers)
   stream = text.tokenize_prompt(tokenizer, text.load_text(), FLAGS.prompt_tokens)
   relayed = list(map(int, FLAGS.relayed))
   total = max(relayed) + 8

@@ -16,5 +16,9 @@ flags.DEFINE_enum("selector", "quest", SELECTORS, "Sparse-attention selector "
                   "(quest_kv: Quest per KV head).")
 flags.DEFINE_integer("top_k", 256, "k: positions per layer (Quest: token budget; "
                      "NSA derives its own k from blocks and window).")
+flags.DEFINE_integer("model_layers", None, "Keep only SmolLM2's first n decoder layers "
+                     "(real weights; embedding, final norm and head kept): quick smoke "
+                     "runs and tests; its tokens are not SmolLM2's. Dummy presets: "
+                     "their layer count.", lower_bound=1)
 flags.DEFINE_string("indexer_ckpt", None, "Distilled DSA indexer (default: "
                     f"{DEFAULT_INDEXER} if present; experiments/distill_indexer.py).")

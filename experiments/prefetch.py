@@ -136,8 +136,13 @@ def main(argv):
   out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt),
                          FLAGS.out_root)
   model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
-                                                    FLAGS.offset)
+                                              FLAGS.offset, FLAGS.model_layers)
   cfg = model.cfg
+  if FLAGS.draft_ckpt:  # a head reads one model's features
+    trained_on = draft_head.load_metadata(FLAGS.draft_ckpt).get("model_layers")
+    if trained_on is not None and trained_on != cfg.num_layers:
+      raise ValueError(f"--draft_ckpt was trained on SmolLM2's first {trained_on} "
+                       f"layers; this run has {cfg.num_layers} (--model_layers)")
   built = [setup.build_selector(n, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
            for n in FLAGS.selectors]
   selectors, params = tuple(s for s, _ in built), tuple(p for _, p in built)

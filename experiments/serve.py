@@ -162,7 +162,8 @@ def main(argv):
   common.ensure_devices(shape["data"] * shape["model"])  # before jax starts
   mesh = sharding.make_mesh(shape) if FLAGS.mesh else None
   out = common.start_run("serve", FLAGS.flag_values_dict(), FLAGS.out_root)
-  model, tokenizer, _ = setup.load_model_and_prompt(None, 1)
+  model, tokenizer, _ = setup.load_model_and_prompt(
+      None, 1, num_layers=FLAGS.model_layers)
   rng = np.random.default_rng(FLAGS.seed)
   stream = text.tokenize_prompt(tokenizer, text.load_text(), 60000)
   if FLAGS.workload:

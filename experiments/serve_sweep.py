@@ -48,7 +48,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2", "smollm2 (real weights) or a runnable preset "
                     "with dummy weights for performance runs (qwen3_8b_like, "
                     "smollm2_135m).")
-flags.DEFINE_integer("num_layers", None, "Dummy models: override the layer count.")
 flags.DEFINE_list("contexts", ["1024"], "Context lengths (prompt + output tokens).")
 flags.DEFINE_list("concurrency", ["8"], "Closed-loop max concurrency per point.")
 flags.DEFINE_list("caches", ["sparse", "tiered"], "Cache backends compared.")
@@ -109,10 +108,11 @@ TABLE_COLUMNS = ["context", "concurrency", "cache", "prefill_policy", "slots", "
 def load_model():
   """(model, token stream for synthetic prompts, tokenizer or None, weights)."""
   if FLAGS.model == "smollm2":
-    model, tokenizer, _ = setup.load_model_and_prompt(None, 1)
+    model, tokenizer, _ = setup.load_model_and_prompt(
+        None, 1, num_layers=FLAGS.model_layers)
     stream = text.tokenize_prompt(tokenizer, text.load_text(), 60000)
     return model, stream, tokenizer, "real"
-  override = {} if FLAGS.num_layers is None else dict(num_layers=FLAGS.num_layers)
+  override = {} if FLAGS.model_layers is None else dict(num_layers=FLAGS.model_layers)
   model = setup.dummy_model(FLAGS.model, FLAGS.seed, **override)
   rng = np.random.default_rng(FLAGS.seed)
   return model, rng.integers(0, model.cfg.vocab_size, 1 << 20), None, "dummy"
@@ -284,7 +284,9 @@ def main(argv):
   if FLAGS.smoke:
     FLAGS.contexts, FLAGS.concurrency, FLAGS.num_requests = ["192"], ["3"], 3
     FLAGS.output_len, FLAGS.max_batch, FLAGS.hot_slots = 4, 3, 64
-    FLAGS.chunk_size, FLAGS.max_step_tokens, FLAGS.kv_budget_mib = 64, 128, 20.0
+    FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 128
+    if FLAGS["kv_budget_mib"].using_default_value:
+      FLAGS.kv_budget_mib = 20.0  # the full model: sparse admits 2 of 3 (device-bound)
     FLAGS.rollout_turns, FLAGS.rollout_env_tokens, FLAGS.rollout_env_seconds = 2, 16, 0.0
   if FLAGS["top_k"].using_default_value:
     FLAGS.top_k = FLAGS.hot_slots // 2  # B = 2k, the paper's default

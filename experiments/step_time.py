@@ -98,8 +98,8 @@ def main(argv):
   del argv
   out = common.start_run("step_time", FLAGS.flag_values_dict(), FLAGS.out_root)
   contexts = list(map(int, FLAGS.contexts))
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file,
-                                                    max(contexts) + 8, FLAGS.offset)
+  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, max(contexts) + 8,
+                                              FLAGS.offset, FLAGS.model_layers)
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                                 FLAGS.indexer_ckpt)
   measured = []

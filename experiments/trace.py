@@ -73,7 +73,7 @@ def main(argv):
   out = common.start_run("trace", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt,
                                        steps=steps), FLAGS.out_root)
   model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
-                                                    FLAGS.offset)
+                                              FLAGS.offset, FLAGS.model_layers)
   cfg = model.cfg
   depth = {name: max(FLAGS.top_k, FLAGS.rank_depth if name in RANKED else 0)
            for name in FLAGS.selectors}

@@ -126,6 +126,11 @@ def save(path, head: DraftHead, metadata: dict | None = None) -> pathlib.Path:
   return path
 
 
+def load_metadata(path) -> dict:
+  """The ``metadata`` dict ``save`` wrote beside the head (what it was trained on)."""
+  return json.loads((pathlib.Path(path) / "draft_head.json").read_text())["metadata"]
+
+
 def load(path) -> DraftHead:
   """The head ``save`` wrote, exactly."""
   import orbax.checkpoint as ocp

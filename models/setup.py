@@ -47,6 +47,7 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
     if path.exists():
       from kvtier_jax.selectors.distill import load_indexer
       params = load_indexer(path.resolve())
+      params = _first_layers_of(params, cfg.num_layers, path)
     else:
       log.warning("no distilled indexer at %s: using a RANDOM indexer (run "
                   "python -m experiments.distill_indexer)", path)
@@ -56,10 +57,25 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
   raise ValueError(f"unknown selector {name!r}; one of {SELECTORS}")
 
 
-def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: int = 0):
+def _first_layers_of(params, num_layers: int, path):
+  """A distilled indexer for a model cut to its first layers (``num_layers``):
+  those layers are the full model's, so are their indexers."""
+  trained = params.wq.shape[0]
+  if trained < num_layers:
+    raise ValueError(f"{path}: an indexer for {trained} layers, the model has "
+                     f"{num_layers}")
+  return jax.tree.map(lambda a: a[:num_layers], params)
+
+
+def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: int = 0,
+                          num_layers: int | None = None):
   """(model, tokenizer, prompt ids) of SmolLM2 over ``prompt_file`` (default: the
-  pydoc corpus), tokens ``[offset, offset + prompt_tokens)``."""
-  model, tokenizer, info = load_smollm2()
+  pydoc corpus), tokens ``[offset, offset + prompt_tokens)``; ``num_layers``: only
+  its first layers (``transformer.first_layers``, for smoke runs)."""
+  model, tokenizer, info = load_smollm2(num_layers=num_layers)
+  if num_layers is not None:
+    log.warning("SmolLM2 cut to its first %d layers (smoke run: not SmolLM2's tokens)",
+                num_layers)
   log.info("loaded %s in %.1f s", info["path"], info["load_seconds"])
   ids = text.tokenize_prompt(tokenizer, text.load_text(prompt_file), prompt_tokens,
                              offset=offset)

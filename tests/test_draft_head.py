@@ -13,7 +13,7 @@ import pytest
 from models import draft_head, text
 from models import transformer as tfm
 from models.config import ModelConfig
-from tests.util import smollm2_or_skip
+from tests.util import SMOKE_LAYERS, smollm2_or_skip
 
 
 def tiny_model():
@@ -108,15 +108,23 @@ def rows_of(root, experiment):
 def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   """The runner trains, saves and scores the head beside prompt lookup and the
   model's own token; the prefetch study then uses the checkpoint on the held-out
-  text, one predictor per draft."""
+  text, one predictor per draft; it refuses a head trained on another cut of the
+  model (SmolLM2's first ``SMOKE_LAYERS`` layers here, for speed)."""
   smollm2_or_skip()
-  run("experiments.draft_head", "--smoke", f"--out_root={tmp_path}")
+  layers = f"--model_layers={SMOKE_LAYERS}"
+  run("experiments.draft_head", "--smoke", layers, f"--out_root={tmp_path}")
   by = {r["draft"]: r for r in rows_of(tmp_path, "draft_head")}
   assert set(by) == {"draft head", "prompt lookup", "model's next token (after the step)"}
   assert by["model's next token (after the step)"]["acceptance_vs_greedy"] == 1.0
   run_dir = next(tmp_path.glob("draft_head/*"))
-  run("experiments.prefetch", "--smoke", "--selectors=quest", f"--out_root={tmp_path}",
-      f"--prompt_file={run_dir / 'heldout.txt'}", f"--draft_ckpt={run_dir / 'draft_head'}")
+  prefetch = ("experiments.prefetch", "--smoke", "--selectors=quest",
+              f"--out_root={tmp_path}", f"--prompt_file={run_dir / 'heldout.txt'}",
+              f"--draft_ckpt={run_dir / 'draft_head'}")
+  proc = subprocess.run([sys.executable, "-m", *prefetch], capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert proc.returncode != 0
+  assert f"trained on SmolLM2's first {SMOKE_LAYERS} layers" in proc.stderr
+  run(*prefetch, layers)
   rows = {r["variant"]: r for r in rows_of(tmp_path, "prefetch")}
   for kind in ("draft token", "draft head", "model's next token"):
     assert 0.0 < rows[f"prefetch: {kind}"]["agreement"] <= 1.0

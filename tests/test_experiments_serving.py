@@ -6,6 +6,7 @@ import json
 import re
 
 from tests.test_experiments import only_run, run
+from tests.util import SMOKE_LAYERS
 
 
 def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_path):
@@ -28,7 +29,8 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   # Over a data:2 x model:2 mesh of fake CPU devices (requests over 2 rows, each with
   # its own host tier; SmolLM2's KV heads padded 3 -> 4 over 2 devices per row), so
   # the mesh path serves the prefix cache too; --check_exact runs on one device.
-  out = run("experiments.serve", "--smoke", "--prefix_cache", "--check_exact",
+  out = run("experiments.serve", "--smoke", f"--model_layers={SMOKE_LAYERS}",
+            "--prefix_cache", "--check_exact",
             "--mesh=data:2,model:2", f"--workload={workload}", f"--out_root={tmp_path}")
   last = out.strip().splitlines()[-1]
   pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
@@ -52,7 +54,10 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
   runs more requests at once, and every request's tokens equal the sparse run's."""
-  out = run("experiments.serve_sweep", "--smoke", f"--out_root={tmp_path}")
+  # A budget that holds 2 of 3 sparse requests of the cut model (as 20 MiB does of
+  # the full one), so sparse is bound by the device and tiered by its slots.
+  out = run("experiments.serve_sweep", "--smoke", f"--model_layers={SMOKE_LAYERS}",
+            "--kv_budget_mib=4", f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "serve_sweep")
   by = {r["cache"]: r for r in rows}
   assert by.keys() == {"sparse", "tiered"}

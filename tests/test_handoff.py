@@ -13,6 +13,7 @@ from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State
 from kvtier_jax.serving import handoff as handoff_lib
 from tests.test_prefix_cache import shared_prefix_workload
 from tests.test_serving import VOCAB, FakeModel, solo
+from tests.util import SMOKE_LAYERS
 
 
 def relay_workload(rng, num, pages=60, prefix_cache=True):
@@ -139,6 +140,7 @@ def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
   and its tokens equal its own uninterrupted runs, greedy and seeded sampling."""
   from tests.test_experiments import only_run, run
   out = run("experiments.handoff", "--two_process", "--smoke", "--link_mbps=50",
+            f"--model_layers={SMOKE_LAYERS}",
             f"--out_root={tmp_path}")
   _, rows = only_run(tmp_path, "handoff")
   assert {r["handoff"] for r in rows} == {"send KV", "extend"} and all(r["exact"] for r in rows)

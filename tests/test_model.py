@@ -31,7 +31,8 @@ from models import cache as cache_lib
 from models import gguf_loader, sampling, text
 from models.config import ModelConfig
 from models.transformer import (Transformer, apply_rope, apply_rope_interleaved,
-                                causal_attention, decode_attention, rope_angles)
+                                causal_attention, decode_attention, first_layers,
+                                rope_angles)
 
 LOGIT_ATOL = 5e-4
 KV_ATOL = 5e-4  # post-RoPE K/V after up to 30 layers: same reasoning as logits
@@ -227,6 +228,30 @@ def test_tiny_random_model_cached_decode_matches_forward():
     logits, kv = sampling.dense_step(model, feed, kv)
     np.testing.assert_allclose(np.asarray(logits), full[[0, 1], lens + step],
                                atol=1e-5)
+
+
+def test_first_layers_is_the_full_model_with_its_later_layers_silenced():
+  """The cut model (``first_layers``) equals the full one whose later layers add
+  nothing to the residual stream (their output projections zeroed): the first
+  layers are kept, in order, and the embedding, final norm and head unchanged."""
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=5,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny")
+  rng = np.random.default_rng()
+  params = {name: (rng.standard_normal(shape) * 0.3).astype(np.float32)
+            for name, shape in Transformer.param_shapes(cfg).items()}
+  cut_cfg, cut = first_layers(cfg, params, 2)
+  assert cut_cfg.num_layers == 2 and cut["wq"].shape == (2, 32, 4, 8)
+  silenced = dict(params, wo=params["wo"].copy(), w_down=params["w_down"].copy())
+  silenced["wo"][2:] = 0.0
+  silenced["w_down"][2:] = 0.0
+  tokens = rng.integers(0, 64, (2, 12)).astype(np.int32)
+  np.testing.assert_allclose(
+      np.asarray(Transformer.from_params(cut_cfg, cut).forward(tokens)),
+      np.asarray(Transformer.from_params(cfg, silenced).forward(tokens)), atol=1e-5)
+  for bad in (0, 6):
+    with pytest.raises(ValueError, match="num_layers"):
+      first_layers(cfg, params, bad)
 
 
 # Tokenizer -------------------------------------------------------------------

