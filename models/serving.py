@@ -279,8 +279,10 @@ class ServingBackend:
   # State -----------------------------------------------------------------------
 
   def init(self) -> ServingState:
+    # Committed from the start, as every step returns it: else each jitted
+    # function the engine calls compiles once more (kv_decode.committed).
     with jax.default_device(self.device):
-      return self._init()
+      return kv_decode.committed(self._init())
 
   def _init(self) -> ServingState:
     cfg, slots = self.cfg, self.num_slots

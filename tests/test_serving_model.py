@@ -65,6 +65,9 @@ def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None, *
 def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
   model, ids = model_and_ids
   sizes, running = [], {"tiered": 0, "sparse": 0}
+  installs = lambda: (serving._selector_install._cache_size(),
+                      serving._write_through._cache_size())
+  installs_before = installs()
 
   def probe(engine, name="tiered"):
     running[name] = max(running[name], sum(r is not None for r in engine.slots))
@@ -76,6 +79,9 @@ def test_tiered_engine_equals_sparse_and_solo_runs(model_and_ids):
                       probe=probe)
   _, want = serve(model, ids, "sparse", WORKLOAD, abort=ABORTED,
                   probe=lambda e: probe(e, "sparse"))
+  # Both engines' installs compiled once between them: their states are committed
+  # from the start, as every step returns them (else once per committed-ness).
+  assert all(n - b <= 1 for n, b in zip(installs(), installs_before)), installs()
   # The same device budget holds more tiered requests (hot caches, not full KV).
   assert running["tiered"] == 3 > running["sparse"], running
   stats = tiered.model.stats(tiered.state)
