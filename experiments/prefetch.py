@@ -138,11 +138,6 @@ def main(argv):
   model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
                                               FLAGS.offset, FLAGS.model_layers)
   cfg = model.cfg
-  if FLAGS.draft_ckpt:  # a head reads one model's features
-    trained_on = draft_head.load_metadata(FLAGS.draft_ckpt).get("model_layers")
-    if trained_on is not None and trained_on != cfg.num_layers:
-      raise ValueError(f"--draft_ckpt was trained on SmolLM2's first {trained_on} "
-                       f"layers; this run has {cfg.num_layers} (--model_layers)")
   built = [setup.build_selector(n, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
            for n in FLAGS.selectors]
   selectors, params = tuple(s for s, _ in built), tuple(p for _, p in built)
@@ -164,7 +159,7 @@ def main(argv):
   if FLAGS.draft_ckpt:
     # Teacher-forced features of the whole span (the dense forward: what each
     # decode step computes, up to float rounding).
-    head = draft_head.load(FLAGS.draft_ckpt)
+    head = draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers)
     feats = apply_features(cfg, weights, jnp.asarray(tokens[None, :prompt + steps + 1]))[0]
     head_drafts = np.asarray(draft_head.draft_tokens(
         cfg, weights, head, feats[prompt - 1:prompt + steps - 1],

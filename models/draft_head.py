@@ -126,18 +126,19 @@ def save(path, head: DraftHead, metadata: dict | None = None) -> pathlib.Path:
   return path
 
 
-def load_metadata(path) -> dict:
-  """The ``metadata`` dict ``save`` wrote beside the head (what it was trained on)."""
-  return json.loads((pathlib.Path(path) / "draft_head.json").read_text())["metadata"]
-
-
-def load(path) -> DraftHead:
-  """The head ``save`` wrote, exactly."""
+def load(path, num_layers: int | None = None) -> DraftHead:
+  """The head ``save`` wrote, exactly. ``num_layers``: the layers of the model it
+  will read; a head whose metadata says it was trained on another cut of the model
+  (``model_layers``) is refused, as it reads other features."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   meta = json.loads((path / "draft_head.json").read_text())
   if meta.get("format") != _FORMAT:
     raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
+  trained_on = meta["metadata"].get("model_layers")
+  if num_layers is not None and trained_on is not None and trained_on != num_layers:
+    raise ValueError(f"{path}: trained on the model's first {trained_on} layers, "
+                     f"the model here has {num_layers}")
   abstract = nnx.eval_shape(lambda: DraftHead(meta["embed_dim"], meta["hidden_dim"],
                                               rngs=nnx.Rngs(0)))
   graph, state = nnx.split(abstract, nnx.Param)

@@ -54,11 +54,13 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
   got = np.asarray(draft_head.draft_tokens(cfg, weights, head, zeros[:512],
                                            jnp.asarray(fresh)))
   assert (got == (fresh + 3) % cfg.vocab_size).mean() > 0.8  # chance: 1/64
-  path = draft_head.save(tmp_path / "head", head, {"note": "test"})
-  again = draft_head.load(path)
+  path = draft_head.save(tmp_path / "head", head, {"model_layers": cfg.num_layers})
+  again = draft_head.load(path, num_layers=cfg.num_layers)
   np.testing.assert_array_equal(
       np.asarray(draft_head.draft_tokens(cfg, weights, again, zeros[:512],
                                          jnp.asarray(fresh))), got)
+  with pytest.raises(ValueError, match="first 2 layers"):  # another cut's features
+    draft_head.load(path, num_layers=cfg.num_layers + 1)
   (path / "draft_head.json").write_text(json.dumps({"format": "other"}))
   with pytest.raises(ValueError, match="format"):
     draft_head.load(path)
@@ -108,8 +110,8 @@ def rows_of(root, experiment):
 def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   """The runner trains, saves and scores the head beside prompt lookup and the
   model's own token; the prefetch study then uses the checkpoint on the held-out
-  text, one predictor per draft; it refuses a head trained on another cut of the
-  model (SmolLM2's first ``SMOKE_LAYERS`` layers here, for speed)."""
+  text, one predictor per draft (SmolLM2's first ``SMOKE_LAYERS`` layers, for
+  speed)."""
   smollm2_or_skip()
   layers = f"--model_layers={SMOKE_LAYERS}"
   run("experiments.draft_head", "--smoke", layers, f"--out_root={tmp_path}")
@@ -120,10 +122,6 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   prefetch = ("experiments.prefetch", "--smoke", "--selectors=quest",
               f"--out_root={tmp_path}", f"--prompt_file={run_dir / 'heldout.txt'}",
               f"--draft_ckpt={run_dir / 'draft_head'}")
-  proc = subprocess.run([sys.executable, "-m", *prefetch], capture_output=True,
-                        text=True, timeout=600, check=False)
-  assert proc.returncode != 0
-  assert f"trained on SmolLM2's first {SMOKE_LAYERS} layers" in proc.stderr
   run(*prefetch, layers)
   rows = {r["variant"]: r for r in rows_of(tmp_path, "prefetch")}
   for kind in ("draft token", "draft head", "model's next token"):
