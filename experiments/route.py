@@ -46,6 +46,7 @@ flags.DEFINE_integer("hot_slots", 128, "B.")
 flags.DEFINE_integer("top_k", 64, "k.")
 flags.DEFINE_integer("chunk_size", 128, "Prompt tokens per prefill chunk.")
 flags.DEFINE_integer("max_step_tokens", 256, "Tokens per engine step.")
+flags.DEFINE_float("host_budget_mib", 1024.0, "Host MiB for each replica's page pool.")
 flags.DEFINE_bool("distributed", True, "Join the replicas in jax.distributed (gloo).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("out_root", None, "Results root.")
@@ -73,7 +74,8 @@ def _replica_main(conn, index: int, count: int, port: int | None, config: dict) 
     backend = workloads.build_backend(
         model, "tiered", selector=selector, params=params, max_batch=config["max_batch"],
         max_len=config["max_len"], chunk_size=config["chunk_size"], page_size=16,
-        hot_slots=config["hot_slots"], host_budget_mib=1024.0, device=device)
+        hot_slots=config["hot_slots"], host_budget_mib=config["host_budget_mib"],
+        device=device)
     return workloads.build_engine(backend, max_step_tokens=config["max_step_tokens"],
                                   prefix_cache=True)
   workloads.warm_up(factory(), RequestSpec("warm", tuple(config["warm_prompt"]), 2),
@@ -144,7 +146,7 @@ def main(argv):
   if FLAGS.smoke:
     FLAGS.sessions, FLAGS.turns, FLAGS.first_len, FLAGS.output_len = 3, 2, 150, 4
     FLAGS.hot_slots, FLAGS.top_k, FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 32, 64, 64
-    FLAGS.max_batch, FLAGS.session_gap_s = 2, 0.2
+    FLAGS.max_batch, FLAGS.session_gap_s, FLAGS.host_budget_mib = 2, 0.2, 256.0
   out = common.start_run("route", FLAGS.flag_values_dict(), FLAGS.out_root)
   from models import setup, text
   _, tokenizer, _ = setup.load_model_and_prompt(None, 1)
@@ -154,6 +156,7 @@ def main(argv):
   longest = max(len(s.prompt) + sum(map(len, s.env_tokens)) + sum(s.max_new_tokens)
                 for s in sessions)
   config = dict(top_k=FLAGS.top_k, max_batch=FLAGS.max_batch, hot_slots=FLAGS.hot_slots,
+                host_budget_mib=FLAGS.host_budget_mib,
                 chunk_size=FLAGS.chunk_size, max_step_tokens=FLAGS.max_step_tokens,
                 max_len=-(-longest // FLAGS.chunk_size) * FLAGS.chunk_size,
                 warm_prompt=list(sessions[0].prompt))

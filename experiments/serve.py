@@ -153,6 +153,8 @@ def main(argv):
     FLAGS.num_requests, FLAGS.prompt_range, FLAGS.output_range = 4, ["40", "150"], ["3", "6"]
     FLAGS.max_len, FLAGS.hot_slots, FLAGS.top_k, FLAGS.max_batch = 256, 64, 32, 3
     FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 64
+    if FLAGS["host_budget_mib"].using_default_value:
+      FLAGS.host_budget_mib = 256.0  # the smoke's requests need ~30 MiB
   data = sharding.parse_mesh(FLAGS.mesh)["data"]
   if FLAGS.smoke:
     FLAGS.max_batch = -(-FLAGS.max_batch // data) * data

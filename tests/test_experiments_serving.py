@@ -54,8 +54,8 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
   runs more requests at once, and every request's tokens equal the sparse run's."""
-  # A budget that holds 2 of 3 sparse requests of the cut model (as 20 MiB does of
-  # the full one), so sparse is bound by the device and tiered by its slots.
+  # 4 MiB holds one sparse request of the cut model (bound by the device) and all
+  # three tiered ones (bound by the slots).
   out = run("experiments.serve_sweep", "--smoke", f"--model_layers={SMOKE_LAYERS}",
             "--kv_budget_mib=4", f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "serve_sweep")
