@@ -286,7 +286,7 @@ def main(argv):
     FLAGS.output_len, FLAGS.max_batch, FLAGS.hot_slots = 4, 3, 64
     FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 128
     if FLAGS["kv_budget_mib"].using_default_value:
-      FLAGS.kv_budget_mib = 20.0  # the full model: sparse admits 2 of 3 (device-bound)
+      FLAGS.kv_budget_mib = 20.0  # with the full model, sparse is bound by the device
     if FLAGS["host_budget_mib"].using_default_value:
       FLAGS.host_budget_mib = 256.0  # 3 short requests need ~30 MiB; 2 GiB costs 3 s
     FLAGS.rollout_turns, FLAGS.rollout_env_tokens, FLAGS.rollout_env_seconds = 2, 16, 0.0

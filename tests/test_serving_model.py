@@ -37,8 +37,8 @@ def backend(model, name, host_pages=None):
 
 
 # Device bytes: with the full 30 layers, the staging buffer (11.8 MB) + ~13 MB of
-# requests. Every byte the engine counts is per layer, so the cut model's budget
-# scales with its layers: the same requests fit.
+# requests. Both scale with the layers, so does the cut model's budget: the same
+# requests fit (the assertions on concurrency and preemption below hold).
 BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 

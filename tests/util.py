@@ -15,7 +15,7 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
 
 # SmolLM2 cut to its first layers (real weights and activations, a fifth of the
-# cost) for the runners' smokes and the engine tests: they check the CLI contracts
+# layers) for the runners' smokes and the engine tests: they check the CLI contracts
 # and the engine against its own sparse run. The full 30 layers are the parity
 # tests' (test_backends_parity.py, test_backends.py).
 SMOKE_LAYERS = 6
