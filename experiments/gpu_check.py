@@ -195,13 +195,13 @@ def device_profile(label, run, steps=5, top=14):
   import glob
   import tempfile
   from jax._src.lib import _profile_data
-  trace_dir = tempfile.mkdtemp()
   jax.block_until_ready(run())
-  with jax.profiler.trace(trace_dir):
-    for _ in range(steps):
-      jax.block_until_ready(run())
-  data = _profile_data.ProfileData.from_file(
-      glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(steps):
+        jax.block_until_ready(run())
+    data = _profile_data.ProfileData.from_file(
+        glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
   planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
   for plane in planes or [p for p in data.planes if p.name == "/host:CPU"]:
     for line in plane.lines:

@@ -5,6 +5,7 @@ cache (FakeModel reads a cached prefix back from its "host pages", so a wrong or
 overwritten shared page changes the tokens)."""
 
 import dataclasses
+import gc
 import itertools
 import os
 
@@ -328,6 +329,17 @@ def test_disk_tier_under_page_pressure_keeps_every_token(policy, tmp_path):
   if policy == "load":
     assert engine.disk_recomputed_tokens == 0
   assert engine.cached_tokens >= engine.disk_loaded_tokens
+
+
+def test_engine_removes_the_disk_tier_it_created():
+  engine, reqs = run_with_prefix_cache(np.random.default_rng(), 40, pages=24,
+                                       model=PoisoningModel, disk_pages=20)
+  assert State.FAILED not in [r.state for r in reqs] and engine.disk.pages_written > 0
+  path = engine.disk.path
+  assert os.path.basename(path).startswith("kvtier-disk-") and os.listdir(path)
+  del engine
+  gc.collect()
+  assert not os.path.exists(path), "the engine's temporary disk tier was left behind"
 
 
 def test_disk_tier_needs_the_prefix_cache():

@@ -51,8 +51,10 @@ import collections
 import dataclasses
 import functools
 import math
+import shutil
 import tempfile
 import time
+import weakref
 from typing import Callable, Iterable
 
 import numpy as np
@@ -94,7 +96,8 @@ class EngineConfig:
     disk_pages: pages of a disk tier below the host pool for cached prefixes
       (0: none; needs ``prefix_cache`` and a model with ``read_pages`` /
       ``write_pages``).
-    disk_dir: where the disk tier lives (None: a fresh temporary directory).
+    disk_dir: where the disk tier lives (None: a fresh temporary directory, removed
+      with the engine).
     disk_policy: for a prefix found on disk: ``"load"`` it back, ``"recompute"``
       it, or ``"auto"``: load when the measured load time of its pages is below
       the measured prefill time of its tokens.
@@ -147,8 +150,11 @@ class Engine:
       if config.disk_pages:
         if not hasattr(model, "read_pages"):
           raise ValueError("a disk tier needs a model with read_pages / write_pages")
-        self.disk = DiskTier(config.disk_dir or tempfile.mkdtemp(prefix="kvtier-disk-"),
-                             config.disk_pages)
+        disk_dir = config.disk_dir
+        if disk_dir is None:  # the engine's own: removed when the engine is collected
+          disk_dir = tempfile.mkdtemp(prefix="kvtier-disk-")
+          weakref.finalize(self, shutil.rmtree, disk_dir, ignore_errors=True)
+        self.disk = DiskTier(disk_dir, config.disk_pages)
       self.radix = RadixCache(model.chunk_size, model.page_size, self.disk)
     self.prompt_tokens = 0  # prompt tokens of every admission
     self.cached_tokens = 0  # of those, served from the prefix cache (host or disk)
