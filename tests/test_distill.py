@@ -29,8 +29,9 @@ def one_layer(seed=0, **kwargs):
                                          ROPE, **kwargs), 0)
 
 
-def rand(seed, *shape):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+def rand(*shape):
+  """Fresh standard normals (numpy: a jax.random draw compiles per shape, ~1-3 s)."""
+  return jnp.asarray(np.random.default_rng().standard_normal(shape, np.float32))
 
 
 # ---------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def targets_brute_force(q, k, positions, lens):
 
 
 def test_attention_targets_all_positions_match_brute_force():
-  q, k = rand(0, R, T, HQ, D), rand(1, R, T, HKV, D)
+  q, k = rand(R, T, HQ, D), rand(R, T, HKV, D)
   got = distill.attention_targets(q, k)
   want = targets_brute_force(q, k, np.tile(np.arange(T), (R, 1)), [T] * R)
   np.testing.assert_allclose(got, want, atol=1e-6)
@@ -63,7 +64,7 @@ def test_attention_targets_all_positions_match_brute_force():
 
 
 def test_attention_targets_subset_rows_and_padding_match_brute_force():
-  q, k = rand(2, R, 3, HQ, D), rand(3, R, T, HKV, D)
+  q, k = rand(R, 3, HQ, D), rand(R, T, HKV, D)
   positions = jnp.array([[0, 5, 11], [2, 7, 9]], jnp.int32)
   lens = np.array([T, 8])  # request 1: keys >= 8 are padding, query 9 is padding
   got = np.asarray(distill.attention_targets(q, k, positions, jnp.asarray(lens)))
@@ -76,7 +77,7 @@ def test_attention_targets_subset_rows_and_padding_match_brute_force():
 
 def test_attention_targets_rejects_bad_gqa():
   with pytest.raises(ValueError, match="multiple"):
-    distill.attention_targets(rand(0, 1, 4, 3, D), rand(1, 1, 4, 2, D))
+    distill.attention_targets(rand(1, 4, 3, D), rand(1, 4, 2, D))
 
 
 # ---------------------------------------------------------------------------------
@@ -90,7 +91,7 @@ def rows_and_mask(lens=None):
 
 
 def test_loss_zero_iff_indexer_matches_target():
-  params, x = one_layer(0), rand(4, R, T, DM)
+  params, x = one_layer(0), rand(R, T, DM)
   positions, mask = rows_and_mask()
   scores = distill.prompt_index_scores(params, x, positions, mask)
   target = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
@@ -103,10 +104,10 @@ def test_loss_zero_iff_indexer_matches_target():
 
 
 def test_loss_matches_numpy_kl_and_ignores_padding_rows():
-  params, x = one_layer(0), rand(5, R, T, DM)
+  params, x = one_layer(0), rand(R, T, DM)
   lens = jnp.array([T, 7])
   positions, mask = rows_and_mask(lens)  # request 1's query at 10 is padding
-  target = jax.nn.softmax(jnp.where(mask, rand(6, R, 4, T), -jnp.inf), -1)
+  target = jax.nn.softmax(jnp.where(mask, rand(R, 4, T), -jnp.inf), -1)
   target = jnp.where(mask, jnp.nan_to_num(target), 0.0)
   scores = np.asarray(distill.prompt_index_scores(params, x, positions, mask),
                       np.float64)
@@ -127,9 +128,9 @@ def test_loss_matches_numpy_kl_and_ignores_padding_rows():
 
 def test_training_reduces_loss_on_random_data():
   layers = 2
-  x = rand(7, layers, R, T, DM)
+  x = rand(layers, R, T, DM)
   positions, mask = rows_and_mask()
-  target = jax.nn.softmax(jnp.where(mask, 3.0 * rand(8, layers, R, 4, T), -jnp.inf), -1)
+  target = jax.nn.softmax(jnp.where(mask, 3.0 * rand(layers, R, 4, T), -jnp.inf), -1)
   init = init_indexer_params(jax.random.PRNGKey(9), layers, DM, H_I, D_I, ROPE)
   before = distill.layer_losses(init, x, positions, target, mask)
   result = distill.train_indexer(jax.random.PRNGKey(10), x, target, 40, 3e-2,
@@ -146,13 +147,13 @@ def test_training_reduces_loss_on_random_data():
 def test_train_indexer_rejects_mismatched_targets():
   positions, _ = rows_and_mask()
   with pytest.raises(ValueError, match="targets"):
-    distill.train_indexer(jax.random.PRNGKey(0), rand(0, 2, R, T, DM),
+    distill.train_indexer(jax.random.PRNGKey(0), rand(2, R, T, DM),
                           jnp.zeros((2, R, 3, T)), 1, 1e-3, query_positions=positions)
 
 
 def test_distilled_scores_are_what_dsa_selector_ranks():
   """Scores trained by the loss rank positions exactly as DSASelector.select does."""
-  params, x = one_layer(3, rope_theta=100000.0), rand(11, 1, T, DM)
+  params, x = one_layer(3, rope_theta=100000.0), rand(1, T, DM)
   newest = T - 1
   selector = DSASelector(top_k=5, index_dim=D_I)
   state = selector.init_state(1, 1, T)
@@ -183,9 +184,9 @@ def recall_brute_force(scores, target, k):
 @pytest.mark.parametrize("k", [1, 3, 7, T, T + 5])
 def test_topk_recall_matches_brute_force(k):
   positions, mask = rows_and_mask()
-  target = jnp.where(mask, jax.nn.softmax(jnp.where(mask, rand(12, R, 4, T), -jnp.inf),
+  target = jnp.where(mask, jax.nn.softmax(jnp.where(mask, rand(R, 4, T), -jnp.inf),
                                           -1), 0.0)
-  scores = jnp.where(mask, rand(13, R, 4, T), -jnp.inf)
+  scores = jnp.where(mask, rand(R, 4, T), -jnp.inf)
   got = np.asarray(distill.topk_recall(scores, target, k))
   want = np.array([[recall_brute_force(np.asarray(scores[r, i]), np.asarray(target[r, i]),
                                        k) for i in range(4)] for r in range(R)])
@@ -199,10 +200,10 @@ def test_topk_recall_matches_brute_force(k):
 def test_oracle_recall_bounds_any_scores(seed):
   positions, mask = rows_and_mask()
   target = jnp.where(mask, jax.nn.softmax(
-      jnp.where(mask, 3.0 * rand(seed, R, 4, T), -jnp.inf), -1), 0.0)
+      jnp.where(mask, 3.0 * rand(R, 4, T), -jnp.inf), -1), 0.0)
   oracle = {k: np.asarray(distill.oracle_recall(target, k)) for k in (1, 2, 4, 8)}
   for other in range(10):
-    scores = jnp.where(mask, rand(100 * seed + other, R, 4, T), -jnp.inf)
+    scores = jnp.where(mask, rand(R, 4, T), -jnp.inf)
     for k, best in oracle.items():
       assert np.all(best >= np.asarray(distill.topk_recall(scores, target, k)) - 1e-6)
   assert np.all(np.diff(np.stack(list(oracle.values())), axis=0) >= -1e-6)  # k up
@@ -216,7 +217,7 @@ def test_oracle_recall_bounds_any_scores(seed):
 def test_save_load_round_trip_is_exact(tmp_path):
   params = init_indexer_params(jax.random.PRNGKey(14), 3, DM, H_I, D_I, ROPE,
                                rope_theta=123456.7)
-  params = params.replace(k_norm_scale=rand(15, 3, D_I), k_norm_bias=rand(16, 3, D_I),
+  params = params.replace(k_norm_scale=rand(3, D_I), k_norm_bias=rand(3, D_I),
                           norm_eps=3e-7)
   path = distill.save_indexer(tmp_path / "ckpt", params, metadata={"note": "x"})
   loaded = distill.load_indexer(path)
