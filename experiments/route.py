@@ -47,6 +47,8 @@ flags.DEFINE_integer("top_k", 64, "k.")
 flags.DEFINE_integer("chunk_size", 128, "Prompt tokens per prefill chunk.")
 flags.DEFINE_integer("max_step_tokens", 256, "Tokens per engine step.")
 flags.DEFINE_float("host_budget_mib", 1024.0, "Host MiB for each replica's page pool.")
+flags.DEFINE_integer("model_layers", None, "Keep only SmolLM2's first n decoder layers "
+                     "(real weights; smoke runs and tests).", lower_bound=1)
 flags.DEFINE_bool("distributed", True, "Join the replicas in jax.distributed (gloo).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("out_root", None, "Results root.")
@@ -66,7 +68,7 @@ def _replica_main(conn, index: int, count: int, port: int | None, config: dict) 
   from kvtier_jax.serving import replica
   from kvtier_jax.serving.bench import RequestSpec
   from models import setup
-  model, _, _ = setup.load_model_and_prompt(None, 1)
+  model, _, _ = setup.load_model_and_prompt(None, 1, num_layers=config["model_layers"])
   selector, params = setup.build_selector("quest", model.cfg, config["top_k"])
   device = jax.local_devices()[0]
 
@@ -155,7 +157,8 @@ def main(argv):
                                 FLAGS.first_len, FLAGS.turns, FLAGS.output_len, "skewed")
   longest = max(len(s.prompt) + sum(map(len, s.env_tokens)) + sum(s.max_new_tokens)
                 for s in sessions)
-  config = dict(top_k=FLAGS.top_k, max_batch=FLAGS.max_batch, hot_slots=FLAGS.hot_slots,
+  config = dict(model_layers=FLAGS.model_layers, top_k=FLAGS.top_k,
+                max_batch=FLAGS.max_batch, hot_slots=FLAGS.hot_slots,
                 host_budget_mib=FLAGS.host_budget_mib,
                 chunk_size=FLAGS.chunk_size, max_step_tokens=FLAGS.max_step_tokens,
                 max_len=-(-longest // FLAGS.chunk_size) * FLAGS.chunk_size,

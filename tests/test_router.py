@@ -8,6 +8,7 @@ import pytest
 
 from kvtier_jax.serving.router import Router
 from tests.test_experiments import only_run, run
+from tests.util import SMOKE_LAYERS
 
 CHUNK = 4
 
@@ -65,8 +66,10 @@ def test_baselines_and_bad_input():
 def test_route_smoke_two_processes(tmp_path):
   """Two replica processes in jax.distributed (gloo): both policies finish every
   turn with the same tokens, the stats come back by an all-gather, and prefix
-  routing serves more prompt tokens from the cache than round-robin."""
-  out = run("experiments.route", "--smoke", f"--out_root={tmp_path}")
+  routing serves more prompt tokens from the cache than round-robin (SmolLM2's
+  first ``SMOKE_LAYERS``)."""
+  out = run("experiments.route", "--smoke", f"--model_layers={SMOKE_LAYERS}",
+            f"--out_root={tmp_path}")
   last = out.strip().splitlines()[-1]
   m = re.fullmatch(r"route: replicas=2 sessions=3 prefix_hit=([\d.e+-]+)/([\d.e+-]+) "
                    r"prefill_tokens=(\d+)/(\d+) ttft_p50=[\d.e+-]+/[\d.e+-]+ s "
