@@ -254,6 +254,30 @@ def test_first_layers_is_the_full_model_with_its_later_layers_silenced():
       first_layers(cfg, params, bad)
 
 
+def test_a_cut_model_gets_the_first_layers_of_a_distilled_indexer(tmp_path):
+  """``setup.build_selector("dsa", ...)`` on a cut model: the saved indexer's first
+  layers, bit for bit; an indexer for fewer layers than the model is refused."""
+  from kvtier_jax.selectors.distill import save_indexer
+  from kvtier_jax.selectors.dsa import IndexerParams
+  from models import setup
+  rng = np.random.default_rng()
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  dm, heads, dim, layers = 32, 2, 8, 5
+  saved = IndexerParams(wq=normal(layers, dm, heads * dim), wk=normal(layers, dm, dim),
+                        k_norm_scale=normal(layers, dim), k_norm_bias=normal(layers, dim),
+                        ww=normal(layers, dm, heads), rope_dim=4, rope_theta=500.0)
+  save_indexer(tmp_path / "indexer", saved)
+  cfg = ModelConfig.smollm2_135m(embed_dim=dm, num_layers=3, name="cut")
+  selector, params = setup.build_selector("dsa", cfg, 16, tmp_path / "indexer")
+  assert selector.index_dim == dim and (params.rope_dim, params.rope_theta) == (4, 500.0)
+  for name in ("wq", "wk", "k_norm_scale", "k_norm_bias", "ww"):
+    np.testing.assert_array_equal(getattr(params, name), getattr(saved, name)[:3])
+  with pytest.raises(ValueError, match="an indexer for 5 layers, the model has 6"):
+    setup.build_selector("dsa", ModelConfig.smollm2_135m(embed_dim=dm, num_layers=6,
+                                                         name="deeper"),
+                         16, tmp_path / "indexer")
+
+
 # Tokenizer -------------------------------------------------------------------
 def test_tokenizer_round_trip_and_digit_split(loaded, ref, prompt):
   _, tokenizer, _ = loaded
