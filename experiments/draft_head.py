@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, model_setup  # noqa: F401 (model_setup: --model_layers)
+from experiments import common
 from models import backends, draft_head, text
 from models import transformer as tfm
 
@@ -45,6 +45,9 @@ flags.DEFINE_integer("batch", 256, "Rows per step.")
 flags.DEFINE_float("lr", 2e-3, "Peak learning rate (warm-up, cosine to lr/10).")
 flags.DEFINE_enum("labels", "model", ["model", "text"], "Training targets: the model's "
                   "own greedy next token (EAGLE's distillation) or the text's.")
+flags.DEFINE_integer("model_layers", None, "Keep only SmolLM2's first n decoder layers "
+                     "(real weights; smoke runs and tests): the head is then for that "
+                     "cut, and prefetch refuses it for another.", lower_bound=1)
 flags.DEFINE_bool("smoke", False, "Tiny run (tests).")
 flags.DEFINE_string("out_root", None, "Results root.")
 
