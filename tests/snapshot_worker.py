@@ -9,7 +9,8 @@ from tests import test_snapshot
 
 
 def main(directory: str, seed: int) -> None:
-  engine, schedule = test_snapshot.build(seed)
+  # Its disk tier under the test's directory: a SIGKILLed engine cleans up nothing.
+  engine, schedule = test_snapshot.build(seed, os.path.join(directory, "worker-disk"))
   while True:
     test_snapshot.feed(engine, schedule)
     if not engine.has_work and engine.steps > max(schedule, default=0):
