@@ -47,7 +47,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
 
 KERNEL_NAMES = ("cache_resolve", "sparse_decode_attention", "fetch_rows", "gather_rows",
-                "fused_resolve_classify", "fused_resolve_commit")
+                "fused_resolve_victim_key", "fused_resolve_classify",
+                "fused_resolve_commit")
 _PASSIVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call",
             "conditional", "dynamic-update-slice-start", "dynamic-update-slice-done",
             "custom-call", "custom-call-start", "custom-call-done", "fusion"}
@@ -472,9 +473,10 @@ def audit_configs(smoke: bool):
       ("GPU default, zero-copy gather on CUDA stream 1, overlapped hit/miss attention",
        base.replace(impl=dataclasses.replace(impl("xla", "pallas", "pallas"),
                                              fetch_stream=1), overlap_hit_miss=True)),
-      ("fused layer kernels, freq policy (one sort per row in XLA)",
+      ("fused layer kernels, freq policy (victim-key kernel + one sort per row)",
        base.replace(impl=fused, policy=PolicyConfig("freq"))),
-      ("fused layer kernels, rank policy (XLA rank lookup + one sort per row)",
+      (("fused layer kernels, rank policy (victim-key kernel with the rank lookup + "
+        "one sort per row)"),
        base.replace(impl=fused, policy=PolicyConfig("rank"))),
   ]
 

@@ -41,9 +41,10 @@ class ImplConfig:
     fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
       writes and the metadata commit of a layer in two Pallas kernels
       (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
-      ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. LRU only,
-      without lookahead prefetch or the overlapped attention (index sharing: the
-      commit kernel fetches for the sharing layers too).
+      ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. Every policy
+      (a keyed one adds a victim-key kernel and one XLA sort per row), index
+      sharing (the commit kernel fetches for the sharing layers too) and the
+      lookahead prefetch; not the overlapped attention or a mesh.
     fetch_stream: with ``overlap_hit_miss`` and the zero-copy fetch, gather the
       misses into a staging buffer with a kernel on CUDA stream N
       (``compute_on("gpu_stream:N")``, scheduled to start first), so the
@@ -179,8 +180,9 @@ class TierConfig:
         raise ValueError(f"the fused layer kernels (impl.fused) do not support {what}")
     if self.head_dim & (self.head_dim - 1):
       raise ValueError(f"impl.fused needs a power-of-2 head_dim, got {self.head_dim}")
+    # The position map has a column per selected lane, the rank table per ranked one.
     scratch = map_scratch_bytes(self.num_requests * self.num_units, self.max_len,
-                                self.top_k)
+                                self.select_width)
     if scratch > lookup.MAP_SCRATCH_BYTES:
       raise ValueError(f"impl.fused's position map needs {scratch} bytes (> "
                        f"{lookup.MAP_SCRATCH_BYTES}): use the unfused path")

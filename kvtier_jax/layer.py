@@ -32,7 +32,8 @@ from kvtier_jax.resolve import (STATUS_CAPACITY, install_newest, resolve_with_po
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
-from pallas_kernels.fused_resolve import CacheArrays, effective_slot_pos, resolve_fetch
+from pallas_kernels.fused_resolve import (CacheArrays, effective_slot_pos,
+                                          keyed_victim_order, resolve_fetch)
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
@@ -237,21 +238,26 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   """``anchor_layer`` through the fused kernels: the same state, status and outputs
   (metadata and counters equal, integer for integer), in two launches and the
   attention. With index sharing the commit also fetches and writes the metadata of
-  the layers sharing the selection. A keyed policy adds its key (XLA ops) and one
-  sort per row before the kernels; a lookahead prefetch runs after the attention,
-  as on the unfused path, over the committed metadata (XLA RESOLVE and fetch)."""
+  the layers sharing the selection. A keyed policy adds a kernel for its key (the
+  rank lookup included) and one sort per row before them; a lookahead prefetch
+  runs after the attention, as on the unfused path, over the committed metadata
+  (XLA RESOLVE and fetch)."""
   fields = CacheArrays._fields
   cache = CacheArrays(*(getattr(state, name) for name in fields))
-  key = None
-  if cfg.policy.keyed:
-    selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
-    ranks = selected if ranks is None else ranks
-    key = policies.victim_key(cfg.policy, effective_slot_pos(state.slot_pos[layer],
-                                                             state.seq_len),
-                              state.slot_score[layer], ranks, **_positions(cfg))
+  order = None
+  if cfg.policy.keyed:  # the victim order: one kernel (key, rank lookup) + one sort
+    # Unmasked: the kernels skip inactive rows (their order is never read), and one
+    # operand for both kernels is one XLA op, not two.
+    ranking = selected if ranks is None else ranks
+    order = keyed_victim_order(
+        layer, state.seq_len, state.slot_pos, state.lru, state.slot_score,
+        ranking if cfg.policy.name == "rank" else None, max_len=cfg.max_len,
+        rank_freq=cfg.policy.rank_freq, interpret=cfg.use_interpret)
+    if ranks is None and prefetch is not None:  # the prefetch ranks as anchor_layer
+      ranks = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   res = resolve_fetch(layer, ok, active, state.seq_len, selected, cache,
-                      state.page_table, state.host_k, state.host_v, k_new, v_new, key,
-                      max_len=cfg.max_len, page_size=cfg.page_size,
+                      state.page_table, state.host_k, state.host_v, k_new, v_new,
+                      order=order, max_len=cfg.max_len, page_size=cfg.page_size,
                       share=cfg.index_share,
                       score_decay=cfg.policy.freq_alpha if cfg.policy.keyed else None,
                       interpret=cfg.use_interpret)

@@ -185,15 +185,22 @@ def test_every_kernel_lowers_for_cuda_via_triton():
       f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
       f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
       f((R, Hg, D), jnp.bfloat16), f((R, U, B), jnp.float32))
+  texts["fused_resolve_victim_key"] = _lower_for_cuda(  # the rank key, then the sort
+      lambda *a: fused_resolve.keyed_victim_order(*a, max_len=T, rank_freq=0.3),
+      f((), i32), f((R,), i32), cache.slot_pos, cache.lru, cache.slot_score,
+      f((R, U, 2 * k), i32))
+  assert texts["fused_resolve_victim_key"].count("__gpu$xla.gpu.triton") == 1
   for name in ("fused_resolve", "fused_resolve_keyed"):  # classify, commit
     assert texts[name].count("__gpu$xla.gpu.triton") == 2, name
   for name, text in texts.items():
     assert "__gpu$xla.gpu.triton" in text, f"{name} did not lower to a Triton call"
 
 
-def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg=8):
-  """A random layer step: metadata with empty and uncommitted slots, a request that
-  fits the hot cache, an inactive one, paged host rows, selections with padding."""
+def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60,
+                   Pg=8):
+  """A random step of layer ``layer``: metadata with empty and uncommitted slots, a
+  request that fits the hot cache, an inactive one, paged host rows, selections
+  with padding."""
   pages_per_req = -(-T // Pg)
   num_pages = R * pages_per_req
   seq = rng.integers(B, T - 1, R)
@@ -215,7 +222,7 @@ def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg
   lru = np.stack([rng.permutation(B) for _ in range(L * R * U)]).reshape(L, R, U, B)
   sel = np.full((R, U, k), -1, np.int32)
   for r, u in np.ndindex(R, U):
-    held = [p for p in slot_pos[1, r, u] if 0 <= p < seq[r]]
+    held = [p for p in slot_pos[layer, r, u] if 0 <= p < seq[r]]
     pool = list(dict.fromkeys(rng.permutation(held).tolist()[:k // 2]
                               + rng.permutation(seq[r] + 1).tolist()))
     row = pool[:rng.integers(k // 2, k + 1)]
@@ -226,7 +233,7 @@ def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg
   elif scenario == "out_of_range":
     sel[3, 1, 0] = seq[3] + 2
   elif scenario == "unpaged":  # a position that must be fetched has no page
-    missing = next(p for p in range(seq[1]) if p not in slot_pos[1, 1, 0])
+    missing = next(p for p in range(seq[1]) if p not in slot_pos[layer, 1, 0])
     sel[1, 0, 0] = missing
     sel[1, 0, 1:][sel[1, 0, 1:] == missing] = -1
     table[1, missing // Pg] = -1
@@ -241,7 +248,7 @@ def _fused_problem(rng, scenario, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60, Pg
       jnp.asarray(hot))
   new_kv = rng.standard_normal((2, R, U * Hg, D)).astype(np.float32)
   active = np.array([True, True, False, True])
-  return dict(layer=1, ok=scenario != "refused_earlier", active=jnp.asarray(active),
+  return dict(layer=layer, ok=scenario != "refused_earlier", active=jnp.asarray(active),
               seq_len=jnp.asarray(seq, jnp.int32), selected=jnp.asarray(sel),
               cache=cache, page_table=jnp.asarray(table), host_k=jnp.asarray(host),
               host_v=jnp.asarray(host * 3), k_new=jnp.asarray(new_kv[0]),
@@ -258,9 +265,7 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
   retention key with many ties and the score EMA (a keyed policy)."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
-  args = _fused_problem(rng, scenario)
-  if share == 2:
-    args["layer"] = 0
+  args = _fused_problem(rng, scenario, layer=0 if share == 2 else 1)
   static = dict(max_len=60, page_size=8, share=share)
   if keyed:
     args["key"] = jnp.asarray(rng.integers(0, 4, (4, 2, 12)), jnp.float32)
@@ -321,6 +326,73 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
   assert moved[layer] == share * miss.sum() and moved.sum() == moved[layer]
   if keyed:
     _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed)
+
+
+def _ranking(rng, slot_pos, seq, m):
+  """i32[R, U, m] distinct best-first positions per row: some held by the row's
+  slots (committed or not), some not held, the newest, -1 padding anywhere."""
+  num_req, num_units = slot_pos.shape[1:3]
+  ranks = np.full((num_req, num_units, m), -1, np.int32)
+  for r, u in np.ndindex(num_req, num_units):
+    held = [p for p in slot_pos[1, r, u] if p >= 0]
+    pool = list(dict.fromkeys(rng.permutation(held).tolist()[:m // 2] + [int(seq[r])]
+                              + rng.permutation(seq[r] + 3).tolist()))
+    row = pool[:rng.integers(m // 2, m + 1)]
+    ranks[r, u, rng.permutation(m)[:len(row)]] = rng.permutation(row)
+  return ranks
+
+
+@pytest.mark.parametrize("policy", ["freq", "rank"])
+def test_keyed_victim_order_matches_brute_force(on_gpu, policy):
+  """The victim-key kernel + sort against numpy: empty slots (uncommitted ones
+  too) first in LRU order, then by the key, ties in LRU order. Keys are exact
+  (scores in quarters, m = 16, rank_freq = 1/2), so ties are many and real; the
+  position table starts stale (indices of other rows), so a rank must be
+  confirmed by reading the ranking back."""
+  seed = int(np.random.default_rng().integers(2**31))
+  rng = np.random.default_rng(seed)
+  args = _fused_problem(rng, "valid")
+  cache, seq = args["cache"], np.asarray(args["seq_len"])
+  slot_pos, lru = np.asarray(cache.slot_pos), np.asarray(cache.lru)
+  score = (rng.integers(0, 4, slot_pos.shape) / 4).astype(np.float32)
+  m = 16
+  ranks = _ranking(rng, slot_pos, seq, m) if policy == "rank" else None
+  stale = jnp.asarray(rng.integers(-2, m + 2, (8, 61 + m)), jnp.int32)
+  got = np.asarray(fused_resolve.keyed_victim_order(
+      1, args["seq_len"], cache.slot_pos, cache.lru, jnp.asarray(score),
+      None if ranks is None else jnp.asarray(ranks),
+      None if ranks is None else stale, max_len=60, rank_freq=0.5,
+      interpret=not on_gpu))
+  for r, u in np.ndindex(4, 2):
+    pos = slot_pos[1, r, u]
+    filled = (pos >= 0) & (pos < seq[r])
+    key = score[1, r, u].astype(np.float64)
+    if ranks is not None:
+      row = ranks[r, u].tolist()
+      rank = np.array([row.index(p) if p in row else m for p in pos])
+      key = (1 - rank / m) + 0.5 * key
+    want = sorted(lru[1, r, u],
+                  key=lambda s: (bool(filled[s]), key[s] if filled[s] else 0))
+    np.testing.assert_array_equal(got[r, u], want, err_msg=f"{r=} {u=} {seed=}")
+
+
+def test_keyed_victim_order_matches_reference_keys():
+  """Inexact keys (m = 12, rank_freq = 0.3, random scores): the kernel's order is
+  ``victim_order`` of the reference key, bit for bit."""
+  seed = int(np.random.default_rng().integers(2**31))
+  rng = np.random.default_rng(seed)
+  args = _fused_problem(rng, "valid")
+  cache, seq = args["cache"], args["seq_len"]
+  ranks = jnp.asarray(_ranking(rng, np.asarray(cache.slot_pos), np.asarray(seq), 12))
+  for given in (None, ranks):
+    want = fused_resolve.victim_order(
+        cache.slot_pos[1], cache.lru[1],
+        fused_resolve.victim_key_reference(1, seq, cache.slot_pos, cache.slot_score,
+                                           given, rank_freq=0.3), seq)
+    got = fused_resolve.keyed_victim_order(1, seq, cache.slot_pos, cache.lru,
+                                           cache.slot_score, given, max_len=60,
+                                           rank_freq=0.3, interpret=True)
+    np.testing.assert_array_equal(got, want, err_msg=f"{seed=}")
 
 
 def _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed):

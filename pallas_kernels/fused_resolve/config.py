@@ -9,7 +9,7 @@ import dataclasses
 class BlockSizes:
   """fetch_rows: missed rows one commit program copies (power of 2); the commit
   grid is (rows, ceil(k / fetch_rows)), so a row's misses are copied by several
-  programs at once. num_warps: Triton launch parameter of both kernels."""
+  programs at once. num_warps: Triton launch parameter of the kernels."""
 
   fetch_rows: int = 64
   num_warps: int = 4

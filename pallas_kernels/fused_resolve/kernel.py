@@ -17,11 +17,13 @@ classify, grid (rows,), one program per (request, unit) row, O(B + k):
      takes the lowest-index empty slot left; write the new LRU order and slot
      positions, the slot serving each entry, and the compacted misses' host
      (page, offset) and victim slot; a miss without a page is a capacity refusal.
-  Under a keyed replacement policy the wrapper sorts each row's slots by key
-  once (XLA: empty first, then the key, ties in LRU order; a Triton program has
-  no sort) and step 2 also walks that *victim order*, so the j-th miss takes the
+  Under a keyed replacement policy each row's slots are sorted by key once
+  (XLA: empty first, then the key, ties in LRU order; a Triton program has no
+  sort) and step 2 also walks that *victim order*, so the j-th miss takes the
   j-th evictable in it; the new LRU order keeps its rule. The score EMA of the
-  policies is updated in the same walk.
+  policies is updated in the same walk. ``keyed_victim_order`` builds that order
+  for the library's keyed policies in a third kernel (the key, with the rank
+  lookup by another never-cleared position map, in LRU order) and the sort.
 commit, grid (rows, ceil(k / fetch_rows)):
   ok = no earlier refusal and no row's status set; then each program copies its
   block of the row's compacted misses from the host tier (zero-copy on a GPU: the
@@ -286,6 +288,113 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
       fetched_ref[layer] = fetched_ref[layer] + share * moved
 
 
+def _victim_key_kernel(layer_ref, seq_len_ref, ranks_ref, slot_pos_ref, lru_ref,
+                       score_ref, *refs, given_table, **static):
+  # A given scratch table is an extra input aliased to the first output.
+  _victim_key(layer_ref, seq_len_ref, ranks_ref, slot_pos_ref, lru_ref, score_ref,
+              *refs[given_table:], **static)
+
+
+def _victim_key(layer_ref, seq_len_ref, ranks_ref, slot_pos_ref, lru_ref, score_ref,
+                table_ref, key_ref, lru_out_ref, *, num_units, num_slots, num_ranked,
+                slots_pad, ranked_pad, max_len, rank_freq, ranked, interpret):
+  # layer_ref: i32[1]  seq_len_ref: i32[R]
+  # ranks_ref: i32[rows, m] (read only when ranked)
+  # slot_pos_ref, lru_ref: i32[L, rows, B]  score_ref: f32[L, rows, B]
+  # table_ref: i32[rows, T+1 + mp] (scratch)  key_ref: f32[rows, Bp]
+  # lru_out_ref: i32[rows, Bp]
+  row = pl.program_id(0)
+  layer = layer_ref[0]
+  newest = seq_len_ref[row // num_units]
+  lane_b = jnp.arange(slots_pad)
+  in_b = lane_b < num_slots
+  lru = jnp.where(in_b, lru_ref[layer, row, jnp.minimum(lane_b, num_slots - 1)], lane_b)
+  slot = jnp.where(in_b, lru, 0)
+  pos = slot_pos_ref[layer, row, slot]
+  filled = in_b & (pos >= 0) & (pos < newest)  # uncommitted positions count as empty
+  key = score_ref[layer, row, slot]
+  if ranked:  # the rank lookup: scatter table[pos] = index, probe, confirm
+    lane_m = jnp.arange(ranked_pad)
+    ranks = jnp.where(lane_m < num_ranked,
+                      ranks_ref[row, jnp.minimum(lane_m, num_ranked - 1)], -1)
+    col = jnp.where((ranks >= 0) & (ranks <= max_len), ranks, max_len + 1 + lane_m)
+    table_ref[row, col] = lane_m
+    _barrier(interpret)
+    index = table_ref[row, jnp.where(filled, pos, 0)]
+    index_ok = (index >= 0) & (index < num_ranked)
+    index = jnp.where(index_ok, index, 0)
+    found = filled & index_ok & (ranks_ref[row, index] == pos)
+    rank = jnp.where(found, index, num_ranked).astype(key.dtype)
+    key = (1.0 - rank / num_ranked) + rank_freq * key
+  key_ref[row, lane_b] = jnp.where(filled, key, -jnp.inf)
+  lru_out_ref[row, lane_b] = lru
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "rank_freq", "num_warps",
+                                             "interpret"))
+def keyed_victim_order(layer, seq_len, slot_pos, lru, score, ranks=None,
+                       scratch_table=None, *, max_len: int, rank_freq: float = 0.0,
+                       num_warps: int = 4, interpret: bool = False):
+  """i32[R, U, B] ``victim_order`` of layer ``layer`` under a keyed policy, its key
+  ``victim_key_reference``'s (``freq`` with ``ranks`` None, else ``rank``), in
+  one kernel and one XLA sort: the kernel reads the whole arrays with the layer a
+  scalar, looks each slot's position up in the ranking by a dense position table
+  (never cleared: a found index is confirmed by reading the ranking back) and
+  writes the keys in LRU order, which the sort consumes as they are. The XLA key
+  and its lookup (a table fill and a scatter) would be three launches, not one.
+
+  ``slot_pos``, ``lru``: i32[L, R, U, B]; ``score``: f32[L, R, U, B]; ``ranks``:
+  i32[R, U, m] distinct positions (a position twice gets either index), -1 padding.
+  ``scratch_table``: optional i32[R*U, max_len + 1 + next_pow2(m)] the position
+  table starts from (any contents; tests fill it with stale indices); by default a
+  fresh, uninitialised buffer.
+  """
+  num_layers, num_req, num_units, num_slots = slot_pos.shape
+  rows = num_req * num_units
+  slots_pad = common.next_power_of_2(num_slots)
+  ranked = ranks is not None
+  num_ranked = ranks.shape[-1] if ranked else 1
+  ranked_pad = common.next_power_of_2(num_ranked)
+  if ranked and ranks.shape[:2] != (num_req, num_units):
+    raise ValueError(f"ranks {ranks.shape} must be (R, U, m) with (R, U) = "
+                     f"{(num_req, num_units)}")
+  per_row = lambda x: x.reshape((num_layers, rows, num_slots))
+  # Without a ranking any existing operand will do: it is never read (a fresh
+  # array would cost an op to fill).
+  ranks_rows = (ranks.astype(jnp.int32).reshape(rows, num_ranked) if ranked
+                else per_row(lru))
+  whole = pl.no_block_spec
+  table_shape = (rows, max_len + 1 + ranked_pad if ranked else 1)
+  given_table = scratch_table is not None
+  if given_table and scratch_table.shape != table_shape:
+    raise ValueError(f"scratch_table {scratch_table.shape} must be {table_shape}")
+  kernel = functools.partial(
+      _victim_key_kernel, num_units=num_units, num_slots=num_slots,
+      num_ranked=num_ranked, slots_pad=slots_pad, ranked_pad=ranked_pad,
+      max_len=max_len, rank_freq=rank_freq, ranked=ranked, interpret=interpret,
+      given_table=given_table)
+  _, key_lru, lru_row = pl.pallas_call(
+      kernel,
+      grid=(rows,),
+      in_specs=[whole] * (6 + given_table),
+      out_specs=[whole] * 3,
+      input_output_aliases={6: 0} if given_table else {},
+      out_shape=[jax.ShapeDtypeStruct(table_shape, jnp.int32),
+                 jax.ShapeDtypeStruct((rows, slots_pad), score.dtype),
+                 jax.ShapeDtypeStruct((rows, slots_pad), jnp.int32)],
+      compiler_params=common.triton_params(num_warps, 1),
+      interpret=interpret,
+      name="fused_resolve_victim_key",
+  )(jnp.asarray(layer, jnp.int32).reshape((1,)), jnp.asarray(seq_len, jnp.int32),
+    ranks_rows, per_row(slot_pos), per_row(lru), per_row(score),
+    *([scratch_table] if given_table else []))
+  shape = (num_req, num_units, num_slots)
+  _, order = jax.lax.sort((key_lru[:, :num_slots].reshape(shape),
+                           lru_row[:, :num_slots].reshape(shape)),
+                          dimension=-1, is_stable=True, num_keys=1)
+  return order
+
+
 def victim_order(slot_pos, lru, key, seq_len):
   """i32[R, U, B] each row's slot ids in the order misses take them: empty slots
   (uncommitted included) first, then by ``key`` ascending, ties in LRU order; hits
@@ -301,14 +410,15 @@ def victim_order(slot_pos, lru, key, seq_len):
                                              "score_decay", "block_sizes", "interpret"))
 def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page_table,
                   host_k, host_v, k_new, v_new, key=None, scratch_map=None, *,
-                  max_len: int, page_size: int, share: int = 1,
+                  order=None, max_len: int, page_size: int, share: int = 1,
                   score_decay: float | None = None,
                   block_sizes: BlockSizes = BlockSizes(),
                   interpret: bool = False) -> LayerResult:
   """Same contract as ``resolve_fetch_reference``; ``cache`` is updated in place.
 
   ``key`` (a keyed policy) needs ``score_decay``: the kernels then take the victims
-  in the order of one XLA sort per row. ``scratch_map``: optional
+  in the order of one XLA sort per row. ``order`` instead of ``key``: that victim
+  order itself, i32[R, U, B] (``keyed_victim_order``). ``scratch_map``: optional
   i32[R*U, max_len + 1 + next_pow2(k)] the position map starts from (any contents:
   tests fill it with stale lanes); by default a fresh, uninitialised buffer.
   """
@@ -320,8 +430,14 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
                      "positions in one step: B must be >= k")
   if head_dim & (head_dim - 1):
     raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
-  if (key is None) != (score_decay is None):
-    raise ValueError("a retention key and score_decay go together (a keyed policy)")
+  if key is not None and order is not None:
+    raise ValueError("give a retention key or its victim order, not both")
+  if (key is None and order is None) != (score_decay is None):
+    raise ValueError("a retention key (or victim order) and score_decay go together "
+                     "(a keyed policy)")
+  if order is not None and order.shape != (num_req, num_units, num_slots):
+    raise ValueError(f"order {order.shape} must be {(num_req, num_units, num_slots)} "
+                     "(R, U, B)")
   if key is not None and key.shape != (num_req, num_units, num_slots):
     raise ValueError(f"key {key.shape} must be {(num_req, num_units, num_slots)} "
                      "(R, U, B)")
@@ -342,7 +458,9 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   if given_map and scratch_map.shape != map_shape:
     raise ValueError(f"scratch_map {scratch_map.shape} must be {map_shape}")
   sel_rows = selected.reshape(rows, num_sel)
-  if key is None:
+  if order is not None:
+    order = order.astype(jnp.int32).reshape(rows, num_slots)
+  elif key is None:
     order = sel_rows  # unread under LRU (an operand that costs no op to build)
   else:
     order = victim_order(cache.slot_pos[layer[0]], cache.lru[layer[0]], key,

@@ -81,6 +81,23 @@ def effective_slot_pos(slot_pos, seq_len):
   return jnp.where(slot_pos >= newest, -1, slot_pos)
 
 
+def victim_key_reference(layer, seq_len, slot_pos, score, ranks=None, *,
+                         rank_freq: float = 0.0):
+  """f32[R, U, B] the keyed policies' retention key of layer ``layer``'s slots
+  (higher keeps longer; empty slots' keys are never read): the score EMA
+  (``freq``, ``ranks`` None), or with the selector's ranking ``ranks`` i32[R, U, m]
+  (distinct positions, -1 padding) ``(1 - r / m) + rank_freq * score``, r the
+  slot position's index in it, m when absent (``rank``). Brute force, O(B * m)."""
+  pos = effective_slot_pos(slot_pos[layer], seq_len)
+  score = score[layer]
+  if ranks is None:
+    return score
+  num_ranked = ranks.shape[-1]
+  eq = (ranks[..., None, :] == pos[..., :, None]) & (pos[..., :, None] >= 0)
+  rank = jnp.where(eq.any(-1), jnp.argmax(eq, axis=-1), num_ranked).astype(score.dtype)
+  return (1.0 - rank / num_ranked) + rank_freq * score
+
+
 def updated_score(score, slot, is_miss, decay: float):
   """f32[..., B] the EMA after a RESOLVE served ``slot`` i32[..., k] (``is_miss``
   the refilled lanes): decay all, +1 per hit slot, 1 for a refilled one."""
