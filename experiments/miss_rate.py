@@ -27,7 +27,9 @@ from experiments.analysis import cache_sim
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "traces.npz (default: the latest results/trace run).")
-flags.DEFINE_list("policies", list(cache_sim.POLICIES), "Policies to replay.")
+flags.DEFINE_list("policies", [p for p in cache_sim.POLICIES if p != "foresight"],
+                  "Policies to replay ('foresight', an offline reference that reads "
+                  "rankings, is reported by experiments/policies.py).")
 flags.DEFINE_list("slots_per_k", ["1", "1.25", "1.5", "2", "4"], "B / k values.")
 flags.DEFINE_list("selectors", [], "Selectors in the trace to use (default: all).")
 flags.DEFINE_integer("warm_after", 32, "First step counted by the warm rate.")

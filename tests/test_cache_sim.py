@@ -7,6 +7,7 @@ scans), not from the vectorised code; LRU is checked against the library's own
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -287,21 +288,35 @@ def ranked_oracle(stream, capacity, kind, alpha=0.9, scores=None):
   return out
 
 
-def rank_oracle(stream, ranks, capacity, rank_freq=0.0, alpha=0.9):
+def rank_oracle(stream, ranks, capacity, rank_freq=0.0, alpha=0.9, foresight=None):
   """rank: evict the resident, unrequested entry with the smallest
   (1 - r/m) + rank_freq * f, r its index in this step's ``ranks`` row (m if absent),
-  f <- alpha*f + [requested] (1 when fetched); ties by LRU position."""
+  f <- alpha*f + [requested] (1 when fetched); ties by LRU position.
+
+  ``foresight`` = h (the "foresight" policy): first evict the entries not requested
+  in the next h steps (by the rank key), then those that are, the latest reuse
+  first."""
+  rows = [{int(p) for p in row if p >= 0} for row in stream]
+
+  def reuse_in(p, t):  # steps to the next request within the horizon, else None
+    return next((u - t for u in range(t + 1, min(t + foresight, len(rows) - 1) + 1)
+                 if p in rows[u]), None)
+
+  def evict_first(p, t, at, m, order):  # the smallest goes first
+    soon = reuse_in(p, t) if foresight else None
+    return (soon is not None, -(soon or 0),
+            (1 - at.get(p, m) / m) + rank_freq * freq[p], order.index(p))
+
   order, freq, out = [], {}, []
-  for row, ranked in zip(stream, ranks):
+  for t, (row, ranked) in enumerate(zip(stream, ranks)):
     want = [int(p) for p in row if p >= 0]
     m = len(ranked)
     at = {int(p): r for r, p in enumerate(ranked) if p >= 0}
     wset, resident = set(want), set(order)
     misses = [p for p in want if p not in resident]
     for _ in range(max(0, len(order) + len(misses) - capacity)):
-      cand = [p for p in order if p not in wset]
-      order.remove(min(cand, key=lambda p: ((1 - at.get(p, m) / m) + rank_freq * freq[p],
-                                            order.index(p))))
+      key = functools.partial(evict_first, t=t, at=at, m=m, order=order)
+      order.remove(min((p for p in order if p not in wset), key=key))
     for p in order:
       freq[p] = alpha * freq[p] + (1.0 if p in wset else 0.0)
     for p in misses:
@@ -521,6 +536,35 @@ def test_rank_matches_oracle(seed, capacity):
   # Default ranks: the selection's own row order.
   np.testing.assert_array_equal(replay(sel, capacity, "rank"),
                                 [rank_oracle(s, s, capacity, 0.3) for s in sel])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("capacity", [12, 18])
+def test_foresight_matches_oracle_and_spans_rank_to_belady(seed, capacity):
+  sel = make_trace(seed + 155, k=12, num_pos=48)
+  ranks = make_ranks(sel, seed, num_pos=48)
+  for horizon in (1, 3):
+    want = [rank_oracle(s, r, capacity, 0.3, foresight=horizon)
+            for s, r in zip(sel, ranks)]
+    np.testing.assert_array_equal(
+        replay(sel, capacity, "foresight", ranks=ranks, foresight=horizon), want,
+        f"foresight={horizon}")
+  np.testing.assert_array_equal(replay(sel, capacity, "foresight", ranks=ranks,
+                                       foresight=0),
+                                replay(sel, capacity, "rank", ranks=ranks))
+  np.testing.assert_array_equal(replay(sel, capacity, "foresight", ranks=ranks,
+                                       foresight=sel.shape[-2]),
+                                replay(sel, capacity, "belady"))
+  totals = [replay(sel, capacity, "foresight", ranks=ranks, foresight=h).sum()
+            for h in (0, 2, 8, sel.shape[-2])]
+  assert totals[0] > totals[-1]  # the trace leaves a gap to close
+
+
+def test_foresight_bad_horizon_raises():
+  sel = make_trace(175, batch=(2,), steps=5, k=4)
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="foresight"):
+      replay(sel, 8, "foresight", foresight=bad)
 
 
 def test_rank_is_causal_in_its_ranks():

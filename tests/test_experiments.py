@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 
 def run(module, *args, timeout=600):
@@ -180,14 +181,19 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
     return tmp_path / name
 
   train, heldout = save("train.npz", 0), save("heldout.npz", 1)
-  run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
+  out = run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
       "--slots_per_k=2", "--horizons=4,16", "--learned_steps=60",
       f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "policies")
   training = [r for r in rows if r.get("table") == "learned_training"]
   assert sorted(r["horizon"] for r in training) == [4, 16]
   report = {r["policy"]: r for r in rows if "policy" in r}
-  assert report.keys() == {*cache_sim.POLICIES, "learned"}
+  assert report.keys() == {*cache_sim.POLICIES, "learned"} - {"foresight"}
+  foresight = [r for r in rows if r.get("table") == "foresight"]
+  assert [r["selector"] for r in foresight] == ["toy"]
+  assert foresight[0]["h0"] == pytest.approx(report["rank"]["gap_closed"], rel=1e-12)
+  assert set(foresight[0]) == {"table", "selector", "h0", "h1", "h2", "h4", "h8"}
+  assert "exact foresight that reaches 50%: " in out
   assert report["belady"]["miss_rate"] <= report["learned"]["miss_rate"]
   model = learned_policy.KeyModel.load(run_dir / "learned_toy.npz")
   assert model.horizon in (4, 16) and model.uses == learned_policy.FEATURES

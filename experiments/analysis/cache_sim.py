@@ -23,12 +23,13 @@ import numpy as np
 
 from kvtier_jax import policies
 
-__all__ = ["POLICIES", "OFFLINE_POLICIES", "LEARNED", "LEARNED_FEATURES", "replay",
-           "compare_policies", "synthetic_trace"]
+__all__ = ["POLICIES", "OFFLINE_POLICIES", "RANKED_POLICIES", "LEARNED",
+           "LEARNED_FEATURES", "replay", "compare_policies", "synthetic_trace"]
 
 POLICIES = ("lru", "fifo", "random", "belady", "clock", "sieve", "2q", "arc", "lru2",
-            "freq", "score", "rank")
-OFFLINE_POLICIES = ("belady",)  # these read the future of the trace
+            "freq", "score", "rank", "foresight")
+OFFLINE_POLICIES = ("belady", "foresight")  # these read the future of the trace
+RANKED_POLICIES = ("rank", "foresight")  # these read the selector's ranking
 # A policy whose retention key is a function of LEARNED_FEATURES given to replay
 # (``key_fn``), e.g. a model trained on another trace (learned_policy.py).
 LEARNED = "learned"
@@ -60,8 +61,9 @@ class _Replay:
   k: int  # selected entries per step
   num_pos: int  # dense position ids; num_pos is the padding id
   sel: np.ndarray  # i64[T, S, k]
-  ranks: np.ndarray | None  # i64[T, S, m] ("rank", "learned")
+  ranks: np.ndarray | None  # i64[T, S, m] ("rank", "foresight", "learned")
   rank_freq: float
+  foresight: int  # "foresight": steps of the future it knows
   seed: int
   slot_ids: np.ndarray  # i64[B]
   alpha: float
@@ -580,6 +582,32 @@ class _Rank(_Ranked):
     return _lex_pick(st, key, self.rec[:, :-1])
 
 
+class _Foresight(_Rank):
+  """``"rank"`` that also knows the next ``foresight`` steps exactly: entries
+  requested again within them are kept over all others, the sooner the longer
+  (Belady inside the horizon); the rest go by the rank key. How far ahead an
+  eviction must see to close a given share of the gap: an offline reference."""
+
+  def __init__(self, c):
+    super().__init__(c)
+    self.nxt = _next_use(c.sel, c.num_pos)  # i32[T, S, k], T: never
+    self.slot_next = np.full((c.S, c.B + 1), c.T, np.int64)
+
+  def pick(self, st):
+    c = self.c
+    rank_of, num_ranked = _rank_of(c, st)
+    rank = rank_of[st.rows, np.where(st.empty, c.num_pos, st.held_pos)]
+    key = policies.rank_key(rank, num_ranked, self.key[:, :-1], c.rank_freq)
+    until = self.slot_next[:, :-1] - st.t
+    foreseen = (self.slot_next[:, :-1] < c.T) & (until <= c.foresight)
+    return _lex_pick(st, foreseen, np.where(foreseen, -until, 0), key,
+                     self.rec[:, :-1])
+
+  def commit(self, st):
+    super().commit(st)
+    self.slot_next[st.rows, st.slot_in] = self.nxt[st.t]
+
+
 class _Learned(_Policy):
   """Evict the smallest ``key_fn(features)`` (LEARNED_FEATURES, per slot), ties by
   LRU. The per-position history (last request, count, EMA, previous rank) outlives
@@ -652,13 +680,15 @@ def _make_policy(c):
   if c.policy in ("lru2", "freq", "score"):
     return _Ranked(c, c.policy)
   return {"random": _Random, "belady": _Belady, "clock": _Clock, "sieve": _Sieve,
-          "2q": _TwoQ, "arc": _Arc, "rank": _Rank, LEARNED: _Learned}[c.policy](c)
+          "2q": _TwoQ, "arc": _Arc, "rank": _Rank, "foresight": _Foresight,
+          LEARNED: _Learned}[c.policy](c)
 
 
 def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None,
            ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
            twoq_in: float = 0.25, twoq_out: float = 0.5,
-           rank_freq: float = 0.3, key_fn=None, collect=None) -> np.ndarray:
+           rank_freq: float = 0.3, foresight: int = 4, key_fn=None,
+           collect=None) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -713,6 +743,12 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     and f the ``"freq"`` EMA (``alpha``); ties by LRU. The selector scored every
     position to pick its top k, so the ranking of the resident ones is known at
     selection time (causal). ``rank_freq=0``: the rank alone.
+  * ``"foresight"`` (offline, ``OFFLINE_POLICIES``): ``"rank"`` plus exact
+    knowledge of the next ``foresight`` steps: entries requested again within
+    them are kept over all others, sooner reuse kept longer; the others, and ties,
+    as ``"rank"``. ``foresight=0`` is ``"rank"``; ``foresight >= T`` has
+    Belady's misses. It measures how far ahead an eviction must see (a draft's
+    lookahead sees one step) to close a share of the gap.
   * ``"learned"`` (``LEARNED``, not in ``POLICIES``): evict the smallest
     ``key_fn(features)``, ties by LRU; ``features`` f64[S, B, F] are
     ``LEARNED_FEATURES`` of each slot at eviction time (all causal; the
@@ -725,9 +761,10 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     capacity: hot slots per stream, >= k.
     policy: one of ``POLICIES``.
     seed: seeds the ``"random"`` policy; ignored otherwise.
-    ranks: ``"rank"`` only: int[..., T, m] the selector's preference order at each
-      step, best first, -1 padding; m may exceed k (e.g. a top-4k ranking whose
-      first k entries are the selection). None: the selections' own row order.
+    ranks: ``"rank"`` and ``"foresight"`` only: int[..., T, m] the selector's
+      preference order at each step, best first, -1 padding; m may exceed k (e.g.
+      a top-4k ranking whose first k entries are the selection). None: the
+      selections' own row order.
     scores: ``"score"`` only: f[..., T, k] selector scores aligned with
       ``selections``, finite and >= 0 for valid entries (e.g. attention
       probabilities), higher = more important. None: rank r in the row -> 1 - r/k,
@@ -736,7 +773,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     score_alpha: ``"score"`` decay per step in [0, 1].
     twoq_in, twoq_out: ``"2q"`` Kin and Kout as fractions of capacity, in (0, 1]
       (the paper's 25% and 50%).
-    rank_freq: ``"rank"`` weight of the frequency EMA, >= 0.
+    rank_freq: ``"rank"`` (and ``"foresight"``) weight of the frequency EMA, >= 0.
+    foresight: ``"foresight"`` steps of the future known, an int >= 0.
     key_fn: ``"learned"`` only: f64[S, B, F] -> f[S, B] retention keys (higher
       keeps longer); S = streams, B = capacity.
     collect: ``"learned"`` only, for training: called at every step before the
@@ -760,6 +798,9 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   _validate_params(params)
   if not (np.isfinite(rank_freq) and rank_freq >= 0):
     raise ValueError(f"rank_freq={rank_freq} must be finite and >= 0")
+  if (isinstance(foresight, bool) or not isinstance(foresight, (int, np.integer))
+      or foresight < 0):
+    raise ValueError(f"foresight={foresight!r} must be an int >= 0 (steps)")
   if policy == LEARNED and not callable(key_fn):
     raise ValueError(f"policy {LEARNED!r} needs key_fn, got {key_fn!r}")
   score = _validate_scores(scores, sel) if policy == "score" else None
@@ -770,7 +811,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     return np.moveaxis(out, 0, -1).reshape(batch + (num_steps,))
   sel = np.moveaxis(sel.reshape(num_streams, num_steps, k).astype(np.int64), 1, 0)
   ranked = None
-  if policy in ("rank", LEARNED):
+  if policy in (*RANKED_POLICIES, LEARNED):
     ranked = sel if ranks is None else np.moveaxis(
         _validate_ranks(ranks, np.asarray(selections)).reshape(
             num_streams, num_steps, -1).astype(np.int64), 1, 0)
@@ -787,7 +828,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   slot_of = np.full((num_streams, num_pos + 1), _PAD, np.int64)  # position -> slot
   pol = _make_policy(_Replay(
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
-      sel=sel, ranks=ranked, rank_freq=rank_freq, seed=seed, slot_ids=slot_ids,
+      sel=sel, ranks=ranked, rank_freq=rank_freq, foresight=int(foresight), seed=seed,
+      slot_ids=slot_ids,
       key_fn=key_fn, collect=collect, **params))
 
   for t in range(num_steps):
@@ -833,7 +875,7 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
   Args:
     traces: sequence of int[..., T, k] selections, or (selections, scores) or
       (selections, scores, ranks) tuples (scores feed ``"score"``, ranks
-      ``"rank"``; None for the defaults; see ``replay``).
+      ``"rank"`` and ``"foresight"``; None for the defaults; see ``replay``).
     capacities: slots per stream; an int is a slot count, a float a multiple of
       each trace's k (rounded).
     policies: names from ``POLICIES``; ``"lru"`` and ``"belady"`` are replayed too.
@@ -856,7 +898,7 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
       for sel, score, ranks in traces:
         size = round(cap * np.shape(sel)[-1]) if isinstance(cap, float) else cap
         args = dict(kw, scores=score) if policy == "score" else (
-            dict(kw, ranks=ranks) if policy in ("rank", LEARNED) else kw)
+            dict(kw, ranks=ranks) if policy in (*RANKED_POLICIES, LEARNED) else kw)
         misses += int(replay(sel, size, policy, **args).sum())
       rates[policy], secs[policy] = misses / max(valid, 1), time.perf_counter() - start
     gap = rates["lru"] - rates["belady"]
