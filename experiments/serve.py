@@ -16,6 +16,10 @@ run per request, ~2 min):
   # Agent sessions with the prefix cache in the host tier (PDD's Decode Radix Cache
   # on HiSparse), on vs off (~4 min each):
   python -m experiments.serve --sessions=skewed --prefix_cache --check_exact
+  # Shared system prompts arriving under load, admitted by arrival or by the longest
+  # cached prefix (SGLang's LPM):
+  python -m experiments.serve --shared_prefix_groups=4 --num_requests=24 \
+      --request_rate=4 --prefix_cache --schedule=lpm
   # Shared system prompts, a host pool too small to keep them, a disk tier below it:
   python -m experiments.serve --shared_prefix_groups=6 --num_requests=24 --max_batch=4 \
       --prefix_cache --host_budget_mib=150 --disk_budget_mib=512 --check_exact
@@ -79,6 +83,9 @@ flags.DEFINE_float("disk_budget_mib", 0.0, "A disk tier of this many MiB below t
                    "pool for cached prefixes (with --prefix_cache; 0: none).")
 flags.DEFINE_enum("disk_policy", "auto", ["auto", "load", "recompute"], "A prefix found "
                   "on disk is loaded back, recomputed, or whichever measured cheaper.")
+flags.DEFINE_enum("schedule", "fcfs", ["fcfs", "lpm"], "Admission order: arrival "
+                  "(fcfs) or the longest cached prefix first (lpm, SGLang's; needs "
+                  "--prefix_cache).")
 flags.DEFINE_bool("check_exact", False, "Decode every finished request alone with "
                   "the sparse backend (the dense one for --cache=dense, which attends "
                   "to every position) and compare tokens.")
@@ -91,7 +98,7 @@ flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
 
 def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
-                prefix_cache=False, disk_budget_mib=0.0, mesh=None):
+                prefix_cache=False, disk_budget_mib=0.0, mesh=None, schedule="fcfs"):
   backend = workloads.build_backend(
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
@@ -99,7 +106,7 @@ def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
   return workloads.build_engine(backend, max_step_tokens=FLAGS.max_step_tokens,
                                 kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
                                 disk_budget_mib=disk_budget_mib,
-                                disk_policy=FLAGS.disk_policy)
+                                disk_policy=FLAGS.disk_policy, schedule=schedule)
 
 
 def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
@@ -201,7 +208,8 @@ def main(argv):
   workloads.warm_up(make_engine(model, FLAGS.cache, selector, params, mesh=mesh), first,
                     FLAGS.chunk_size)
   engine = make_engine(model, FLAGS.cache, selector, params, FLAGS.kv_budget_mib,
-                       FLAGS.prefix_cache, FLAGS.disk_budget_mib, mesh=mesh)
+                       FLAGS.prefix_cache, FLAGS.disk_budget_mib, mesh=mesh,
+                       schedule=FLAGS.schedule)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
   with tqdm(total=total, desc=f"serve ({FLAGS.cache})", unit="req") as bar:

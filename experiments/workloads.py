@@ -187,7 +187,7 @@ def build_backend(model, cache: str, *, selector, params, max_batch: int, max_le
 def build_engine(backend, *, max_step_tokens: int, kv_budget_mib: float | None = None,
                  prefill_policy: str = "decode_first", prefix_cache: bool = False,
                  disk_budget_mib: float = 0.0, disk_policy: str = "auto",
-                 on_step=None) -> Engine:
+                 schedule: str = "fcfs", on_step=None) -> Engine:
   """An engine over ``backend``; ``disk_budget_mib`` > 0 adds a disk tier below the
   host pool for cached prefixes (in a temporary directory)."""
   budget = None if kv_budget_mib is None else int(kv_budget_mib * 2**20)
@@ -196,7 +196,8 @@ def build_engine(backend, *, max_step_tokens: int, kv_budget_mib: float | None =
   return Engine(backend, EngineConfig(max_step_tokens=max_step_tokens,
                                       kv_budget_bytes=budget, prefill_policy=prefill_policy,
                                       prefix_cache=prefix_cache, disk_pages=disk_pages,
-                                      disk_policy=disk_policy), on_step=on_step)
+                                      disk_policy=disk_policy, schedule=schedule),
+                on_step=on_step)
 
 
 def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, str]:

@@ -13,8 +13,9 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   """A JSONL workload served by the tiered engine with the prefix cache: independent
   requests (text and token-id prompts, staggered arrivals) and session turns, whose
   later turns hit the earlier prompt's chunks, over a 2 x 2 device mesh (requests and
-  KV heads). --check_exact decodes each request's full prompt alone with the sparse
-  backend on one device: every one must match."""
+  KV heads), admitted longest cached prefix first. --check_exact decodes each
+  request's full prompt alone with the sparse backend on one device: every one must
+  match."""
   from pydoc_data.topics import topics
   words, more = topics["assert"].split(), topics["import"].split()
   workload = tmp_path / "requests.jsonl"
@@ -30,7 +31,7 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   # its own host tier; SmolLM2's KV heads padded 3 -> 4 over 2 devices per row), so
   # the mesh path serves the prefix cache too; --check_exact runs on one device.
   out = run("experiments.serve", "--smoke", f"--model_layers={SMOKE_LAYERS}",
-            "--prefix_cache", "--check_exact",
+            "--prefix_cache", "--schedule=lpm", "--check_exact",
             "--mesh=data:2,model:2", f"--workload={workload}", f"--out_root={tmp_path}")
   last = out.strip().splitlines()[-1]
   pattern = (r"serve: cache=tiered requests=(\d+) output_tokens=\d+ throughput=[\d.e+-]+ "
@@ -47,6 +48,7 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   assert rows[0]["prefix_hit"] > 0.15 and rows[0]["hit_p90"] > 0.5
   assert rows[0]["prefill_tokens"] < rows[0]["prompt_tokens"]
   assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
+  assert json.loads((run_dir / "config.json").read_text())["flags"]["schedule"] == "lpm"
   assert "mesh={'data': 2, 'model': 2}" in out
   assert "mesh: 0 per-slot outputs re-placed" in out  # XLA kept every layout
 

@@ -20,6 +20,16 @@ from tests.test_serving import POISON, VOCAB, FakeModel, solo
 UNIT, PAGE = 4, 2
 
 
+def tree_state(tree):
+  """Every node's edge, pages and LRU stamp, depth first."""
+  out, stack = [], [tree.root]
+  while stack:
+    node = stack.pop()
+    out.append((node.key, tuple(node.pages), node.last_used, node.lock))
+    stack.extend(node.children[key] for key in sorted(node.children))
+  return out
+
+
 def test_radix_matches_the_longest_cached_prefix_brute_force():
   rng = np.random.default_rng()
   tree, page_ids = RadixCache(UNIT, PAGE), itertools.count()
@@ -52,8 +62,12 @@ def test_radix_matches_the_longest_cached_prefix_brute_force():
         cached.setdefault(tuple(whole[:(k + 1) * UNIT]),
                           pages[k * UNIT // PAGE:(k + 1) * UNIT // PAGE])
     else:
+      before = tree_state(tree)
+      measured = tree.prefix_length(tokens)
+      assert tree_state(tree) == before  # measuring touches nothing
       got, _ = tree.match_prefix(tokens)
       assert got == expected(tokens)
+      assert measured == len(got) * PAGE
   assert sorted(tree.held_pages()) == sorted(p for v in cached.values() for p in v)
   with pytest.raises(ValueError, match="whole units"):
     tree.insert([1, 2, 3], [0])
@@ -140,15 +154,56 @@ def test_prefix_cache_reuses_prompt_chunks_and_tokens_equal_solo_runs():
   assert engine.pool.in_use == 0 and computed > 0
 
 
-def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions():
+@pytest.mark.parametrize("schedule", ["fcfs", "lpm"])
+def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions(schedule):
   rng = np.random.default_rng()
-  engine, reqs = run_with_prefix_cache(rng, 120, pages=24, abort_rate=0.05)
+  engine, reqs = run_with_prefix_cache(rng, 120, pages=24, abort_rate=0.05,
+                                       schedule=schedule, max_overtakes=3)
   states = [r.state for r in reqs]
   assert states.count(State.FINISHED) > 60 and State.FAILED not in states
   assert sum(r.metrics.preemptions for r in reqs) > 0, "no page pressure"
   assert engine.cached_tokens > 0
   assert engine.slots == [None] * len(engine.slots) and engine._device_in_use == 0
   engine.pool.check(engine.radix.held_pages())
+
+
+@pytest.mark.parametrize("schedule,max_overtakes,order", [
+    ("fcfs", 16, "xyzw"), ("lpm", 16, "yzwx"), ("lpm", 1, "yxzw")])
+def test_lpm_admits_the_longest_cached_prefix_first_and_bounds_overtakes(
+    schedule, max_overtakes, order):
+  """A cached 16-token prefix P; then x (no prefix), y (P + 10), z (P + 3) and w
+  (the first chunk of P + 12) arrive together, one slot. LPM admits by cached
+  tokens (y and z 16, w 8, x 0; ties in arrival order), FCFS by arrival; with
+  max_overtakes=1 x goes next once y has overtaken it. Every request's tokens
+  are its solo run's."""
+  rng = np.random.default_rng()
+  prefix = rng.integers(0, VOCAB - 1, 16).tolist()
+  factory = lambda: FakeModel(num_slots=1, num_host_pages=60)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=8, prefix_cache=True,
+                                          schedule=schedule,
+                                          max_overtakes=max_overtakes))
+  first = engine.submit(prefix + [1, 2, 3], 2)
+  engine.run()
+  assert first.metrics.cached_tokens == 0 and engine.radix.prefix_length(prefix) == 16
+  tail = lambda n: rng.integers(0, VOCAB - 1, n).tolist()
+  prompts = {"x": tail(20), "y": prefix + tail(10), "z": prefix + tail(3),
+             "w": prefix[:8] + tail(12)}
+  reqs = {name: engine.submit(p, 3, request_id=name) for name, p in prompts.items()}
+  engine.run()
+  assert "".join(sorted(reqs, key=lambda n: reqs[n].admit_order)) == order
+  want_cached = {"x": 0, "y": 16, "z": 16, "w": 8}
+  for name, req in reqs.items():
+    assert req.metrics.cached_tokens == want_cached[name], name
+    assert req.output == solo(factory, req.prompt, 3), name  # no token moves
+
+
+def test_schedule_is_checked():
+  with pytest.raises(ValueError, match="schedule"):
+    EngineConfig(prefix_cache=True, schedule="sjf")
+  with pytest.raises(ValueError, match="prefix_cache"):
+    EngineConfig(schedule="lpm")
+  with pytest.raises(ValueError, match="max_overtakes"):
+    EngineConfig(prefix_cache=True, schedule="lpm", max_overtakes=-1)
 
 
 @dataclasses.dataclass

@@ -2,9 +2,10 @@
 
 Each ``step()``:
 
-1. **Admit** waiting requests in arrival order (FCFS, no overtaking) while a slot
-   is free, the prefill staging buffer is free (one prompt is prefilled at a
-   time), the device budget covers the request's state for its whole life
+1. **Admit** waiting requests in arrival order (``schedule="fcfs"``, no
+   overtaking; or ``"lpm"``: the longest cached prefix first, see
+   ``EngineConfig``) while a slot is free, the prefill staging buffer is free
+   (one prompt is prefilled at a time), the device budget covers the request's state for its whole life
    (``ServingModel.device_bytes`` of prompt + max_new_tokens positions, plus the
    staging buffer once) and the host pool has pages for its prompt.
 2. **Decode first**: every decoding request advances one token in one batched,
@@ -72,6 +73,7 @@ from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
 
 PREFILL_POLICIES = ("decode_first", "blocking")
 DISK_POLICIES = ("auto", "load", "recompute")
+SCHEDULES = ("fcfs", "lpm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,15 @@ class EngineConfig:
     disk_policy: for a prefix found on disk: ``"load"`` it back, ``"recompute"``
       it, or ``"auto"``: load when the measured load time of its pages is below
       the measured prefill time of its tokens.
+    schedule: which waiting request is admitted next: ``"fcfs"`` (arrival order)
+      or ``"lpm"`` (SGLang's longest prefix match: the one with the most prompt
+      tokens in the prefix cache, host or disk; ties in arrival order). Under
+      both, preempted requests resume first and admission stops at the first
+      request that does not fit (no backfill). ``"lpm"`` needs ``prefix_cache``.
+      It admits cheap prefills first and prompts while their shared prefix is
+      still cached; tokens never depend on the schedule.
+    max_overtakes: ``"lpm"``'s bound on waiting: a request that this many later
+      arrivals overtook is admitted next (0: FCFS).
   """
 
   max_step_tokens: int = 512
@@ -111,6 +122,8 @@ class EngineConfig:
   disk_pages: int = 0
   disk_dir: str | None = None
   disk_policy: str = "auto"
+  schedule: str = "fcfs"
+  max_overtakes: int = 16
 
   def __post_init__(self):
     if self.prefill_policy not in PREFILL_POLICIES:
@@ -121,6 +134,13 @@ class EngineConfig:
     if self.disk_pages < 0 or (self.disk_pages and not self.prefix_cache):
       raise ValueError(f"disk_pages={self.disk_pages}: a disk tier holds cached prefixes "
                        "and needs prefix_cache=True")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
+    if self.schedule == "lpm" and not self.prefix_cache:
+      raise ValueError("schedule='lpm' orders requests by their cached prefix: it "
+                       "needs prefix_cache=True")
+    if self.max_overtakes < 0:
+      raise ValueError(f"max_overtakes={self.max_overtakes} must be >= 0")
     if self.max_step_tokens <= 0:
       raise ValueError(f"max_step_tokens={self.max_step_tokens} must be positive")
 
@@ -334,7 +354,7 @@ class Engine:
       if self._prefilling() is not None:
         return  # one prompt at a time uses the staging buffer
       free = [i for i, r in enumerate(self.slots) if r is None]
-      req = self.waiting[0]
+      req = self._next_waiting()
       charge = self.model.device_bytes(req.total_length)
       staging = self.model.staging_bytes()
       if not free or (budget is not None and
@@ -366,7 +386,7 @@ class Engine:
       if req.imported is not None and req.imported[0] <= matched < req.imported[1]:
         matched = self._import_pages(req, slot, matched)
         self.imported_tokens += matched - cached
-      self.waiting.popleft()
+      self._dequeue(req)
       req.slot, req.device_bytes, req.cached, req.staged = slot, charge, matched, 0
       self.prompt_tokens += len(req.prompt)
       self.cached_tokens += cached
@@ -378,6 +398,31 @@ class Engine:
       if req.metrics.admitted is None:
         req.metrics.admitted = self.now()
       self.slots[slot] = req
+
+  def _next_waiting(self) -> Request:
+    """The request ``schedule`` admits next (EngineConfig). The queue is in arrival
+    order, preempted requests re-queued at its front."""
+    if self.config.schedule == "fcfs":
+      return self.waiting[0]
+    chunk = self.model.chunk_size
+
+    def priority(item):  # the smallest goes first
+      index, req = item
+      usable = (len(req.prompt) - 1) // chunk * chunk  # as _match
+      return (req.metrics.admitted is None,  # resume preempted requests first
+              req.overtaken < self.config.max_overtakes,  # then the long-waiting
+              -self.radix.prefix_length(req.prompt[:usable]), index)
+
+    return min(enumerate(self.waiting), key=priority)[1]
+
+  def _dequeue(self, req: Request) -> None:
+    """Takes ``req`` off the queue; every request that arrived before it waits on
+    and counts one overtake."""
+    for earlier in self.waiting:
+      if earlier is req:
+        break
+      earlier.overtaken += 1
+    self.waiting.remove(req)
 
   def _pick_slot(self, free: list[int], shared: list[int]) -> int:
     """A free slot: the lowest, or on a data-parallel model (partitions) one on the

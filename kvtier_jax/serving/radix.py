@@ -8,6 +8,7 @@ would have computed itself. Each edge holds the host pages of its tokens.
 
 * ``match_prefix`` returns the pages of the longest cached prefix (splitting an
   edge matched part-way, as SGLang does) and touches it for LRU;
+  ``prefix_length`` only measures it (the scheduler's question);
 * ``insert`` adds a prefix, adopting the caller's pages for the part not cached
   yet (the caller takes a pool reference for each adopted page);
 * ``lock`` / ``unlock`` count the running requests using a node and its
@@ -71,6 +72,14 @@ class RadixCache:
   def _pages_of(self, tokens: int) -> int:
     return tokens // self.page_size
 
+  def _edge_match(self, child: Node, tokens: list[int], at: int) -> int:
+    """Tokens (whole units) of ``child``'s edge that ``tokens[at:]`` starts with."""
+    same = 0
+    while (same < len(child.key) and at + same < len(tokens)
+           and tuple(child.key[same:same + self.unit]) == self._first(tokens, at + same)):
+      same += self.unit
+    return same
+
   def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
     """(pages, node) of the longest cached prefix of ``tokens`` in whole units."""
     tokens = list(tokens[:len(tokens) // self.unit * self.unit])
@@ -80,10 +89,7 @@ class RadixCache:
       child = node.children.get(self._first(tokens, at))
       if child is None:
         break
-      same = 0  # whole units of the edge that match
-      while (same < len(child.key) and at + same < len(tokens)
-             and tuple(child.key[same:same + self.unit]) == self._first(tokens, at + same)):
-        same += self.unit
+      same = self._edge_match(child, tokens, at)
       if same < len(child.key):
         child = self._split(child, same)
       child.last_used = stamp
@@ -91,6 +97,23 @@ class RadixCache:
       at += same
       node = child
     return pages, node
+
+  def prefix_length(self, tokens: Sequence[int]) -> int:
+    """Tokens of the longest cached prefix of ``tokens`` in whole units (host or
+    disk), read without touching the tree (no split, no LRU stamp): what a
+    scheduler may ask about every waiting request."""
+    tokens = list(tokens[:len(tokens) // self.unit * self.unit])
+    node, at = self.root, 0
+    while at < len(tokens):
+      child = node.children.get(self._first(tokens, at))
+      if child is None:
+        break
+      same = self._edge_match(child, tokens, at)
+      at += same
+      if same < len(child.key):
+        break
+      node = child
+    return at
 
   def _split(self, child: Node, length: int) -> Node:
     """Cut ``child``'s edge after ``length`` tokens; returns the new upper node."""

@@ -89,6 +89,7 @@ class Request:
   cached: int = 0  # positions in the cache (prompt chunks run, then decoded tokens)
   staged: int = 0  # prompt positions in the model's staging buffer
   admit_order: int = -1
+  overtaken: int = 0  # later arrivals admitted while it waited (schedule "lpm")
   radix_node: object = None  # the prefix-cache node it locks
   imported: tuple | None = None  # (kv_start, kv_end, pages) from a handoff
 

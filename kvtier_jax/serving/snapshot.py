@@ -161,7 +161,7 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
         sampling=dataclasses.asdict(req.sampling), stop_ids=sorted(req.stop_ids),
         metrics=dataclasses.asdict(req.metrics), state=req.state.value, output=req.output,
         reason=req.reason, slot=req.slot, device_bytes=req.device_bytes, cached=req.cached,
-        staged=req.staged, admit_order=req.admit_order,
+        staged=req.staged, admit_order=req.admit_order, overtaken=req.overtaken,
         radix_node=None if req.radix_node is None else index[id(req.radix_node)],
         imported=None if req.imported is None or req.state.done else list(req.imported[:2])))
   pool = engine.pool
@@ -223,7 +223,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
                   state=State(spec["state"]), output=spec["output"], reason=spec["reason"],
                   slot=spec["slot"], device_bytes=spec["device_bytes"],
                   cached=spec["cached"], staged=spec["staged"],
-                  admit_order=spec["admit_order"],
+                  admit_order=spec["admit_order"], overtaken=spec.get("overtaken", 0),
                   radix_node=None if spec["radix_node"] is None else nodes[spec["radix_node"]])
     if spec["imported"]:
       req.imported = (*spec["imported"], groups[f"imported:{req.id}"])
