@@ -359,6 +359,7 @@ def run_serve():
 
 
 FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference",
+               "tests/test_kernels.py::test_keyed_victim_order_matches_brute_force",
                "tests/test_decode.py::test_fused_layer_kernels_are_the_unfused_step")
 
 
@@ -373,14 +374,14 @@ def run_fused():
   overlapped hit/miss attention with and without the miss gather on its own CUDA
   stream (``ImplConfig.fetch_stream``)."""
   if FLAGS.fused_tests:
-    run_numerics("fused", FUSED_TESTS, filter_="fused")
+    run_numerics("fused", FUSED_TESTS, filter_="fused or keyed_victim_order")
   variants = [("full_kv", None), ("tiered", {}),
               ("tiered_fused", dict(impl=ImplConfig(fused=True))),
               ("tiered_fused_xla_attention",
                dict(impl=ImplConfig(fused=True, attention="xla"))),
               ("tiered_fused_index_share_2",
                dict(impl=ImplConfig(fused=True), index_share=2)),
-              ("tiered_fused_rank",  # a keyed policy: XLA key + sort, then the kernels
+              ("tiered_fused_rank",  # a keyed policy: the victim-key kernel + a sort
                dict(impl=ImplConfig(fused=True), policy=PolicyConfig("rank"))),
               ("tiered_overlap", dict(overlap_hit_miss=True)),
               ("tiered_overlap_fetch_stream_1",
