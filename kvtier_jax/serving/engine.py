@@ -5,9 +5,10 @@ Each ``step()``:
 1. **Admit** waiting requests in arrival order (``schedule="fcfs"``, no
    overtaking; or ``"lpm"``: the longest cached prefix first, see
    ``EngineConfig``) while a slot is free, the prefill staging buffer is free
-   (one prompt is prefilled at a time), the device budget covers the request's state for its whole life
-   (``ServingModel.device_bytes`` of prompt + max_new_tokens positions, plus the
-   staging buffer once) and the host pool has pages for its prompt.
+   (one prompt is prefilled at a time), the device budget covers the request's
+   state for its whole life (``ServingModel.device_bytes`` of prompt +
+   max_new_tokens positions, plus the staging buffer once) and the host pool has
+   pages for its prompt.
 2. **Decode first**: every decoding request advances one token in one batched,
    statically shaped step (inactive slots are masked, so requests joining and
    leaving never recompile). A request whose next position needs a host page gets
