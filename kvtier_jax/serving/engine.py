@@ -405,14 +405,11 @@ class Engine:
     order, preempted requests re-queued at its front."""
     if self.config.schedule == "fcfs":
       return self.waiting[0]
-    chunk = self.model.chunk_size
-
     def priority(item):  # the smallest goes first
       index, req = item
-      usable = (len(req.prompt) - 1) // chunk * chunk  # as _match
       return (req.metrics.admitted is None,  # resume preempted requests first
               req.overtaken < self.config.max_overtakes,  # then the long-waiting
-              -self.radix.prefix_length(req.prompt[:usable]), index)
+              -self.radix.prefix_length(self._shareable(req)), index)
 
     return min(enumerate(self.waiting), key=priority)[1]
 
@@ -441,13 +438,18 @@ class Engine:
       part = min(open_parts, key=lambda p: (running[p], -pool.free_in(p), p))
     return next(s for s in free if pool.slot_partition(s) == part)
 
+  def _shareable(self, req: Request) -> list[int]:
+    """The prompt's whole chunks that may come from the cache: at least one token
+    is left to prefill (its logits give the first output)."""
+    chunk = self.model.chunk_size
+    return req.prompt[:(len(req.prompt) - 1) // chunk * chunk]
+
   def _match(self, req: Request) -> tuple[list[int], object]:
     """(pages, locked node) of the request's longest cached prefix; at least one
     prompt token is left to prefill (its logits give the first output)."""
     if self.radix is None:
       return [], None
-    usable = (len(req.prompt) - 1) // self.model.chunk_size * self.model.chunk_size
-    pages, node = self.radix.match_prefix(req.prompt[:usable])
+    pages, node = self.radix.match_prefix(self._shareable(req))
     self.radix.lock(node)
     return pages, node
 
