@@ -5,7 +5,7 @@
 (models/transformer.py ``apply_decode``) calls it from its own layer scan;
 ``decode_step`` calls it from a scan over precomputed per-layer q/k/v (tests,
 benchmarks, the H200 audit). The step's state is a ``TieredCarry``: the cache, the
-selector's state, and the step's refusal flag and status. After the scan
+selector's state, and the step's status word (0: no layer refused). After the scan
 ``commit_step`` advances ``seq_len`` if no layer refused; the host append
 (``append_newest``) and the refusal check run in the host driver (driver.py).
 
@@ -37,18 +37,23 @@ class TieredCarry:
   tier: TieredKVState
   sel: Any  # selector state, leaves [L, ...]
   params: Any  # selector params, leaves [L, ...] (DSA indexer) or None
-  ok: jax.Array  # bool[] no layer refused the step so far
-  status: jax.Array  # i32[] OR of the layers' status words
+  status: jax.Array  # i32[] OR of the layers' status words (0: none refused)
   anchor: AnchorResult  # the current anchor's RESOLVE (index sharing)
   active: jax.Array  # bool[R] requests that decode this step (a serving batch)
   prefetch: Any = None  # i32[L, R, U, kp] positions predicted for the next step
+
+  @property
+  def ok(self) -> jax.Array:
+    """bool[]: no layer refused the step so far. Derived, not carried: each layer
+    (the fused commit kernel itself) threads one word, no flag beside it."""
+    return self.status == 0
 
 
 def init_carry(cfg: TierConfig, tier: TieredKVState, sel=None, params=None,
                prefetch=None, active=None) -> TieredCarry:
   active = jnp.ones((cfg.num_requests,), bool) if active is None else jnp.asarray(active)
   width = None if prefetch is None else prefetch.shape[-1]
-  return committed(TieredCarry(tier, sel, params, jnp.bool_(True), jnp.int32(0),
+  return committed(TieredCarry(tier, sel, params, jnp.int32(0),
                                AnchorResult.empty(cfg, width), active, prefetch))
 
 
@@ -105,24 +110,23 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
                                       cfg.lookahead_cap or 0)
     prefetch = None if carry.prefetch is None else carry.prefetch[layer]
     out, _, tier, status, anchor = layer_lib.anchor_layer(
-        cfg, tier, layer, q, k_new, v_new, selected, carry.ok, carry.active,
+        cfg, tier, layer, q, k_new, v_new, selected, carry.status, carry.active,
         prefetch=prefetch, ranks=ranks)
-    ok = carry.ok & (status == 0)
+    ok = status == 0
     anchor = carry.anchor if anchor is None else anchor
     # Selector state leaves are [L, R, ...]: keep the rows of refused or inactive
     # requests as they were.
     row_ok = ok & carry.active
     keep = lambda n, o: jnp.where(row_ok.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     sel = layer_update(sel, layer, jax.tree.map(keep, layer_slice(sel, layer), sel_old))
-    return out, carry.replace(tier=tier, sel=sel, ok=ok, status=carry.status | status,
-                              anchor=anchor)
+    return out, carry.replace(tier=tier, sel=sel, status=status, anchor=anchor)
 
   attend.index_share = cfg.index_share
   return attend
 
 
 def begin_step(carry: TieredCarry) -> TieredCarry:
-  return carry.replace(ok=jnp.bool_(True), status=jnp.int32(0))
+  return carry.replace(status=jnp.int32(0))
 
 
 def commit_step(carry: TieredCarry) -> TieredCarry:

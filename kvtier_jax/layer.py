@@ -13,8 +13,9 @@ Per anchor layer:
      (``cfg.index_share``), and prefetches predicted positions for the next step.
 
 A layer whose input is invalid (selection out of range or duplicated, host tier
-full) refuses: it and every later layer change nothing; ``status`` says why. The
-layer functions here are called by ``decode.tiered_attend`` only.
+full) refuses: it and every later layer change nothing; the status word, threaded
+from layer to layer, says why. The layer functions here are called by
+``decode.tiered_attend`` only.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def has_page(cfg: TierConfig, page_table, positions):
 
 
 def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                 selected, ok, active, *, prefetch=None, ranks=None):
+                 selected, prior_status, active, *, prefetch=None, ranks=None):
   """Sparse attention of one layer that selects (an anchor), through the cache.
 
   Args:
@@ -120,7 +121,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     q: [R, Hq, D] queries; k_new, v_new: [R, Hkv, D] the newest token's K/V.
     selected: i32[R, U, k] positions to attend (-1 padding); the newest position
       (``state.seq_len``) is served from reserved slot B.
-    ok: bool[] False forbids any change (an earlier layer refused the step).
+    prior_status: i32[] the earlier layers' status word; nonzero (one refused the
+      step) forbids any change.
     active: bool[R] requests that decode this step; the others' metadata, hot
       rows (but slot B) and counters stay as they are, and they never refuse.
     prefetch: i32[R, U, kp] positions predicted for the next step (-1 padding;
@@ -129,8 +131,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     ranks: i32[R, U, m] the selector's best-first ranking (policy "rank").
 
   Returns:
-    (out [R, Hq, D], lse f32[R, Hq], state, status i32[], AnchorResult; None on
-    the fused path without index sharing: nothing reads it).
+    (out [R, Hq, D], lse f32[R, Hq], state, status i32[] (``prior_status`` OR this
+    layer's word), AnchorResult; None on the fused path without index sharing:
+    nothing reads it).
   """
   num_req, num_units, share = cfg.num_requests, cfg.num_units, cfg.index_share
   newest = state.seq_len  # [R]
@@ -139,15 +142,15 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     raise ValueError(f"selector returned {selected.shape}, expected "
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
   if cfg.impl.fused:
-    return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected, ok, active,
-                               ranks, prefetch)
+    return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected,
+                               prior_status, active, ranks, prefetch)
   selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   pages = state.page_table
 
   status = _or_reduce(selection_errors(selected, newest_u, cfg.max_len + 1,
                                        cfg.impl.lookup))
   status |= jnp.where((active & (newest >= cfg.max_len)).any(), STATUS_CAPACITY, 0)
-  ok = ok & (status == 0)
+  ok = (prior_status == 0) & (status == 0)
 
   # RESOLVE; uncommitted positions left in the metadata by a refused step
   # (>= seq_len) count as empty.
@@ -230,11 +233,11 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   )
   anchor = AnchorResult(res.slot, is_hit, is_miss, target,
                         *(() if plan is None else (prefetch, *plan)))
-  return out, lse, state, status, anchor
+  return out, lse, state, prior_status | status, anchor
 
 
 def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                        selected, ok, active, ranks=None, prefetch=None):
+                        selected, prior_status, active, ranks=None, prefetch=None):
   """``anchor_layer`` through the fused kernels: the same state, status and outputs
   (metadata and counters equal, integer for integer), in two launches and the
   attention. With index sharing the commit also fetches and writes the metadata of
@@ -255,7 +258,7 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
         rank_freq=cfg.policy.rank_freq, interpret=cfg.use_interpret)
     if ranks is None and prefetch is not None:  # the prefetch ranks as anchor_layer
       ranks = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
-  res = resolve_fetch(layer, ok, active, state.seq_len, selected, cache,
+  res = resolve_fetch(layer, prior_status, active, state.seq_len, selected, cache,
                       state.page_table, state.host_k, state.host_v, k_new, v_new,
                       order=order, max_len=cfg.max_len, page_size=cfg.page_size,
                       share=cfg.index_share,
@@ -266,7 +269,7 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   plan = None
   if prefetch is not None:
     state, plan = _fused_prefetch(cfg, state, layer, prefetch,
-                                  ok & (res.status == 0) & active, ranks)
+                                  (res.status == 0) & active, ranks)
   anchor = None if cfg.index_share == 1 else AnchorResult(
       res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target,
       *(() if plan is None else (prefetch, *plan)))

@@ -116,13 +116,15 @@ def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
   tiered = hlo_audit.audit_config(cfg, name).launches_per_layer
   full = hlo_audit.audit_full_kv(cfg)
   assert tiered > full > 0
-  # The fused layer kernels: within 4 launches per layer of full KV (issue 16). A
-  # keyed policy adds two: its victim-key kernel (the rank lookup inside) and one
-  # sort per row (at the audit's shape that is full KV + 4 too: 17 against 13).
+  # The fused layer kernels launch no more than full KV (issue 16 asked for 4 more at
+  # most): classify, commit and attention stand for full KV's XLA attention and KV
+  # writes, and the commit kernel threads the status word itself (no scalar ops
+  # between layers). A keyed policy adds two: its victim-key kernel (the rank lookup
+  # inside) and one sort per row.
   fused = {cfg.policy.name: hlo_audit.audit_config(cfg, name).launches_per_layer
            for name, cfg in hlo_audit.audit_configs(smoke=True) if cfg.impl.fused}
   assert fused.keys() == {"lru", "freq", "rank"}
-  assert fused["lru"] <= full + 4
+  assert fused["lru"] <= full, (fused, full)
   assert fused["freq"] <= fused["lru"] + 2 and fused["rank"] <= fused["lru"] + 2, fused
 
 

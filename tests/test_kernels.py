@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import fused_resolve
+from pallas_kernels import common, fused_resolve
 from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import BlockSizes as FetchBlocks
 from pallas_kernels.fetch import (fetch_rows, fetch_rows_reference, gather_rows,
@@ -176,13 +176,13 @@ def test_every_kernel_lowers_for_cuda_via_triton():
   host = f((L, 65, 64, U, Hg, D), jnp.bfloat16)
   texts["fused_resolve"] = _lower_for_cuda(
       lambda *a: fused_resolve.resolve_fetch(*a, max_len=T, page_size=64),
-      f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
+      f((), i32), f((), i32), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
       f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
       f((R, Hg, D), jnp.bfloat16))
   texts["fused_resolve_keyed"] = _lower_for_cuda(  # a keyed policy's victim order
       lambda *a: fused_resolve.resolve_fetch(*a, max_len=T, page_size=64,
                                              score_decay=0.9),
-      f((), i32), f((), bool), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
+      f((), i32), f((), i32), f((R,), bool), f((R,), i32), f((R, U, k), i32), cache,
       f((R, T // 64), i32), host, host, f((R, Hg, D), jnp.bfloat16),
       f((R, Hg, D), jnp.bfloat16), f((R, U, B), jnp.float32))
   texts["fused_resolve_victim_key"] = _lower_for_cuda(  # the rank key, then the sort
@@ -248,7 +248,9 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
       jnp.asarray(hot))
   new_kv = rng.standard_normal((2, R, U * Hg, D)).astype(np.float32)
   active = np.array([True, True, False, True])
-  return dict(layer=layer, ok=scenario != "refused_earlier", active=jnp.asarray(active),
+  # An earlier layer refused: its status word comes in (and goes out with this one's).
+  prior = common.STATUS_DUPLICATE if scenario == "refused_earlier" else 0
+  return dict(layer=layer, prior_status=jnp.int32(prior), active=jnp.asarray(active),
               seq_len=jnp.asarray(seq, jnp.int32), selected=jnp.asarray(sel),
               cache=cache, page_table=jnp.asarray(table), host_k=jnp.asarray(host),
               host_v=jnp.asarray(host * 3), k_new=jnp.asarray(new_kv[0]),
@@ -257,7 +259,7 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
 
 @pytest.mark.parametrize("scenario,status,share,keyed", [
     ("valid", 0, 1, False), ("duplicate", 2, 1, False), ("out_of_range", 1, 1, False),
-    ("unpaged", 4, 1, False), ("capacity", 4, 1, False), ("refused_earlier", 0, 1, False),
+    ("unpaged", 4, 1, False), ("capacity", 4, 1, False), ("refused_earlier", 2, 1, False),
     ("valid", 0, 2, False), ("unpaged", 4, 2, False), ("valid", 0, 1, True),
     ("valid", 0, 2, True)])
 def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, keyed):

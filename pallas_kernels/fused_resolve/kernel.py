@@ -25,11 +25,13 @@ classify, grid (rows,), one program per (request, unit) row, O(B + k):
   for the library's keyed policies in a third kernel (the key, with the rank
   lookup by another never-cleared position map, in LRU order) and the sort.
 commit, grid (rows, ceil(k / fetch_rows)):
-  ok = no earlier refusal and no row's status set; then each program copies its
+  ok = no earlier refusal (the status word passed in is 0) and no row's status
+  set; then each program copies its
   block of the row's compacted misses from the host tier (zero-copy on a GPU: the
   kernel reads ``pinned_host`` memory itself); block 0 also writes the newest
   token (slot B always, its install slot when ok) and, for an active row, the
-  metadata and counters; program (0, 0) writes the layer's status word. With
+  metadata and counters; program (0, 0) writes the status word: the one passed in
+  OR this layer's (the layer loop threads it, no XLA op between layers). With
   ``share`` > 1 (index sharing) the fetch, metadata and counters also go to the
   ``share - 1`` layers after ``layer``, in lockstep.
 
@@ -78,7 +80,7 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
               plan_slot_ref, info_ref, held_ref, evict_ref, rank_ref, *, num_units,
               num_slots, num_sel, slots_pad, sel_pad, max_len, page_size, score_decay,
               interpret):
-  # layer_ref: i32[1]  active_ref, seq_len_ref: i32[R]  sel_ref: i32[rows, k]
+  # layer_ref: i32[1]  active_ref: bool[R]  seq_len_ref: i32[R]  sel_ref: i32[rows, k]
   # slot_pos_ref, lru_ref: i32[L, rows, B]  score_ref: f32[L, rows, B]
   # order_ref: i32[rows, B] victim order (keyed policies; unread under LRU)
   # page_table_ref: i32[R, MP]
@@ -92,7 +94,7 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
   req = row // num_units
   layer = layer_ref[0]
   newest = seq_len_ref[req]
-  active = active_ref[req] != 0
+  active = active_ref[req]
   num_positions = max_len + 1
   lane_b = jnp.arange(slots_pad)
   lane_k = jnp.arange(sel_pad)
@@ -205,7 +207,7 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
   info_ref[row, 3] = num_miss
 
 
-def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
+def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
                    new_score_ref, plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref,
                    v_new_ref, host_k_ref, host_v_ref,
                    _slot_pos_in, _lru_in, _score_in, _hits_in, _misses_in, _fetched_in,
@@ -220,14 +222,15 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
   # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on a GPU)
   # slot_pos_ref, lru_ref, score_ref: [L, rows, B]  hits_ref, misses_ref: i32[L, rows]
   # fetched_ref: i32[L]  hot_*_ref: [L, rows, B+1, Hg, D] (all aliased in place)
-  # status_ref: i32[1]
+  # prior_status_ref, status_ref: i32[1]  active_ref: bool[R]
   row = pl.program_id(0)
   block = pl.program_id(1)
   unit = row % num_units
   layer = layer_ref[0]
   every_row = jnp.minimum(jnp.arange(rows_pad), num_rows - 1)
   statuses = info_ref[every_row, 0]  # padded lanes repeat the last row
-  ok = (ok_ref[0] != 0) & (jnp.max(statuses) == 0)
+  prior_status = prior_status_ref[0]
+  ok = (prior_status == 0) & (jnp.max(statuses) == 0)
   count = info_ref[row, 3]
   first = block * fetch_rows
   d_row = jnp.arange(head_dim)
@@ -259,7 +262,7 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
         hot_k_ref[layer, row, target, h, d_row] = k_new_ref[row, h, d_row]
         hot_v_ref[layer, row, target, h, d_row] = v_new_ref[row, h, d_row]
 
-    @pl.when(ok & (active_ref[row // num_units] != 0))
+    @pl.when(ok & active_ref[row // num_units])
     def _metadata():
       lane = jnp.minimum(jnp.arange(slots_pad), num_slots - 1)
       new_pos, new_lru = new_pos_ref[row, lane], new_lru_ref[row, lane]
@@ -278,8 +281,8 @@ def _commit_kernel(layer_ref, ok_ref, active_ref, info_ref, new_pos_ref, new_lru
   @pl.when((row == 0) & (block == 0))
   def _layer():
     # The OR of the rows' words, one bit at a time (the bits are distinct).
-    status_ref[0] = sum(jnp.max(((statuses & bit) != 0).astype(jnp.int32)) * bit
-                        for bit in _STATUS_BITS)
+    status_ref[0] = prior_status | sum(
+        jnp.max(((statuses & bit) != 0).astype(jnp.int32)) * bit for bit in _STATUS_BITS)
     real = jnp.arange(rows_pad) < num_rows
     moved = jnp.sum(jnp.where(real, info_ref[every_row, 3], 0))
 
@@ -408,8 +411,8 @@ def victim_order(slot_pos, lru, key, seq_len):
 
 @functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
                                              "score_decay", "block_sizes", "interpret"))
-def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page_table,
-                  host_k, host_v, k_new, v_new, key=None, scratch_map=None, *,
+def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheArrays,
+                  page_table, host_k, host_v, k_new, v_new, key=None, scratch_map=None, *,
                   order=None, max_len: int, page_size: int, share: int = 1,
                   score_decay: float | None = None,
                   block_sizes: BlockSizes = BlockSizes(),
@@ -447,8 +450,9 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
   rows_pad = common.next_power_of_2(rows)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   as_i32 = lambda x, n: jnp.asarray(x, jnp.int32).reshape((n,))
-  layer, ok = as_i32(layer, 1), as_i32(ok, 1)
-  active = as_i32(active, num_req)
+  # Bool and i32 operands as they come (no convert ops between the layers).
+  layer, prior_status = as_i32(layer, 1), as_i32(prior_status, 1)
+  active = jnp.asarray(active, bool).reshape((num_req,))
   per_row = lambda x: x.reshape((num_layers, rows) + x.shape[3:])
   whole = pl.no_block_spec
   params = common.triton_params(block_sizes.num_warps, 1)
@@ -504,14 +508,18 @@ def resolve_fetch(layer, ok, active, seq_len, selected, cache: CacheArrays, page
       in_specs=[whole] * 22,
       out_specs=[whole] * 9,
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state] + [i32(1)],
-      input_output_aliases={14 + i: i for i in range(8)},
+      # The status word in place too (no copy into the layer loop's carry). Other
+      # programs may read it before or after program (0, 0) writes prior | this
+      # layer's: either way their ok is the same, as both words are zero exactly
+      # when prior and this layer's word are.
+      input_output_aliases={1: 8, **{14 + i: i for i in range(8)}},
       compiler_params=params,
       interpret=interpret,
       name="fused_resolve_commit",
-  )(layer, ok, active, info, new_pos, new_lru, new_score, plan_page, plan_off,
+  )(layer, prior_status, active, info, new_pos, new_lru, new_score, plan_page, plan_off,
     plan_slot, rows_new(k_new), rows_new(v_new), host_k, host_v, *state)
 
-  ok_all = (ok[0] != 0) & (status[0] == 0)
+  ok_all = status[0] == 0
   unflat = lambda x, old: x.reshape(old.shape)
   new_cache = CacheArrays(*(unflat(x, old) for x, old in zip(updated, cache)))
   sel_shape = (num_req, num_units, num_sel)

@@ -10,7 +10,8 @@ Per (request, unit) row of layer ``layer`` (docs/DESIGN.md, "The fused layer ste
    first (empty slots first, ties in LRU order); then the newest token also takes
    the lowest-index empty slot, if any (``install_newest``);
 3. a miss whose position has no host page makes the row refuse (capacity);
-4. *commit*, only when ``ok`` and no row of the layer refused: the missed rows are
+4. *commit*, only when no earlier layer refused (``prior_status`` 0) and no row
+   of this layer refused: the missed rows are
    copied from the host tier into their victims, the newest token into its install
    slot, and the metadata and counters of the active rows are written. The newest
    token always goes to reserved slot ``B`` (its row is rewritten every step).
@@ -19,7 +20,8 @@ Per (request, unit) row of layer ``layer`` (docs/DESIGN.md, "The fused layer ste
    slot's score is 1 in every case.
 
 Inactive rows select nothing, refuse nothing and keep their metadata. The status
-word says why the layer refused (bits of ``pallas_kernels.common``); the unpaged
+word says why the step refused (bits of ``pallas_kernels.common``): the word passed
+in OR this layer's, so a layer loop threads it from layer to layer; the unpaged
 check only looks at rows whose selection is valid, so the word is the same
 whichever implementation resolved a malformed row.
 """
@@ -55,7 +57,7 @@ class LayerResult(NamedTuple):
   # in a row whose selection is malformed (the layer refuses).
   slot: jax.Array
   is_miss: jax.Array  # bool[R, U, k] fetched this step (False unless committed)
-  status: jax.Array  # i32[] this layer's status word (0: nothing wrong)
+  status: jax.Array  # i32[] prior_status | this layer's word (0: nothing wrong)
   target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
 
 
@@ -111,14 +113,16 @@ def updated_score(score, slot, is_miss, decay: float):
 
 @functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
                                              "score_decay"))
-def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheArrays,
-                            page_table, host_k, host_v, k_new, v_new, key=None, *,
+def resolve_fetch_reference(layer, prior_status, active, seq_len, selected,
+                            cache: CacheArrays, page_table, host_k, host_v, k_new, v_new,
+                            key=None, *,
                             max_len: int, page_size: int, share: int = 1,
                             score_decay: float | None = None) -> LayerResult:
   """One layer's validate + RESOLVE + fetch + commit (module docstring).
 
   Args:
-    layer: i32[]; ok: bool[] (False: an earlier layer refused, commit nothing).
+    layer: i32[]; prior_status: i32[] the earlier layers' status word (nonzero:
+      one refused, commit nothing).
     active: bool[R]; seq_len: i32[R] (the newest position of each request).
     selected: i32[R, U, k] positions to attend, -1 padding.
     cache: the arrays of every layer (``CacheArrays``).
@@ -158,7 +162,7 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
                 | jnp.where(act & (newest >= max_len), common.STATUS_CAPACITY, 0)
                 | jnp.where(unpaged, common.STATUS_CAPACITY, 0))
   status = _or_reduce(row_status)
-  ok = ok & (status == 0)
+  ok = (prior_status == 0) & (status == 0)
   row_ok = ok & act
   is_miss = res.is_miss & ok
 
@@ -198,4 +202,4 @@ def resolve_fetch_reference(layer, ok, active, seq_len, selected, cache: CacheAr
       hot_k=write_hot(cache.hot_k, k_new, host_k),
       hot_v=write_hot(cache.hot_v, v_new, host_v),
   )
-  return LayerResult(new_cache, res.slot, is_miss, status, target)
+  return LayerResult(new_cache, res.slot, is_miss, prior_status | status, target)
