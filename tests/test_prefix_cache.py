@@ -167,27 +167,31 @@ def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions(schedule):
   engine.pool.check(engine.radix.held_pages())
 
 
-@pytest.mark.parametrize("schedule,max_overtakes,order", [
-    ("fcfs", 16, "xyzw"), ("lpm", 16, "yzwx"), ("lpm", 1, "yxzw")])
+@pytest.mark.parametrize("schedule,max_overtakes,window,order", [
+    ("fcfs", 16, 128, "xwzy"), ("lpm", 16, 128, "zywx"), ("lpm", 1, 128, "zwxy"),
+    ("lpm", 16, 2, "wzyx"), ("lpm", 16, 1, "xwzy")])
 def test_lpm_admits_the_longest_cached_prefix_first_and_bounds_overtakes(
-    schedule, max_overtakes, order):
-  """A cached 16-token prefix P; then x (no prefix), y (P + 10), z (P + 3) and w
-  (the first chunk of P + 12) arrive together, one slot. LPM admits by cached
-  tokens (y and z 16, w 8, x 0; ties in arrival order), FCFS by arrival; with
-  max_overtakes=1 x goes next once y has overtaken it. Every request's tokens
-  are its solo run's."""
+    schedule, max_overtakes, window, order):
+  """A cached 16-token prefix P; then x (no prefix), w (the first chunk of P + 12),
+  z (P + 3) and y (P + 10) arrive together, one slot. LPM admits by cached tokens
+  (z and y 16, w 8, x 0; ties in arrival order), FCFS by arrival; with
+  max_overtakes=1, x and w have been overtaken once z goes, so they go next (w's
+  prefix first); lpm_window=2 ranks only the first two waiting ([x, w], then [x,
+  z], then [x, y]); a window of 1 is FCFS. Every request's tokens are its solo
+  run's."""
   rng = np.random.default_rng()
   prefix = rng.integers(0, VOCAB - 1, 16).tolist()
   factory = lambda: FakeModel(num_slots=1, num_host_pages=60)
   engine = Engine(factory(), EngineConfig(max_step_tokens=8, prefix_cache=True,
                                           schedule=schedule,
-                                          max_overtakes=max_overtakes))
+                                          max_overtakes=max_overtakes,
+                                          lpm_window=window))
   first = engine.submit(prefix + [1, 2, 3], 2)
   engine.run()
   assert first.metrics.cached_tokens == 0 and engine.radix.prefix_length(prefix) == 16
   tail = lambda n: rng.integers(0, VOCAB - 1, n).tolist()
-  prompts = {"x": tail(20), "y": prefix + tail(10), "z": prefix + tail(3),
-             "w": prefix[:8] + tail(12)}
+  prompts = {"x": tail(20), "w": prefix[:8] + tail(12), "z": prefix + tail(3),
+             "y": prefix + tail(10)}
   reqs = {name: engine.submit(p, 3, request_id=name) for name, p in prompts.items()}
   engine.run()
   assert "".join(sorted(reqs, key=lambda n: reqs[n].admit_order)) == order
@@ -204,6 +208,8 @@ def test_schedule_is_checked():
     EngineConfig(schedule="lpm")
   with pytest.raises(ValueError, match="max_overtakes"):
     EngineConfig(prefix_cache=True, schedule="lpm", max_overtakes=-1)
+  with pytest.raises(ValueError, match="lpm_window"):
+    EngineConfig(prefix_cache=True, schedule="lpm", lpm_window=0)
 
 
 @dataclasses.dataclass

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 import shutil
 import tempfile
@@ -113,6 +114,10 @@ class EngineConfig:
       still cached; tokens never depend on the schedule.
     max_overtakes: ``"lpm"``'s bound on waiting: a request that this many later
       arrivals overtook is admitted next (0: FCFS).
+    lpm_window: ``"lpm"`` ranks the first this many waiting requests (preempted
+      ones first, then arrival order), so a pick costs O(window x prompt chunks) on
+      any queue. SGLang instead turns LPM off (FCFS) past 128 waiting, which is
+      when prefix order pays most; 1 is FCFS.
   """
 
   max_step_tokens: int = 512
@@ -125,6 +130,7 @@ class EngineConfig:
   disk_policy: str = "auto"
   schedule: str = "fcfs"
   max_overtakes: int = 16
+  lpm_window: int = 128
 
   def __post_init__(self):
     if self.prefill_policy not in PREFILL_POLICIES:
@@ -142,6 +148,8 @@ class EngineConfig:
                        "needs prefix_cache=True")
     if self.max_overtakes < 0:
       raise ValueError(f"max_overtakes={self.max_overtakes} must be >= 0")
+    if self.lpm_window < 1:
+      raise ValueError(f"lpm_window={self.lpm_window} must be >= 1")
     if self.max_step_tokens <= 0:
       raise ValueError(f"max_step_tokens={self.max_step_tokens} must be positive")
 
@@ -411,7 +419,8 @@ class Engine:
               req.overtaken < self.config.max_overtakes,  # then the long-waiting
               -self.radix.prefix_length(self._shareable(req)), index)
 
-    return min(enumerate(self.waiting), key=priority)[1]
+    window = itertools.islice(self.waiting, self.config.lpm_window)
+    return min(enumerate(window), key=priority)[1]
 
   def _dequeue(self, req: Request) -> None:
     """Takes ``req`` off the queue; every request that arrived before it waits on
