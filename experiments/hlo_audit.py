@@ -11,12 +11,16 @@ cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
   zero-copy kernel's operands;
 * in-place aliasing of every state buffer (``input_output_alias`` of the entry);
 * the Pallas (Triton) kernels present and the async host copies;
+* SmolLM2-135M's whole decode step (weights, Quest selector; abstract inputs, no
+  weights read): launches per layer and the copies inside the layer loop, for the
+  sparse (full-KV) backend and the tiered one (default and fused kernels). A copy
+  there runs every layer: one of the selector state once cost 1.4 GB per layer;
 * the step sharded over an 8xH200 node (``shard_map``: requests over mesh axis
   ``data`` = 8, or 4 x KV heads over ``model`` = 2; each device's host tier in its
   own pinned host memory): whole-host copies and every collective
   (kvtier_jax/sharding.py: one per layer).
 
-Command (~1-2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
+Command (~2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
   python -m experiments.hlo_audit
 Prints one table row per variant (with the kernel launches of one trip of the layer
 loop, and the same for the full-KV step) and a final line
@@ -42,6 +46,11 @@ from kvtier_jax import decode, full_kv, selectors, sharding
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
 from kvtier_jax.policies import PolicyConfig
+from kvtier_jax.selectors.base import prefill_state
+from models import backends
+from models import cache as cache_lib
+from models.config import ModelConfig
+from models.transformer import Transformer, apply_prefill_with_inputs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
@@ -219,6 +228,28 @@ def layer_loop_launches(hlo: str, num_layers: int) -> float:
   per_trip = sum(launches(comps, re.search(key + r"=(%[\w.\-]+)", line).group(1))
                  for key in ("condition", "body"))
   return per_trip * trips / num_layers
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def layer_loop_copies(hlo: str) -> list[int]:
+  """Bytes of each copy in the body of the entry's longest-trip loop (the layer
+  loop): each runs once per layer (or per group of layers)."""
+  comps = _computations(hlo)
+  entry = next(n for n, b in comps.items() if b.startswith("ENTRY"))
+  loops = [(int(t.group(1)), line) for op, line in _opcodes(comps[entry])
+           if op == "while" and (t := re.search(r'"known_trip_count":\{"n":"(\d+)"', line))]
+  if not loops:
+    return []
+  body = re.search(r"body=(%[\w.\-]+)", max(loops, key=lambda t: t[0])[1]).group(1)
+  sizes = []
+  for op, line in _opcodes(comps[body]):
+    if op in ("copy", "copy-start"):
+      m = re.search(r"= \(?(\w+)\[([\d,]*)\]", line)
+      sizes.append(_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",")
+                                                      if d])))
+  return sizes
 
 
 _THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
@@ -434,6 +465,82 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   return copies, in_loop, len(collectives(hlo)), layer_loop_launches(hlo, cfg.num_layers)
 
 
+@dataclasses.dataclass
+class ModelAudit:
+  variant: str
+  launches_per_layer: float
+  loop_copies: list[int]  # bytes of each copy in the layer loop (once per layer)
+  whole_host_copies: int
+  selector_state_bytes: int  # of one layer-stacked selector state array
+
+
+def model_audit_shape(smoke: bool) -> dict:
+  return (dict(num_layers=2, num_requests=2, max_len=1024, hot_slots=128, top_k=64)
+          if smoke else
+          dict(num_layers=None, num_requests=8, max_len=32768, hot_slots=2048,
+               top_k=512))
+
+
+def audit_model(smoke: bool) -> list[ModelAudit]:
+  """SmolLM2-135M's decode step (``models.backends``) compiled for an H200 on
+  abstract weights and state (f32, the model's dtype; Quest): the sparse backend
+  (every position's K/V on the device) and the tiered one, default and fused."""
+  shape = model_audit_shape(smoke)
+  cfg = ModelConfig.smollm2_135m()
+  if shape["num_layers"]:
+    cfg = cfg.replace(num_layers=shape["num_layers"])
+  num_req, max_len, top_k = shape["num_requests"], shape["max_len"], shape["top_k"]
+  host, dev = _shardings()
+  selector = selectors.QuestSelector(token_budget=top_k, num_kv_heads=cfg.num_kv_heads,
+                                     q_per_kv=cfg.q_per_kv, head_dim=cfg.head_dim)
+  weights = {name: jax.ShapeDtypeStruct(dims, jnp.dtype(cfg.dtype), sharding=dev)
+             for name, dims in Transformer.param_shapes(cfg).items()}
+  tokens = jax.ShapeDtypeStruct((num_req,), jnp.int32, sharding=dev)
+  place = lambda tree: jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype,
+          sharding=host if "host" in jax.tree_util.keystr(path) else dev), tree)
+
+  lens = jnp.full((num_req,), 16, jnp.int32)  # a short prompt: only shapes matter
+
+  def prefilled(w):
+    _, k, v, h = apply_prefill_with_inputs(cfg, w, jnp.zeros((num_req, 16), jnp.int32),
+                                           lens)
+    return k, v, prefill_state(selector, cfg.num_layers, max_len, None, h, k, lens)
+
+  def sparse_carry(w):
+    k, v, sel = prefilled(w)
+    shared = jnp.full((num_req, selector.num_units, top_k), -1, jnp.int32)
+    return backends.SparseCarry(cache_lib.dense_from_prefill(k, v, lens, max_len), sel,
+                                None, shared)
+
+  def tiered_carry(w, tier_cfg):
+    return decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), prefilled(w)[2])
+
+  sparse = place(jax.eval_shape(sparse_carry, weights))
+  state_bytes = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(sparse.sel))
+
+  def audit(variant, lowered, tier_cfg=None):
+    hlo = deviceless.compile_for_h200(lowered)
+    copies = 0 if tier_cfg is None else count_whole_host_copies(
+        hlo, kv_state.host_tier_shape(tier_cfg), _hlo_dtype(tier_cfg))
+    return ModelAudit(variant, layer_loop_launches(hlo, cfg.num_layers),
+                      layer_loop_copies(hlo), copies, state_bytes)
+
+  rows = [audit("sparse (every position on the device)", deviceless.lower_for_cuda(
+      backends._sparse_step, cfg, selector, 1, weights, tokens, sparse))]
+  gpu = gpu_impl(top_k, "xla", "pallas", "pallas")
+  for variant, impl in (("tiered, GPU default", gpu),
+                        ("tiered, fused layer kernels", dataclasses.replace(gpu, fused=True))):
+    tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, shape["hot_slots"],
+                                    impl=impl)
+    carry = place(jax.eval_shape(functools.partial(tiered_carry, tier_cfg=tier_cfg),
+                                 weights))
+    rows.append(audit(variant, deviceless.lower_for_cuda(
+        backends.tiered_step, cfg, tier_cfg, selector, weights, tokens, carry), tier_cfg))
+  return rows
+
+
 def audit_config_bad_pattern(cfg: TierConfig) -> int:
   """Negative control: move the whole host tier to device, then gather (must be > 0)."""
   host, _ = _shardings()
@@ -445,15 +552,19 @@ def audit_config_bad_pattern(cfg: TierConfig) -> int:
   return count_whole_host_copies(hlo, shape, _hlo_dtype(cfg))
 
 
+def gpu_impl(top_k: int, resolve: str, attention: str, fetch: str) -> ImplConfig:
+  """The implementations as a GPU run picks them (kernels compiled, not interpreted)."""
+  return ImplConfig(resolve=resolve, attention=attention, fetch=fetch, interpret=False,
+                    fetch_chunk=top_k)
+
+
 def audit_configs(smoke: bool):
   """(variant, TierConfig) pairs: the GPU default first, then the alternatives."""
   shape = (dict(num_layers=2, num_requests=2, max_len=1024, num_q_heads=4, num_kv_heads=2,
                 head_dim=64, hot_slots=128, top_k=64) if smoke else
            dict(num_layers=4, num_requests=4, max_len=32768, num_q_heads=8,
                 num_kv_heads=2, head_dim=128, hot_slots=2048, top_k=512))
-  impl = lambda resolve, attention, fetch: ImplConfig(
-      resolve=resolve, attention=attention, fetch=fetch, interpret=False,
-      fetch_chunk=shape["top_k"])
+  impl = functools.partial(gpu_impl, shape["top_k"])
   base = TierConfig(**shape, dtype=jnp.bfloat16, impl=impl("xla", "xla", "xla"))
   fused = dataclasses.replace(impl("xla", "pallas", "pallas"), fused=True)
   return [
@@ -524,7 +635,19 @@ def main(argv):
           f"{configs[0][0]}): {copies_} whole-host copies, collectives per layer: "
           f"{', '.join(in_loop) or 'none'}; collectives per step: {total}; "
           f"launches per layer {launches_:g}")
-  copies = sum(a.whole_host_copies for a in rows) + app_copies + pw_copies + dp_copies
+  model_rows = audit_model(FLAGS.smoke)
+  shape = model_audit_shape(FLAGS.smoke)
+  print(f"\nSmolLM2-135M decode step (f32, Quest, R={shape['num_requests']}, "
+        f"T={shape['max_len']}, B={shape['hot_slots']}, k={shape['top_k']}; selector "
+        f"state {model_rows[0].selector_state_bytes / 2**20:.1f} MiB per array):")
+  print("| backend | launches/layer | copies in the layer loop | copied MiB per layer | "
+        "whole-host copies |")
+  print("|---|---|---|---|---|")
+  for m in model_rows:
+    print(f"| {m.variant} | {m.launches_per_layer:g} | {len(m.loop_copies)} | "
+          f"{sum(m.loop_copies) / 2**20:.2f} | {m.whole_host_copies} |")
+  copies = (sum(a.whole_host_copies for a in rows) + app_copies + pw_copies + dp_copies
+            + sum(m.whole_host_copies for m in model_rows))
   per_miss = max(a.host_to_device_bytes_per_miss for a in rows)
   unaliased = sum(a.state_params - a.aliased_params for a in rows)
   chunk = configs[1][1].fetch_rows_per_chunk

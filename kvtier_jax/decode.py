@@ -95,7 +95,11 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     # A refused step must not move selector state either (NSA's sums are not
     # idempotent): keep this layer's old slice to restore it.
     sel_old = layer_slice(carry.sel, layer)
-    picked, sel = selector.select(carry.sel, layer, StepInputs(x, q, k_new, tier.seq_len),
+    # Read that slice before the selector updates the state in place: the barrier
+    # makes the update depend on the read, else XLA copies the whole [L, ...] state
+    # every layer to keep the old slice readable (Quest at 32K, R=8: 4 x 377 MB).
+    sel_old, sel_in = jax.lax.optimization_barrier((sel_old, carry.sel))
+    picked, sel = selector.select(sel_in, layer, StepInputs(x, q, k_new, tier.seq_len),
                                   params)
     if picked.shape[-1] != cfg.select_width:
       raise ValueError(f"selector returned {picked.shape}, expected rows of "

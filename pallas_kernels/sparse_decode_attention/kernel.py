@@ -24,9 +24,9 @@ _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16.
 
 
 def _attention_kernel(layer_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                      *, heads_per_unit, block_k, blocks_per_split, scale):
+                      *, heads_per_unit, group_pad, block_k, blocks_per_split, scale):
   # layer_ref: i32[1]         slot_ref: i32[R, U, k_pad]
-  # q_ref: [Gp, D] (this request and KV head)
+  # q_ref: [R, Hkv, G, D] (whole: this program loads its G rows, padded to Gp)
   # k_ref, v_ref: [L, R, U, S, Hg, D] (whole hot cache, never blocked)
   # o_ref: f32[Gp, D]; m_ref, l_ref: f32[Gp] (this split's partials)
   r = pl.program_id(0)
@@ -34,8 +34,11 @@ def _attention_kernel(layer_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
   h = pl.program_id(1) % heads_per_unit
   split = pl.program_id(2)
   layer = layer_ref[0]
-  q = q_ref[...]  # [Gp, D]
-  num_q, head_dim = q.shape
+  # Rows past G repeat the last query (no padded copy of q, one XLA op fewer); their
+  # outputs are dropped. Each output row depends on its own query row only.
+  group = q_ref.shape[2]
+  q = q_ref[r, pl.program_id(1), jnp.minimum(jnp.arange(group_pad), group - 1), :]
+  num_q, head_dim = q.shape  # [Gp, D]
   # f32 stays exact (IEEE dots); bf16/f16 use tensor cores with f32 accumulation.
   precision = HIGHEST if q.dtype == jnp.float32 else None
 
@@ -88,23 +91,18 @@ def sparse_decode_attention(q, k_cache, v_cache, layer, slot, *,
   k_pad = per_split * bs.block_k * bs.k_splits
   slot = jnp.pad(slot, ((0, 0), (0, 0), (0, k_pad - num_sel)), constant_values=-1)
   qg = q.reshape(num_req, num_kv, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
   layer = jnp.asarray(layer, jnp.int32).reshape((1,))
 
   kernel = functools.partial(
-      _attention_kernel, heads_per_unit=heads_per_unit, block_k=bs.block_k,
-      blocks_per_split=per_split, scale=head_dim ** -0.5)
+      _attention_kernel, heads_per_unit=heads_per_unit, group_pad=group_pad,
+      block_k=bs.block_k, blocks_per_split=per_split, scale=head_dim ** -0.5)
   whole = pl.no_block_spec  # the whole array: rows are gathered by index in the kernel
   part = lambda *tail: pl.BlockSpec((None, None, None, *tail),
                                     lambda r, g, s: (s, r, g) + (0,) * len(tail))
   o, m, l = pl.pallas_call(
       kernel,
       grid=(num_req, num_kv, bs.k_splits),
-      in_specs=[
-          whole, whole,
-          pl.BlockSpec((None, None, group_pad, head_dim), lambda r, g, s: (r, g, 0, 0)),
-          whole, whole,
-      ],
+      in_specs=[whole] * 5,
       out_specs=[part(group_pad, head_dim), part(group_pad), part(group_pad)],
       out_shape=[
           jax.ShapeDtypeStruct((bs.k_splits, num_req, num_kv, group_pad, head_dim),
