@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from kvtier_jax import fetch, layer as layer_lib
 from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
-from kvtier_jax.selectors.base import StepInputs, layer_slice, layer_update
+from kvtier_jax.selectors.base import StepInputs, layer_slice
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 
@@ -93,14 +93,16 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     tier = carry.tier
     params = None if carry.params is None else layer_slice(carry.params, layer)
     # A refused step must not move selector state either (NSA's sums are not
-    # idempotent): keep this layer's old slice to restore it.
-    sel_old = layer_slice(carry.sel, layer)
-    # Read that slice before the selector updates the state in place: the barrier
-    # makes the update depend on the read, else XLA copies the whole [L, ...] state
-    # every layer to keep the old slice readable (Quest at 32K, R=8: 4 x 377 MB).
-    sel_old, sel_in = jax.lax.optimization_barrier((sel_old, carry.sel))
-    picked, sel = selector.select(sel_in, layer, StepInputs(x, q, k_new, tier.seq_len),
-                                  params)
+    # idempotent), nor may an inactive row's. So the selector updates a one-layer
+    # view of its state (leaves [1, R, ...], layer 0), which is kept row by row or
+    # restored, then written back in place. Updating the whole [L, ...] state in
+    # place while its old slice was still read for the restore made XLA copy the
+    # whole state every layer (Quest at 32K, R=8: 4 x 377 MB per layer).
+    # A stateless selector gets the true index.
+    view = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1), carry.sel)
+    picked, new_view = selector.select(
+        view, 0 if jax.tree.leaves(view) else layer,
+        StepInputs(x, q, k_new, tier.seq_len, layer), params)
     if picked.shape[-1] != cfg.select_width:
       raise ValueError(f"selector returned {picked.shape}, expected rows of "
                        f"{cfg.select_width} (top_k={cfg.top_k}, "
@@ -118,11 +120,12 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
         prefetch=prefetch, ranks=ranks)
     ok = status == 0
     anchor = carry.anchor if anchor is None else anchor
-    # Selector state leaves are [L, R, ...]: keep the rows of refused or inactive
+    # The view's leaves are [1, R, ...]: keep the rows of refused or inactive
     # requests as they were.
     row_ok = ok & carry.active
-    keep = lambda n, o: jnp.where(row_ok.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-    sel = layer_update(sel, layer, jax.tree.map(keep, layer_slice(sel, layer), sel_old))
+    keep = lambda n, o: jnp.where(row_ok.reshape((1, -1) + (1,) * (n.ndim - 2)), n, o)
+    sel = jax.tree.map(lambda a, n, o: jax.lax.dynamic_update_slice_in_dim(
+        a, keep(n, o), layer, 0), carry.sel, new_view, view)
     return out, carry.replace(tier=tier, sel=sel, status=status, anchor=anchor)
 
   attend.index_share = cfg.index_share

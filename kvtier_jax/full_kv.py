@@ -46,7 +46,8 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
     layer, q_l, k_l, v_l = xs
     k_all = k_all.at[layer, r, state.seq_len].set(k_l.reshape(shape).astype(k_all.dtype))
     v_all = v_all.at[layer, r, state.seq_len].set(v_l.reshape(shape).astype(v_all.dtype))
-    picked, sel = selector.select(sel, layer, StepInputs(None, q_l, k_l, state.seq_len))
+    picked, sel = selector.select(sel, layer, StepInputs(None, q_l, k_l, state.seq_len,
+                                                          layer))
     out, _ = attention.full_kv_attention(q_l, k_all, v_all, layer,
                                          picked[..., :cfg.top_k])
     return (k_all, v_all, sel), out

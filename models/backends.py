@@ -62,7 +62,7 @@ def sparse_attend(selector, index_share: int = 1):
     if member == 0:
       params = None if carry.params is None else layer_slice(carry.params, layer)
       positions, sel = selector.select(carry.sel, layer,
-                                       StepInputs(x, q, k_new, kv.lens), params)
+                                       StepInputs(x, q, k_new, kv.lens, layer), params)
       carry = carry.replace(sel=sel, shared=positions)
     units = selector.num_units
     out, _ = full_kv_attention(q, _unit_view(k, units), _unit_view(v, units), layer,

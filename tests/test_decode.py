@@ -188,8 +188,8 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable(impl):
   @dataclasses.dataclass(frozen=True)
   class Buggy(selectors.GivenSelector):
     def select(self, state, layer, inputs, params=None):
-      sel = state[layer]
-      return jnp.where(layer == 2, sel.at[..., 0].set(10_000), sel), state
+      sel = state[layer]  # layer indexes the state (a one-layer view here)
+      return jnp.where(inputs.layer == 2, sel.at[..., 0].set(10_000), sel), state
 
   bad_decoder = driver.TieredDecoder(cfg, Buggy(cfg.top_k))
   bad_decoder.seq_len = h.decoder.seq_len.copy()

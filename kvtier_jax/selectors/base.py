@@ -31,6 +31,9 @@ class StepInputs(NamedTuple):
   q: jax.Array  # [R, Hq, D] post-RoPE queries of the token being decoded
   k_new: jax.Array  # [R, Hkv, D] its post-RoPE key
   newest: jax.Array  # i32[R] its position (attention covers 0..newest)
+  # i32[] the layer's index in the model, where the caller knows it (the ``state``
+  # a selector gets may be a one-layer view; see ``Selector.select``)
+  layer: jax.Array | int | None = None
 
 
 class PrefillInputs(NamedTuple):
@@ -66,7 +69,10 @@ class Selector(Protocol):
     """Absorb the newest token into the state, then choose positions.
 
     Returns (positions i32[R, U, k], new state). ``params`` holds learned selector
-    weights for this layer where the rule has any (the DSA indexer).
+    weights for this layer where the rule has any (the DSA indexer). ``layer``
+    indexes ``state`` only: the tiered step passes a one-layer view of a non-empty
+    state (leaves [1, ...], ``layer`` 0), and a stateless rule (state None) the
+    true index; a rule that depends on the layer itself reads ``inputs.layer``.
     """
 
   def state_bytes_per_token(self) -> int | float:
