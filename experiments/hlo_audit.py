@@ -475,10 +475,12 @@ class ModelAudit:
 
 
 def model_audit_shape(smoke: bool) -> dict:
-  return (dict(num_layers=2, num_requests=2, max_len=1024, hot_slots=128, top_k=64)
-          if smoke else
-          dict(num_layers=None, num_requests=8, max_len=32768, hot_slots=2048,
-               top_k=512))
+  """Shapes of the model audit (num_layers None: all of SmolLM2's 30)."""
+  if smoke:
+    return {"num_layers": 2, "num_requests": 2, "max_len": 1024, "hot_slots": 128,
+            "top_k": 64}
+  return {"num_layers": None, "num_requests": 8, "max_len": 32768, "hot_slots": 2048,
+          "top_k": 512}
 
 
 def audit_model(smoke: bool) -> list[ModelAudit]:
