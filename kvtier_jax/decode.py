@@ -94,11 +94,11 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     params = None if carry.params is None else layer_slice(carry.params, layer)
     # A refused step must not move selector state either (NSA's sums are not
     # idempotent), nor may an inactive row's. So the selector updates a one-layer
-    # view of its state (leaves [1, R, ...], layer 0), which is kept row by row or
-    # restored, then written back in place. Updating the whole [L, ...] state in
-    # place while its old slice was still read for the restore made XLA copy the
-    # whole state every layer (Quest at 32K, R=8: 4 x 377 MB per layer).
-    # A stateless selector gets the true index.
+    # view of its state (leaves [1, R, ...], layer 0; a stateless selector gets the
+    # true index), which is kept row by row or restored, then written back in
+    # place. Updating the whole [L, ...] state in place while its old slice was
+    # still read for the restore made XLA copy the whole state every layer (Quest
+    # at 32K, R=8: 4 x 377 MB per layer).
     view = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1), carry.sel)
     picked, new_view = selector.select(
         view, 0 if jax.tree.leaves(view) else layer,

@@ -26,9 +26,9 @@ classify, grid (rows,), one program per (request, unit) row, O(B + k):
   lookup by another never-cleared position map, in LRU order) and the sort.
 commit, grid (rows, ceil(k / fetch_rows)):
   ok = no earlier refusal (the status word passed in is 0) and no row's status
-  set; then each program copies its
-  block of the row's compacted misses from the host tier (zero-copy on a GPU: the
-  kernel reads ``pinned_host`` memory itself); block 0 also writes the newest
+  set; then each program copies its block of the row's compacted misses from the
+  host tier (zero-copy on a GPU: the kernel reads ``pinned_host`` memory itself);
+  block 0 also writes the newest
   token (slot B always, its install slot when ok) and, for an active row, the
   metadata and counters; program (0, 0) writes the status word: the one passed in
   OR this layer's (the layer loop threads it, no XLA op between layers). With
@@ -207,9 +207,9 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
   info_ref[row, 3] = num_miss
 
 
-def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_ref, new_lru_ref,
-                   new_score_ref, plan_page_ref, plan_off_ref, plan_slot_ref, k_new_ref,
-                   v_new_ref, host_k_ref, host_v_ref,
+def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_ref,
+                   new_lru_ref, new_score_ref, plan_page_ref, plan_off_ref,
+                   plan_slot_ref, k_new_ref, v_new_ref, host_k_ref, host_v_ref,
                    _slot_pos_in, _lru_in, _score_in, _hits_in, _misses_in, _fetched_in,
                    _hot_k_in, _hot_v_in,
                    slot_pos_ref, lru_ref, score_ref, hits_ref, misses_ref, fetched_ref,
