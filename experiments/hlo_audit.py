@@ -210,21 +210,29 @@ def launches(comps: dict[str, str], name: str) -> int:
   return total
 
 
-def layer_loop_launches(hlo: str, num_layers: int) -> float:
-  """Launches per layer: one trip of the entry's loop over the layers (its body
-  and its condition) over the layers one trip covers. With index sharing the loop
-  runs over groups of layers (trip count L / N); a loop XLA unrolled away leaves
-  the whole entry, divided by L."""
-  comps = _computations(hlo)
+def _layer_loop(comps: dict[str, str], num_layers: int) -> tuple[int, str] | None:
+  """(trip count, instruction) of the entry's loop over the layers: the longest of
+  its loops whose trip count divides ``num_layers``; None if XLA unrolled it."""
   entry_name = next(n for n, b in comps.items() if b.startswith("ENTRY"))
   loops = []
   for op, line in _opcodes(comps[entry_name]):
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
     if op == "while" and trips and num_layers % int(trips.group(1)) == 0:
       loops.append((int(trips.group(1)), line))
-  if not loops:
+  return max(loops, key=lambda t: t[0]) if loops else None
+
+
+def layer_loop_launches(hlo: str, num_layers: int) -> float:
+  """Launches per layer: one trip of the entry's loop over the layers (its body
+  and its condition) over the layers one trip covers. With index sharing the loop
+  runs over groups of layers (trip count L / N); a loop XLA unrolled away leaves
+  the whole entry, divided by L."""
+  comps = _computations(hlo)
+  loop = _layer_loop(comps, num_layers)
+  if loop is None:
+    entry_name = next(n for n, b in comps.items() if b.startswith("ENTRY"))
     return launches(comps, entry_name) / num_layers
-  trips, line = max(loops, key=lambda t: t[0])
+  trips, line = loop
   per_trip = sum(launches(comps, re.search(key + r"=(%[\w.\-]+)", line).group(1))
                  for key in ("condition", "body"))
   return per_trip * trips / num_layers
@@ -233,18 +241,15 @@ def layer_loop_launches(hlo: str, num_layers: int) -> float:
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 
 
-def layer_loop_copies(hlo: str) -> list[int]:
-  """Bytes of each copy in the body of the entry's longest-trip loop (the layer
-  loop): each runs once per layer (or per group of layers)."""
+def layer_loop_copies(hlo: str, num_layers: int) -> list[int]:
+  """Bytes of each copy in the body of the loop over the layers: each runs once per
+  trip (a layer, or a group of layers with index sharing)."""
   comps = _computations(hlo)
-  entry = next(n for n, b in comps.items() if b.startswith("ENTRY"))
-  loops = [(int(t.group(1)), line) for op, line in _opcodes(comps[entry])
-           if op == "while" and (t := re.search(r'"known_trip_count":\{"n":"(\d+)"', line))]
-  if not loops:
+  loop = _layer_loop(comps, num_layers)
+  if loop is None:
     return []
-  body = re.search(r"body=(%[\w.\-]+)", max(loops, key=lambda t: t[0])[1]).group(1)
   sizes = []
-  for op, line in _opcodes(comps[body]):
+  for op, line in _opcodes(comps[re.search(r"body=(%[\w.\-]+)", loop[1]).group(1)]):
     if op in ("copy", "copy-start"):
       m = re.search(r"= \(?(\w+)\[([\d,]*)\]", line)
       sizes.append(_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",")
@@ -527,7 +532,7 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
     copies = 0 if tier_cfg is None else count_whole_host_copies(
         hlo, kv_state.host_tier_shape(tier_cfg), _hlo_dtype(tier_cfg))
     return ModelAudit(variant, layer_loop_launches(hlo, cfg.num_layers),
-                      layer_loop_copies(hlo), copies, state_bytes)
+                      layer_loop_copies(hlo, cfg.num_layers), copies, state_bytes)
 
   rows = [audit("sparse (every position on the device)", deviceless.lower_for_cuda(
       backends._sparse_step, cfg, selector, 1, weights, tokens, sparse))]
