@@ -16,6 +16,7 @@ from kvtier_jax import selectors as sel_lib
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
 from models import backends
+from tests.util import default_codegen_env
 
 transformer = pytest.importorskip("models.transformer")
 
@@ -73,10 +74,14 @@ def test_runner_rejects_bad_use(model_and_prompt):
 
 
 def test_parity_cli_prints_the_contract_line():
+  """The parity runner on XLA:CPU's default codegen (the rest of the suite compiles
+  with the faster elemental emitters): tiered equals sparse there too."""
+  env = default_codegen_env()
+  assert "fusion_emitters" not in env["XLA_FLAGS"]
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.parity", "--prompt_tokens=200", "--steps=3",
        "--selector=quest", "--top_k=32", "--hot_slots=32"],
-      capture_output=True, text=True, timeout=600)
+      capture_output=True, text=True, timeout=600, env=env)
   if "SmolLM2" in proc.stderr and "not installed" in proc.stderr:
     pytest.skip("model not installed")
   last = proc.stdout.strip().splitlines()[-1]

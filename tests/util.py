@@ -4,6 +4,7 @@ that steps the tiered cache beside the full-KV reference."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,15 @@ def smollm2_or_skip(num_layers: int | None = None):
   except Exception as e:  # noqa: BLE001 - any failure to load means "not installed"
     pytest.skip(f"SmolLM2 not installed: {e}")
   return model, tokenizer
+
+
+def default_codegen_env() -> dict:
+  """The environment for a subprocess on XLA:CPU's default codegen: the suite's
+  faster-compiling emitter flag (conftest) removed from ``XLA_FLAGS``."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_cpu_use_fusion_emitters"))
+  return env
 
 
 # Float tolerances by dtype (tokamax's table; rtol = atol / 10). Integers and
