@@ -45,8 +45,9 @@ def pytest_configure(config):
     # suite is compile-bound (3/4 of a test's time is XLA's backend compile) and this
     # cut it from 910 s to 700 s on the 2-core CI machine, every bit-equality test
     # passing. It changes how a fusion is emitted, not which ops are fused. Inherited
-    # by the runners' subprocesses; one real-weights parity check runs on the default
-    # emitters (tests.util.default_codegen_env). Set the flag yourself to override.
+    # by the runners' subprocesses; the parity runner's and the main job's smokes run
+    # on the default emitters (tests.util.default_codegen_env). Set the flag yourself
+    # to override.
     flags = os.environ.get("XLA_FLAGS", "")
     if CPU_CODEGEN_FLAG.split("=")[0] not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} {CPU_CODEGEN_FLAG}".strip()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 
-def run(module, *args, timeout=600):
+def run(module, *args, timeout=600, env=None):
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                        text=True, timeout=timeout)
+                        text=True, timeout=timeout, env=env)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
