@@ -92,13 +92,13 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
       return out, carry.replace(tier=tier)
     tier = carry.tier
     params = None if carry.params is None else layer_slice(carry.params, layer)
-    # A refused step must not move selector state either (NSA's sums are not
-    # idempotent), nor may an inactive row's. So the selector updates a one-layer
+    # A refusing layer must not move selector state (NSA's sums are not
+    # idempotent), nor may an inactive row. So the selector updates a one-layer
     # view of its state (leaves [1, R, ...], layer 0; a stateless selector gets the
-    # true index), which is kept row by row or restored, then written back in
-    # place. Updating the whole [L, ...] state in place while its old slice was
-    # still read for the restore made XLA copy the whole state every layer (Quest
-    # at 32K, R=8: 4 x 377 MB per layer).
+    # true index), and only the rows that may move are scattered back in place. A
+    # restore that read the old values after the update made XLA copy them: the
+    # whole [L, ...] state (Quest at 32K, R=8: 4 x 377 MB per layer) when the
+    # selector updated it in place, the view (2 x 12 MiB) when it was kept.
     view = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1), carry.sel)
     picked, new_view = selector.select(
         view, 0 if jax.tree.leaves(view) else layer,
@@ -120,12 +120,13 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
         prefetch=prefetch, ranks=ranks)
     ok = status == 0
     anchor = carry.anchor if anchor is None else anchor
-    # The view's leaves are [1, R, ...]: keep the rows of refused or inactive
-    # requests as they were.
+    # The view's leaves are [1, R, ...]: write back only the active requests' rows
+    # while no layer has refused (the others go to index R and are dropped), so
+    # the old view is read by the selector alone and need not outlive it.
     row_ok = ok & carry.active
-    keep = lambda n, o: jnp.where(row_ok.reshape((1, -1) + (1,) * (n.ndim - 2)), n, o)
-    sel = jax.tree.map(lambda a, n, o: jax.lax.dynamic_update_slice_in_dim(
-        a, keep(n, o), layer, 0), carry.sel, new_view, view)
+    rows = jnp.where(row_ok, jnp.arange(row_ok.shape[0]), row_ok.shape[0])
+    sel = jax.tree.map(lambda a, n: a.at[layer, rows].set(n[0], mode="drop"),
+                       carry.sel, new_view)
     return out, carry.replace(tier=tier, sel=sel, status=status, anchor=anchor)
 
   attend.index_share = cfg.index_share

@@ -212,6 +212,43 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable(impl):
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
+@dataclasses.dataclass(frozen=True)
+class MarkingSelector(selectors.GivenSelector):
+  """The given selections, and a state update that marks each row it touches (as
+  NSA's running sums do, not idempotent); out of range at ``refuse_layer``."""
+  refuse_layer: int = -1
+
+  def select(self, state, layer, inputs, params=None):
+    picked = jnp.where(inputs.layer == self.refuse_layer, 10_000, state[layer])
+    return picked, state - 1000
+
+
+def test_selector_state_moves_only_for_active_rows_of_unrefused_layers():
+  """The one-layer view goes back only for the active rows of layers that did not
+  refuse: an inactive request's selector state, and that of the refusing layer and
+  every layer after it, are what they were."""
+  cfg = make_cfg()
+  h = Harness(cfg, [40, 50, 60], seed=int(np.random.default_rng().integers(2**31)))
+  for _ in range(2):
+    h.step()
+  step = jax.jit(decode.decode_step, static_argnums=(0, 1))
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  marked = sel - 1000
+  active = np.array([True, False, True])
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel), active=active)
+  _, carry = step(cfg, MarkingSelector(cfg.top_k), carry, *step_inputs(h.rng, cfg))
+  assert int(carry.status) == 0
+  want = np.where(active[None, :, None, None], marked, sel)
+  np.testing.assert_array_equal(np.asarray(carry.sel), want)
+
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel))
+  _, carry = step(cfg, MarkingSelector(cfg.top_k, refuse_layer=2), carry,
+                  *step_inputs(h.rng, cfg))
+  assert int(carry.status) != 0
+  np.testing.assert_array_equal(np.asarray(carry.sel)[:2], marked[:2])
+  np.testing.assert_array_equal(np.asarray(carry.sel)[2:], sel[2:])
+
+
 @pytest.mark.parametrize("per_kv_head,share,policy", [
     (False, 1, "lru"), (True, 1, "rank"), (False, 2, "lru"), (False, 2, "freq")])
 def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share, policy):
