@@ -107,6 +107,14 @@ def aliased_parameters(hlo: str) -> set[int]:
   return {int(p) for p in re.findall(r"\(\s*(\d+),", m.group(1))} if m else set()
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  """Bytes of an HLO array type, e.g. ("f32", "4,576")."""
+  return _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
 def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
   """(rows, bytes) delivered to device by each HostExecute gather."""
   out = []
@@ -118,9 +126,7 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
     groups = re.findall(r"\((?:[^()]*)\)", results)
     res = groups[1] if len(groups) > 1 else groups[0]
     arrays = re.findall(r"(bf16|f16|f32|s32)\[([\d,]+)\]", res)
-    size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}
-    nbytes = sum(size[t] * int(np.prod([int(d) for d in dims.split(",")]))
-                 for t, dims in arrays)
+    nbytes = sum(_array_bytes(t, dims) for t, dims in arrays)
     rows = int(arrays[0][1].split(",")[0])
     out.append((rows, nbytes))
   return out
@@ -238,9 +244,6 @@ def layer_loop_launches(hlo: str, num_layers: int) -> float:
   return per_trip * trips / num_layers
 
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
-
-
 def layer_loop_copies(hlo: str, num_layers: int) -> list[int]:
   """Bytes of each copy in the body of the loop over the layers: each runs once per
   trip (a layer, or a group of layers with index sharing)."""
@@ -252,8 +255,7 @@ def layer_loop_copies(hlo: str, num_layers: int) -> list[int]:
   for op, line in _opcodes(comps[re.search(r"body=(%[\w.\-]+)", loop[1]).group(1)]):
     if op in ("copy", "copy-start"):
       m = re.search(r"= \(?(\w+)\[([\d,]*)\]", line)
-      sizes.append(_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",")
-                                                      if d])))
+      sizes.append(_array_bytes(m.group(1), m.group(2)))
   return sizes
 
 
