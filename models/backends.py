@@ -38,6 +38,16 @@ from models.transformer import Transformer, apply_decode, apply_prefill_with_inp
 BACKENDS = ("dense", "sparse", "tiered")
 
 
+def check_backend(backend: str, selector, hot_slots: int | None) -> None:
+  """Refuses a backend name, or a backend missing what it needs (Runner, ServingModel)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"{backend=} must be one of {BACKENDS}")
+  if backend != "dense" and selector is None:
+    raise ValueError(f"the {backend} backend needs a selector")
+  if backend == "tiered" and hot_slots is None:
+    raise ValueError("the tiered backend needs hot_slots (B)")
+
+
 @flax.struct.dataclass
 class SparseCarry:
   kv: cache_lib.DenseKV
@@ -180,12 +190,7 @@ class Runner:
   def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
                selector_params=None, hot_slots: int | None = None,
                index_share: int = 1, lookahead: str = "none", **tier_overrides):
-    if backend not in BACKENDS:
-      raise ValueError(f"{backend=} must be one of {BACKENDS}")
-    if backend != "dense" and selector is None:
-      raise ValueError(f"the {backend} backend needs a selector")
-    if backend == "tiered" and hot_slots is None:
-      raise ValueError("the tiered backend needs hot_slots (B)")
+    check_backend(backend, selector, hot_slots)
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
     self.model, self.backend, self.max_len = model, backend, max_len

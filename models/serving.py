@@ -35,7 +35,13 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import prefill_state
 from models import cache as cache_lib
-from models.backends import BACKENDS, SparseCarry, sparse_attend, tier_config, tiered_step
+from models.backends import (
+  SparseCarry,
+  check_backend,
+  sparse_attend,
+  tier_config,
+  tiered_step,
+)
 from models.config import ModelConfig
 from models.transformer import Transformer, apply_decode, apply_prefill_chunk
 
@@ -194,12 +200,7 @@ class ServingBackend:
                chunk_size: int = 128, page_size: int = 64, host_pages: int | None = None,
                index_share: int = 1, device: jax.Device | None = None,
                **tier_overrides):
-    if backend not in BACKENDS:
-      raise ValueError(f"{backend=} must be one of {BACKENDS}")
-    if backend != "dense" and selector is None:
-      raise ValueError(f"the {backend} backend needs a selector")
-    if backend == "tiered" and hot_slots is None:
-      raise ValueError("the tiered backend needs hot_slots (B)")
+    check_backend(backend, selector, hot_slots)
     if chunk_size % page_size:
       raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="
                        f"{page_size} (a chunk writes whole host pages)")
