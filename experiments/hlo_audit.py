@@ -26,7 +26,9 @@ Prints one table row per variant (with the kernel launches of one trip of the la
 loop, and the same for the full-KV step) and a final line
 ``hlo_audit: whole_host_copies=N host_to_device_bytes_per_miss=M
 kernels_per_layer=T/F fused_kernels_per_layer=X`` (T: the GPU default tiered step,
-F: full KV, X: the tiered step through the fused layer kernels); exits 1 if N > 0.
+F: full KV, X: the tiered step through the fused layer kernels); exits 1 if N > 0,
+if a state buffer is not aliased to its output, or if the negative control (the
+whole host tier moved to the device) shows no copy.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ def count_whole_host_copies(hlo: str, host_shape: tuple[int, ...], dtype: str) -
     elif not on_host and op == "fusion":  # a fusion materialising the tier on device
       n += 1
   return n
+
+
+def count_copies(hlo: str, shape: tuple[int, ...], dtype: str) -> int:
+  """Copy instructions (copy, copy-start) of a ``dtype[shape]`` array: a state array
+  updated in place is never copied, and its in-place updates are not copies."""
+  typ = f"{dtype}[{','.join(map(str, shape))}]" + "{"
+  return sum(t.startswith(typ) and op in ("copy", "copy-start")
+             for t, op, _ in _instructions(hlo))
 
 
 def aliased_parameters(hlo: str) -> set[int]:
@@ -320,8 +330,11 @@ def _abstract_state(cfg: TierConfig, carry: bool = True):
   return abstract, state
 
 
+_HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32"}
+
+
 def _hlo_dtype(cfg: TierConfig) -> str:
-  return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(cfg.dtype).name]
+  return _HLO_DTYPES[jnp.dtype(cfg.dtype).name]
 
 
 def lower_step(cfg: TierConfig):
@@ -479,6 +492,7 @@ class ModelAudit:
   loop_copies: list[int]  # bytes of each copy in the layer loop (once per layer)
   whole_host_copies: int
   selector_state_bytes: int  # of one layer-stacked selector state array
+  state_copies: int  # copies anywhere in the step of a selector state array
 
 
 def model_audit_shape(smoke: bool) -> dict:
@@ -527,14 +541,18 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
     return decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), prefilled(w)[2])
 
   sparse = place(jax.eval_shape(sparse_carry, weights))
-  state_bytes = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(sparse.sel))
+  state_leaves = jax.tree.leaves(sparse.sel)
+  state_bytes = max(x.size * x.dtype.itemsize for x in state_leaves)
 
   def audit(variant, lowered, tier_cfg=None):
     hlo = deviceless.compile_for_h200(lowered)
     copies = 0 if tier_cfg is None else count_whole_host_copies(
         hlo, kv_state.host_tier_shape(tier_cfg), _hlo_dtype(tier_cfg))
+    state_copies = sum(count_copies(hlo, x.shape, _HLO_DTYPES[x.dtype.name])
+                       for x in state_leaves)
     return ModelAudit(variant, layer_loop_launches(hlo, cfg.num_layers),
-                      layer_loop_copies(hlo, cfg.num_layers), copies, state_bytes)
+                      layer_loop_copies(hlo, cfg.num_layers), copies, state_bytes,
+                      state_copies)
 
   rows = [audit("sparse (every position on the device)", deviceless.lower_for_cuda(
       backends._sparse_step, cfg, selector, 1, weights, tokens, sparse))]
@@ -547,6 +565,14 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
                                  weights))
     rows.append(audit(variant, deviceless.lower_for_cuda(
         backends.tiered_step, cfg, tier_cfg, selector, weights, tokens, carry), tier_cfg))
+  # The look-ahead's uncommitted pass of a draft token (Runner(lookahead="draft")).
+  tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, shape["hot_slots"],
+                                  impl=gpu, lookahead_cap=64)
+  carry = place(jax.eval_shape(functools.partial(tiered_carry, tier_cfg=tier_cfg),
+                               weights))
+  rows.append(audit("tiered, GPU default, draft pass (look-ahead)",
+                    deviceless.lower_for_cuda(backends._tiered_draft_pass, cfg, tier_cfg,
+                                              selector, weights, tokens, carry), tier_cfg))
   return rows
 
 
@@ -650,11 +676,12 @@ def main(argv):
         f"T={shape['max_len']}, B={shape['hot_slots']}, k={shape['top_k']}; selector "
         f"state {model_rows[0].selector_state_bytes / 2**20:.1f} MiB per array):")
   print("| backend | launches/layer | copies in the layer loop | copied MiB per layer | "
-        "whole-host copies |")
-  print("|---|---|---|---|---|")
+        "selector-state copies | whole-host copies |")
+  print("|---|---|---|---|---|---|")
   for m in model_rows:
     print(f"| {m.variant} | {m.launches_per_layer:g} | {len(m.loop_copies)} | "
-          f"{sum(m.loop_copies) / 2**20:.2f} | {m.whole_host_copies} |")
+          f"{sum(m.loop_copies) / 2**20:.2f} | {m.state_copies} | "
+          f"{m.whole_host_copies} |")
   copies = (sum(a.whole_host_copies for a in rows) + app_copies + pw_copies + dp_copies
             + sum(m.whole_host_copies for m in model_rows))
   per_miss = max(a.host_to_device_bytes_per_miss for a in rows)

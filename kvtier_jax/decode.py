@@ -92,17 +92,16 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
       return out, carry.replace(tier=tier)
     tier = carry.tier
     params = None if carry.params is None else layer_slice(carry.params, layer)
-    # A refusing layer must not move selector state (NSA's sums are not
-    # idempotent), nor may an inactive row. So the selector updates a one-layer
-    # view of its state (leaves [1, R, ...], layer 0; a stateless selector gets the
-    # true index), and only the rows that may move are scattered back in place. A
-    # restore that read the old values after the update made XLA copy them: the
-    # whole [L, ...] state (Quest at 32K, R=8: 4 x 377 MB per layer) when the
-    # selector updated it in place, the view (2 x 12 MiB) when it was kept.
-    view = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1), carry.sel)
-    picked, new_view = selector.select(
-        view, 0 if jax.tree.leaves(view) else layer,
-        StepInputs(x, q, k_new, tier.seq_len, layer), params)
+    # The selector updates its state in place, as in the sparse backend, even for
+    # inactive rows and on a layer that refuses: an update is position-idempotent
+    # (selectors.base), so what it wrote at the uncommitted position is overwritten
+    # when the row decodes that position (a retry, the next step after a draft).
+    # Nothing is restored, so nothing reads old values after the update (a restore
+    # made XLA copy the state: the whole [L, ...] state, Quest at 32K, R=8: 4 x 377
+    # MB per layer; then a one-layer view, 2 x 12 MiB; then the view's slices and
+    # scatters, 2 launches per state array and layer).
+    picked, sel = selector.select(carry.sel, layer,
+                                  StepInputs(x, q, k_new, tier.seq_len, layer), params)
     if picked.shape[-1] != cfg.select_width:
       raise ValueError(f"selector returned {picked.shape}, expected rows of "
                        f"{cfg.select_width} (top_k={cfg.top_k}, "
@@ -118,15 +117,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     out, _, tier, status, anchor = layer_lib.anchor_layer(
         cfg, tier, layer, q, k_new, v_new, selected, carry.status, carry.active,
         prefetch=prefetch, ranks=ranks)
-    ok = status == 0
     anchor = carry.anchor if anchor is None else anchor
-    # The view's leaves are [1, R, ...]: write back only the active requests' rows
-    # while no layer has refused (the others go to index R and are dropped), so
-    # the old view is read by the selector alone and need not outlive it.
-    row_ok = ok & carry.active
-    rows = jnp.where(row_ok, jnp.arange(row_ok.shape[0]), row_ok.shape[0])
-    sel = jax.tree.map(lambda a, n: a.at[layer, rows].set(n[0], mode="drop"),
-                       carry.sel, new_view)
     return out, carry.replace(tier=tier, sel=sel, status=status, anchor=anchor)
 
   attend.index_share = cfg.index_share
@@ -148,16 +139,18 @@ def commit_step(carry: TieredCarry) -> TieredCarry:
 def finish_draft(before: TieredCarry, after: TieredCarry) -> TieredCarry:
   """Undo what a draft pass would commit; keep what it fetched (the prefetch).
 
-  seq_len, the selector state and the hit/miss counters are restored (the rows it
-  fetched count as prefetched). Its KV went only to reserved slot B and the install
-  slot, at the uncommitted position seq_len, which the next step overwrites and
-  RESOLVE treats as empty.
+  seq_len and the hit/miss counters are restored (the rows it fetched count as
+  prefetched). Its KV went only to reserved slot B and the install slot, and its
+  selector state moved only at the uncommitted position seq_len: the next step
+  overwrites both (selector updates are position-idempotent, selectors.base), and
+  RESOLVE treats that position as empty. Keeping ``before``'s selector state instead
+  would make XLA copy all of it.
   """
   fetched = after.tier.misses - before.tier.misses
   tier = after.tier.replace(seq_len=before.tier.seq_len, hits=before.tier.hits,
                             misses=before.tier.misses,
                             prefetched=after.tier.prefetched + fetched)
-  return after.replace(tier=tier, sel=before.sel)
+  return after.replace(tier=tier)
 
 
 def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, x=None):

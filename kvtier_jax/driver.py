@@ -92,8 +92,8 @@ class TieredDriver:
     carry = _append(self.cfg, carry)
     status = int(carry.status)
     if status:
-      raise StepRefused(f"decode step refused, cache unchanged: {describe_status(status)}",
-                        carry)
+      raise StepRefused("decode step refused, nothing committed (a retry is exact): "
+                        f"{describe_status(status)}", carry)
     self.seq_len += 1 if active is None else np.asarray(active, np.int64)
     return out, carry
 

@@ -24,6 +24,8 @@ jaxtyping aliases below:
 * ``Dm``  model (residual) width; selectors read the layer's normalised input [R, Dm].
 * ``NP`` / ``NB`` / ``NC``  Quest pages / NSA selection blocks / NSA compression
           blocks per request; ``H_I``, ``d_I`` DSA index heads and index dim.
+* ``S``   slots of a selector's ring of recent raw keys (``selectors.base.write_recent``):
+          Quest's page size, NSA's compression block.
 
 A *row* is the KV of one position for one unit: ``[Hg, D]``. The host tier is a
 page pool ``[L, NH + 1, Pg, U, Hg, D]`` (a position's rows for all units are

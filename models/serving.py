@@ -21,7 +21,6 @@ that matters and keep their state.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.struct
@@ -33,7 +32,7 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import fetch
 from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, TieredDriver
-from kvtier_jax.selectors.base import prefill_state
+from kvtier_jax.selectors.base import prefill_state, state_bytes
 from models import cache as cache_lib
 from models.backends import (
   SparseCarry,
@@ -245,7 +244,7 @@ class ServingBackend:
   def _selector_bytes(self, length: int) -> int:
     if self.selector is None:
       return 0
-    return math.ceil(self.selector.state_bytes_per_token() * length) * self.cfg.num_layers
+    return state_bytes(self.selector, length) * self.cfg.num_layers
 
   def device_bytes(self, length: int) -> int:
     """Full KV of ``length`` positions (dense, sparse; as a paged device pool would

@@ -337,7 +337,7 @@ class MeshServingBackend:
     if self.backend == "tiered":
       status = int(cache.status)
       if status:
-        raise StepRefused(f"decode step refused, cache unchanged: "
+        raise StepRefused("decode step refused, nothing committed (a retry is exact): "
                           f"{describe_status(status)}", state)
       for r, group in enumerate(self.groups):
         group.driver.seq_len += active[rows(r)]

@@ -3,8 +3,11 @@ policies and the model step against the library's, and the CLIs' contracts (the
 per-selector parity tests are in test_backends_parity.py: a second file, so the two
 test workers share the SmolLM2 runs)."""
 
+import dataclasses
+import functools
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +15,12 @@ import numpy as np
 import pytest
 
 from kvtier_jax import decode as kv_decode
+from kvtier_jax import driver
 from kvtier_jax import selectors as sel_lib
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
 from models import backends
-from tests.util import default_codegen_env
+from tests.util import default_codegen_env, smollm2_or_skip
 
 transformer = pytest.importorskip("models.transformer")
 
@@ -149,6 +153,54 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
     backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
                     policy=PolicyConfig("rank", rank_depth=80), top_k=48).prefill(
                         tokens, lens)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefuseAt:
+  """``inner``'s selection, out of range at ``layer`` (a selector bug)."""
+  inner: Any
+  layer: int
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def select(self, state, layer, inputs, params=None):
+    picked, state = self.inner.select(state, layer, inputs, params)
+    return jnp.where(inputs.layer == self.layer, picked.at[..., 0].set(10_000),
+                     picked), state
+
+
+@pytest.mark.parametrize("name", ["nsa", "quest"])
+def test_a_refused_step_retried_keeps_parity(model_and_prompt, name):
+  """Every step first refused at layer 1 (layer 0 has moved its selector state,
+  decoding another token), then retried: logits and selector state bit-equal to
+  sparse attention's run, which never refused. NSA's block sums and Quest's bounds
+  of a partial block or page are what a retry used to fold in twice."""
+  _, ids = model_and_prompt
+  model, _ = smollm2_or_skip(num_layers=3)
+  selector, _ = selector_for(name, model.cfg)
+  steps, tokens, lens = 5, np.stack([ids, np.roll(ids, 7)]), [len(ids), len(ids) - 150]
+  max_len = len(ids) + steps + 1
+  sparse = backends.Runner(model, "sparse", max_len, selector=selector)
+  tiered = backends.Runner(model, "tiered", max_len, selector=selector,
+                           hot_slots=selector.top_k,
+                           impl=ImplConfig(resolve="xla", attention="xla"))
+  ref = sparse.prefill(tokens, lens)
+  np.testing.assert_array_equal(tiered.prefill(tokens, lens), ref)
+  refusing = driver.TieredDriver(tiered.tier_cfg, functools.partial(
+      backends._run_tiered, model.cfg, tiered.tier_cfg, RefuseAt(selector, 1),
+      tiered.weights))
+  for _ in range(steps):
+    token = jnp.argmax(ref, -1)
+    refusing.start(tiered.seq_len)
+    with pytest.raises(driver.StepRefused, match="out of range") as err:
+      refusing.step(tiered.carry, (token + 1) % model.cfg.vocab_size)
+    tiered.carry = err.value.state
+    ref = sparse.step(token)
+    np.testing.assert_array_equal(np.asarray(tiered.step(token)), np.asarray(ref))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(tiered.carry.sel),
+                 jax.device_get(sparse.carry.sel))
+  assert tiered.cache_stats()["misses"] > 0
 
 
 @pytest.mark.parametrize("name", ["dsa"])  # the selector that also reads x

@@ -348,6 +348,7 @@ def test_nsa_matches_brute_force(name):
   state, longer = run_selector(sel, 2, step_fn, check_step)
   np.testing.assert_allclose(np.asarray(state.cmp_key_sum),
                              np.asarray(longer.cmp_key_sum), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(state.recent), np.asarray(longer.recent))
 
 
 def test_nsa_importance_reduces_to_p_cmp_when_block_sizes_agree():
@@ -580,6 +581,43 @@ def test_bad_inputs_raise_at_trace_time():
 
 @pytest.mark.parametrize("sel", [
     QuestSelector(token_budget=32, page_size=8, **HEADS),
+    QuestSelector(token_budget=32, page_size=8, granularity="kv_head", **HEADS),
+    DSASelector(top_k=24, index_dim=8),
+    *(make_nsa(name) for name in NSA_CONFIGS),
+    OracleSelector(top_k=16, granularity="kv_head", **HEADS),
+], ids=["quest", "quest_kv", "dsa", *NSA_CONFIGS, "oracle"])
+def test_a_step_run_twice_at_one_position_is_the_second_run(sel):
+  """The protocol's update rule: from the committed state, a select at position p
+  with one token and then again at p with another gives the positions and the
+  state (every leaf, bit for bit) of the second alone; the steps after it agree
+  too. This is what lets a refused step be retried and the look-ahead's draft
+  pass skip restoring the state. Poisoned prompts, several p (a page or block
+  starting, ending, in the middle)."""
+  seed = int(np.random.default_rng().integers(2**31))
+  rng = np.random.default_rng(seed)
+  run = Run(seed)
+  params = (selectors.layer_slice(random_indexer_params(seed % 1000), LAYER)
+            if isinstance(sel, DSASelector) else None)
+  state = jax.jit(sel.prefill)(sel.init_state(NUM_LAYERS, len(LENS), MAX_LEN), LAYER,
+                               run.prompt(run.lens), params)
+  step = jax.jit(lambda st, inputs: sel.select(st, LAYER, inputs, params))
+  for i in range(STEPS):
+    inputs = run.step_inputs(i)
+    other = inputs._replace(**{  # another token at the same position
+        name: jnp.asarray(rng.standard_normal(getattr(inputs, name).shape), jnp.float32)
+        for name in ("x", "q", "k_new")})
+    _, first = step(state, other)
+    twice, state_twice = step(first, inputs)
+    once, state = step(state, inputs)
+    np.testing.assert_array_equal(np.asarray(twice), np.asarray(once),
+                                  err_msg=f"{seed=} step {i}")
+    for got, want in zip(jax.tree.leaves(state_twice), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                    err_msg=f"{seed=} step {i}")
+
+
+@pytest.mark.parametrize("sel", [
+    QuestSelector(token_budget=32, page_size=8, **HEADS),
     QuestSelector(token_budget=64, page_size=32, num_kv_heads=3, q_per_kv=1, head_dim=6),
     DSASelector(top_k=16, index_dim=8),
     make_nsa("paper"),
@@ -587,9 +625,12 @@ def test_bad_inputs_raise_at_trace_time():
                 window=16, cmp_block=16, cmp_stride=16),
     OracleSelector(top_k=16, granularity="kv_head", **HEADS),
 ], ids=["quest", "quest_fractional", "dsa", "nsa", "nsa_fractional", "oracle"])
-def test_state_bytes_per_token_matches_init_state(sel):
-  num_layers, num_req, max_len = 2, 3, 96
-  state = sel.init_state(num_layers, num_req, max_len)
-  total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-  assert all(leaf.shape[0] == num_layers for leaf in jax.tree.leaves(state))
-  assert total / (num_layers * num_req * max_len) == sel.state_bytes_per_token()
+def test_state_bytes_match_init_state(sel):
+  """What admission charges a request (``state_bytes``: per token, plus the rings)
+  is what ``init_state`` allocates for it, at two lengths."""
+  num_layers, num_req = 2, 3
+  for max_len in (96, 192):
+    state = sel.init_state(num_layers, num_req, max_len)
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    assert all(leaf.shape[0] == num_layers for leaf in jax.tree.leaves(state))
+    assert total == num_layers * num_req * selectors.base.state_bytes(sel, max_len)

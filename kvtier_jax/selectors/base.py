@@ -13,11 +13,21 @@ which is what makes the tiered outputs exact.
 State layout: a pytree whose leaves carry a leading layer axis ``L`` (the layers
 the selector serves), so a model's layer scan can slice and update it like any
 other cache.
+
+Update rule (position-idempotent): the state after ``select`` at position p is a
+function of the state committed through p - 1 and the token at p alone. A select
+writes only entries that belong to position p (set, never accumulate), so running
+p again, with the same token or another, overwrites what the first run wrote. A
+refused step can then be retried, and the look-ahead's uncommitted draft pass at
+the next position needs no copy of the state to restore (docs/DESIGN.md,
+"Refusal contract"). Running sums and bounds over a partial page or block are
+therefore kept as a ring of its raw keys (``write_recent``), folded by a set.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -81,6 +91,16 @@ class Selector(Protocol):
     A float where per-page/per-block state does not divide evenly into tokens.
     """
 
+  # Optional: ``state_bytes_per_request() -> int``, resident bytes per layer per
+  # request that do not grow with the context (the rings of ``write_recent``);
+  # ``state_bytes`` reads 0 where a selector has none.
+
+
+def state_bytes(selector, length: int) -> int:
+  """Resident bytes of one layer's state for a request of ``length`` tokens."""
+  fixed = getattr(selector, "state_bytes_per_request", None)
+  return math.ceil(selector.state_bytes_per_token() * length) + (fixed() if fixed else 0)
+
 
 def layer_slice(state: Any, layer) -> Any:
   """One layer of a layer-stacked state pytree."""
@@ -89,6 +109,40 @@ def layer_slice(state: Any, layer) -> Any:
 
 def layer_update(state: Any, layer, new_layer_state: Any) -> Any:
   return jax.tree.map(lambda x, y: x.at[layer].set(y), state, new_layer_state)
+
+
+def write_recent(recent, layer, k_new, newest):
+  """The ring of a layer's most recent raw keys with the newest one set.
+
+  Args:
+    recent: f32[L, R, S, Hkv, D]; position p lives at slot p % S.
+    k_new: [R, Hkv, D] the key at ``newest`` i32[R].
+
+  Returns:
+    (the updated ring, its layer f32[R, S, Hkv, D]).
+  """
+  size = recent.shape[2]
+  req = jnp.arange(newest.shape[0])
+  recent = recent.at[layer, req, newest % size].set(k_new.astype(recent.dtype))
+  return recent, recent[layer]
+
+
+def recent_from_prompt(keys, lens, size: int):
+  """The ring ``write_recent`` leaves after decoding a prompt's keys one by one.
+
+  Slot j holds the latest position p < lens with p % size == j (0 if none).
+
+  Args:
+    keys: [R, P, Hkv, D]; lens: i32[R] (<= P).
+
+  Returns:
+    f32[R, size, Hkv, D].
+  """
+  last = lens[:, None] - 1
+  pos = last - jnp.mod(last - jnp.arange(size), size)  # [R, size]
+  rows = jnp.take_along_axis(keys, jnp.clip(pos, 0, keys.shape[1] - 1)[..., None, None],
+                             axis=1)
+  return jnp.where((pos >= 0)[..., None, None], rows.astype(jnp.float32), 0.0)
 
 
 def blocks_to_positions(blocks, block_size: int, newest):

@@ -56,17 +56,21 @@ import numpy as np
 
 from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, blocks_to_positions,
                                        check_prefill_shapes, check_step_shapes,
-                                       masked_top_k, per_token)
+                                       masked_top_k, per_token, recent_from_prompt,
+                                       write_recent)
 
 IMPORTANCES = ("paper", "overlap")
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
 class NSAState(NamedTuple):
-  """Running sums of each compression block's keys; a block's compressed key is
-  its sum / ``cmp_block`` once complete (mean pooling)."""
+  """Each complete compression block's key sum (its compressed key is the sum /
+  ``cmp_block``, mean pooling; 0 until complete), and the last ``cmp_block`` raw
+  keys, summed into a block by a set when its last position arrives: a step run
+  twice at one position leaves what one run leaves."""
 
   cmp_key_sum: jax.Array  # f32[L, R, NC, Hkv, D]
+  recent: jax.Array  # f32[L, R, S = l, Hkv, D] position p at p % l (write_recent)
 
 
 def importance_offsets(block_size: int, cmp_block: int, cmp_stride: int,
@@ -142,12 +146,13 @@ class NSASelector:
                        f"max_len={max_len}")
     shape = (num_layers, num_requests, -(-max_len // self.cmp_stride),
              self.num_kv_heads, self.head_dim)
-    return NSAState(jnp.zeros(shape, jnp.float32))
+    ring = (num_layers, num_requests, self.cmp_block, self.num_kv_heads, self.head_dim)
+    return NSAState(jnp.zeros(shape, jnp.float32), jnp.zeros(ring, jnp.float32))
 
   def prefill(self, state: NSAState, layer, inputs: PrefillInputs,
               params=None) -> NSAState:
     """Rebuilds the layer's compression-block sums from the prompt (positions >=
-    lens ignored); blocks past the prompt are reset to zero."""
+    lens ignored); blocks not complete inside it are reset to zero."""
     del params
     stride, ratio = self.cmp_stride, self.cmp_block // self.cmp_stride
     num_cmp = state.cmp_key_sum.shape[2]
@@ -163,25 +168,26 @@ class NSASelector:
     # Block i covers chunks i..i+ratio-1 (a static loop over the ratio, l/d).
     padded = jnp.pad(chunk_sum, ((0, 0), (0, ratio - 1), (0, 0), (0, 0)))
     block_sum = sum(padded[:, m:m + num_chunks] for m in range(ratio))
+    complete = (jnp.arange(num_chunks) * stride + self.cmp_block
+                <= inputs.lens[:, None])  # [R, NCh]
+    block_sum = jnp.where(complete[..., None, None], block_sum, 0.0)
     row = jax.lax.dynamic_update_slice(
         jnp.zeros(state.cmp_key_sum.shape[1:], jnp.float32), block_sum, (0,) * 4)
-    return NSAState(state.cmp_key_sum.at[layer].set(row))
+    recent = recent_from_prompt(inputs.k, inputs.lens, self.cmp_block)
+    return NSAState(state.cmp_key_sum.at[layer].set(row),
+                    state.recent.at[layer].set(recent))
 
   def absorb(self, state: NSAState, layer, k_new, newest) -> NSAState:
-    """Adds the newest key to the l/d compression blocks that contain it.
-
-    Not idempotent: call once per committed step (keep the old state when a
-    decode step is refused).
-    """
-    num_req = newest.shape[0]
+    """Puts the newest key in the ring; the block that ends at ``newest`` (if
+    one does) gets the ring's sum, the keys of its ``cmp_block`` positions."""
     num_cmp = state.cmp_key_sum.shape[2]
-    blocks = (newest // self.cmp_stride)[:, None] - jnp.arange(
-        self.cmp_block // self.cmp_stride)  # [R, l/d]
-    blocks = jnp.where(blocks >= 0, blocks, num_cmp)  # num_cmp: dropped
-    rows = jnp.broadcast_to(k_new.astype(jnp.float32)[:, None],
-                            blocks.shape + k_new.shape[1:])
-    return NSAState(state.cmp_key_sum.at[layer, jnp.arange(num_req)[:, None], blocks]
-                    .add(rows, mode="drop"))
+    recent, rows = write_recent(state.recent, layer, k_new, newest)
+    start = newest + 1 - self.cmp_block  # [R] of the block ending at newest
+    ends = (start >= 0) & (start % self.cmp_stride == 0)
+    block = jnp.where(ends, start // self.cmp_stride, num_cmp)  # num_cmp: dropped
+    cmp_key_sum = state.cmp_key_sum.at[layer, jnp.arange(newest.shape[0]), block].set(
+        rows.sum(1), mode="drop")
+    return NSAState(cmp_key_sum, recent)
 
   def block_importance(self, state: NSAState, layer, q, newest):
     """Per-KV-group importance f32[R, Hkv, NB] of every selection block."""
@@ -229,6 +235,10 @@ class NSASelector:
   def state_bytes_per_token(self) -> int | float:
     """One f32 key sum per KV head per compression block, a block every d tokens."""
     return per_token(self.num_kv_heads * self.head_dim * 4, self.cmp_stride)
+
+  def state_bytes_per_request(self) -> int:
+    """The last ``cmp_block`` raw f32 keys."""
+    return self.cmp_block * self.num_kv_heads * self.head_dim * 4
 
 
 def window_union(blocks, block_size: int, window: int, newest):

@@ -35,18 +35,21 @@ import jax.numpy as jnp
 
 from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, blocks_to_positions,
                                        check_prefill_shapes, check_step_shapes,
-                                       masked_top_k, per_token)
+                                       masked_top_k, per_token, recent_from_prompt,
+                                       write_recent)
 
 GRANULARITIES = ("layer", "kv_head")
 _PRECISION = jax.lax.Precision.HIGHEST  # f32 bounds on GPU too (no TF32)
 
 
 class QuestState(NamedTuple):
-  """Per-page key bounds; a page with no key yet holds -inf / +inf, so a running
-  max/min absorbs the current partial page one token at a time."""
+  """Per-page key bounds (a page with no key holds -inf / +inf), and the raw keys
+  of each request's current page: each step sets that page's bounds from them,
+  so a step run twice at one position leaves what one run leaves."""
 
   page_max: jax.Array  # f32[L, R, NP, Hkv, D]
   page_min: jax.Array  # f32[L, R, NP, Hkv, D]
+  recent: jax.Array  # f32[L, R, S, Hkv, D] position p at p % S (write_recent)
 
 
 def page_bounds(q, page_max, page_min, q_per_kv: int):
@@ -120,8 +123,10 @@ class QuestSelector:
       raise ValueError(f"token_budget={self.token_budget} exceeds max_len={max_len}")
     shape = (num_layers, num_requests, -(-max_len // self.page_size),
              self.num_kv_heads, self.head_dim)
+    ring = (num_layers, num_requests, self.page_size, self.num_kv_heads, self.head_dim)
     return QuestState(page_max=jnp.full(shape, -jnp.inf, jnp.float32),
-                      page_min=jnp.full(shape, jnp.inf, jnp.float32))
+                      page_min=jnp.full(shape, jnp.inf, jnp.float32),
+                      recent=jnp.zeros(ring, jnp.float32))
 
   def prefill(self, state: QuestState, layer, inputs: PrefillInputs,
               params=None) -> QuestState:
@@ -144,8 +149,10 @@ class QuestSelector:
     empty = lambda fill: jnp.full(state.page_max.shape[1:], fill, jnp.float32)
     pmax = jax.lax.dynamic_update_slice(empty(-jnp.inf), pmax, (0,) * 4)
     pmin = jax.lax.dynamic_update_slice(empty(jnp.inf), pmin, (0,) * 4)
+    recent = recent_from_prompt(inputs.k, inputs.lens, size)
     return QuestState(page_max=state.page_max.at[layer].set(pmax),
-                      page_min=state.page_min.at[layer].set(pmin))
+                      page_min=state.page_min.at[layer].set(pmin),
+                      recent=state.recent.at[layer].set(recent))
 
   def page_scores(self, state: QuestState, layer, q, newest):
     """Per-unit page scores f32[R, U, NP] and page validity bool[R, NP]."""
@@ -160,8 +167,8 @@ class QuestSelector:
     return scores, valid
 
   def select(self, state: QuestState, layer, inputs: StepInputs, params=None):
-    """Absorbs ``k_new`` into its page, then reads the current page and the
-    ``num_pages - 1`` best other valid pages.
+    """Sets the current page's bounds from its keys (``k_new`` the newest), then
+    reads the current page and the ``num_pages - 1`` best other valid pages.
 
     Returns (positions i32[R, U, token_budget], state): the current page first,
     then the chosen pages best first; missing pages and positions past newest -1.
@@ -172,9 +179,15 @@ class QuestSelector:
     num_req = newest.shape[0]
     req = jnp.arange(num_req)
     current = newest // self.page_size  # [R]
-    k_new = inputs.k_new.astype(jnp.float32)
-    state = QuestState(page_max=state.page_max.at[layer, req, current].max(k_new),
-                       page_min=state.page_min.at[layer, req, current].min(k_new))
+    recent, rows = write_recent(state.recent, layer, inputs.k_new, newest)
+    in_page = (jnp.arange(self.page_size) <= (newest % self.page_size)[:, None]
+               )[..., None, None]  # [R, S, 1, 1] positions current * S .. newest
+    state = QuestState(
+        page_max=state.page_max.at[layer, req, current].set(
+            jnp.where(in_page, rows, -jnp.inf).max(1)),
+        page_min=state.page_min.at[layer, req, current].set(
+            jnp.where(in_page, rows, jnp.inf).min(1)),
+        recent=recent)
 
     scores, valid = self.page_scores(state, layer, inputs.q, newest)
     blocks = jnp.broadcast_to(current[:, None, None], (num_req, self.num_units, 1))
@@ -188,3 +201,7 @@ class QuestSelector:
   def state_bytes_per_token(self) -> int | float:
     """Max and min f32 keys per KV head, once per page."""
     return per_token(2 * self.num_kv_heads * self.head_dim * 4, self.page_size)
+
+  def state_bytes_per_request(self) -> int:
+    """The current page's raw f32 keys."""
+    return self.page_size * self.num_kv_heads * self.head_dim * 4
