@@ -96,6 +96,49 @@ def test_handoff_wire_format_and_refusals():
   assert engine.export(req.id, kv="none").output == [] and req.state is State.HANDED_OFF
 
 
+def test_a_receiver_that_keeps_the_request_on_the_device_replays_it():
+  """A handoff with K/V to an engine where the whole request fits the hot cache
+  (no host pages there): nothing is written to the receiver's host pages and the
+  request continues with its uninterrupted tokens by replay."""
+  prompt, new = list(range(1, 30)), 10
+  sender = Engine(FakeModel())
+  req = sender.submit(prompt, new)
+  while len(req.output) < 3:
+    sender.step()
+  handoff = sender.export(req.id, kv="all")
+  assert handoff.kv_end > 0
+  receiver = Engine(FakeModel(hot_slots=96))
+  moved = receiver.accept(handoff)
+  receiver.run()
+  assert moved.output == solo(FakeModel, prompt, new)
+  assert receiver.state["pages"] == {}
+
+
+def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
+  """Prompt K/V with no output yet must leave the last prompt position to the
+  receiver (its logits give the first token); pages of another layout (another
+  page size or model) do not fit. Both refused, nothing queued, the engine goes on."""
+  sender = Engine(FakeModel())
+  prompt = list(range(1, 33))  # 4 whole chunks
+  req = sender.submit(prompt, 5)
+  while req.state is not State.DECODING:
+    sender.step()
+  kv = sender.model.read_pages(sender.state, sender.pool.table[req.slot, :8].tolist())
+  receiver = Engine(FakeModel())
+  with pytest.raises(ValueError, match="page-aligned range of the 31"):
+    receiver.accept(handoff_lib.Handoff("h", prompt, [], 5, kv_start=0, kv_end=32, kv=kv))
+  with pytest.raises(ValueError, match="page field 0"):
+    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
+                                        kv=[np.zeros((8, 6), np.int64)]))
+  with pytest.raises(ValueError, match="page fields"):
+    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
+                                        kv=[kv[0], kv[0]]))
+  assert not receiver.requests
+  other = receiver.submit([3, 4, 5], 4)
+  receiver.run()
+  assert other.output == solo(FakeModel, [3, 4, 5], 4)
+
+
 def test_send_and_recv_frames_at_a_capped_rate():
   a, b = socket.socketpair()
   payload = np.random.default_rng().bytes(300_000)

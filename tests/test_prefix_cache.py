@@ -168,17 +168,17 @@ def test_prefix_cache_under_page_pressure_with_aborts_and_preemptions(schedule):
 
 
 @pytest.mark.parametrize("schedule,max_overtakes,window,order", [
-    ("fcfs", 16, 128, "xwzy"), ("lpm", 16, 128, "zywx"), ("lpm", 1, 128, "zwxy"),
-    ("lpm", 16, 2, "wzyx"), ("lpm", 16, 1, "xwzy")])
+    ("fcfs", 16, 128, "xwzy"), ("lpm", 16, 128, "zywx"), ("lpm", 1, 128, "zxwy"),
+    ("lpm", 0, 128, "xwzy"), ("lpm", 16, 2, "wzyx"), ("lpm", 16, 1, "xwzy")])
 def test_lpm_admits_the_longest_cached_prefix_first_and_bounds_overtakes(
     schedule, max_overtakes, window, order):
   """A cached 16-token prefix P; then x (no prefix), w (the first chunk of P + 12),
   z (P + 3) and y (P + 10) arrive together, one slot. LPM admits by cached tokens
   (z and y 16, w 8, x 0; ties in arrival order), FCFS by arrival; with
-  max_overtakes=1, x and w have been overtaken once z goes, so they go next (w's
-  prefix first); lpm_window=2 ranks only the first two waiting ([x, w], then [x,
-  z], then [x, y]); a window of 1 is FCFS. Every request's tokens are its solo
-  run's."""
+  max_overtakes=1, x and w have been overtaken once z goes, so they go next, in
+  arrival order; max_overtakes=0 is FCFS; lpm_window=2 ranks only the first two
+  waiting ([x, w], then [x, z], then [x, y]); a window of 1 is FCFS. Every
+  request's tokens are its solo run's."""
   rng = np.random.default_rng()
   prefix = rng.integers(0, VOCAB - 1, 16).tolist()
   factory = lambda: FakeModel(num_slots=1, num_host_pages=60)
@@ -199,6 +199,28 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_bounds_overtakes(
   for name, req in reqs.items():
     assert req.metrics.cached_tokens == want_cached[name], name
     assert req.output == solo(factory, req.prompt, 3), name  # no token moves
+
+
+def test_a_cached_prompt_of_whole_chunks_pins_no_copy_of_its_last_chunk():
+  """A prompt of whole chunks, all cached: the request shares all but its last
+  chunk (one token must be computed) and computes that chunk into pages of its
+  own. The tree's copy of it must stay evictable: locked, it left a pool that
+  fits the request exactly (9 pages) one page short, and the request preempted
+  itself forever. It finishes without a preemption, with its solo tokens."""
+  factory = lambda: FakeModel(max_len=33, num_host_pages=9, num_slots=2)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=9, prefix_cache=True))
+  prompt = list(range(1, 17))  # 2 chunks of 8
+  first = engine.submit(prompt, 33 - 16)
+  engine.run()
+  again = engine.submit(prompt, 33 - 16)
+  while again.state is not State.DECODING:
+    engine.step()
+  mine = engine.pool.table[again.slot, :4].tolist()
+  assert again.metrics.cached_tokens == 8 and engine.radix.holds(again.radix_node, mine)
+  engine.run(until=lambda: engine.steps > 500)
+  assert again.state is State.FINISHED and again.metrics.preemptions == 0
+  assert again.output == first.output == solo(factory, prompt, 33 - 16)
+  engine.pool.check(engine.radix.held_pages())
 
 
 def test_schedule_is_checked():

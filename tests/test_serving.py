@@ -248,6 +248,46 @@ def test_abort_frees_the_slot_and_pages_at_once():
   assert second.state is State.FINISHED and second.output == solo(FakeModel, [7, 8, 9], 5)
 
 
+def test_on_token_may_end_its_own_request_and_a_later_one_of_the_batch():
+  """Streaming clients end requests from ``on_token``: one aborts its own request
+  at its last token, another aborts a request sampled after it in the same batch.
+  Both end there (no token after the abort), every page stays accounted for, and
+  the others' tokens are their solo runs'."""
+  factory = lambda: FakeModel(num_slots=4)
+  engine = Engine(factory())
+  at_abort = []
+
+  def abort_self(req, token):
+    if len(req.output) == req.max_new_tokens:
+      engine.abort(req.id)
+
+  def abort_later(req, token):
+    if len(req.output) == 5:
+      at_abort.append((later.state, len(later.output)))
+      engine.abort(later.id)
+
+  survivor = engine.submit(list(range(1, 30)), 10)  # slot 0, holds host pages
+  own = engine.submit(list(range(2, 30)), 3, on_token=abort_self)  # slot 1
+  first = engine.submit([5, 6, 7], 8, on_token=abort_later)  # slot 2
+  later = engine.submit([8, 9, 10], 8)  # slot 3: sampled after slot 2
+  while engine.has_work:
+    engine.step()
+    engine.pool.check()
+  assert own.state is State.ABORTED and len(own.output) == 3
+  assert at_abort[0][0] is State.DECODING  # in the batch when it was aborted
+  assert later.state is State.ABORTED and len(later.output) == at_abort[0][1]
+  for req in (survivor, first):
+    assert req.output == solo(factory, req.prompt, req.max_new_tokens), req.id
+  assert engine.pool.in_use == 0 and engine._device_in_use == 0
+
+
+def test_auto_ids_skip_ids_callers_chose():
+  engine = Engine(FakeModel())
+  engine.submit([1, 2, 3], 2, request_id="req-1")
+  ids = [engine.submit([4, 5, 6], 2).id for _ in range(3)]
+  assert len(set(ids + ["req-1"])) == 4 and all(i.startswith("req-") for i in ids)
+
+
 def random_workload(rng, num, vocab=VOCAB - 1):
   out = []
   for _ in range(num):

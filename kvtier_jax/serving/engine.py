@@ -113,7 +113,7 @@ class EngineConfig:
       It admits cheap prefills first and prompts while their shared prefix is
       still cached; tokens never depend on the schedule.
     max_overtakes: ``"lpm"``'s bound on waiting: a request that this many later
-      arrivals overtook is admitted next (0: FCFS).
+      arrivals overtook is admitted next, the oldest such first (0: FCFS).
     lpm_window: ``"lpm"`` ranks the first this many waiting requests (preempted
       ones first, then arrival order), so a pick costs O(window x prompt chunks) on
       any queue. SGLang instead turns LPM off (FCFS) past 128 waiting, which is
@@ -230,7 +230,9 @@ class Engine:
     stops = frozenset(int(t) for t in stop_ids) | frozenset(self.config.eos_ids)
     if any(not 0 <= t < model.vocab_size for t in stops):
       raise ValueError(f"stop ids {sorted(stops)} must be in the vocabulary")
-    request_id = request_id or f"req-{len(self.requests)}"
+    if request_id is None:  # the first free "req-N" (callers and handoffs name theirs)
+      request_id = next(f"req-{n}" for n in itertools.count(len(self.requests))
+                        if f"req-{n}" not in self.requests)
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} already exists")
     req = Request(request_id, ids, max_new_tokens, sampling_params, stops,
@@ -294,11 +296,17 @@ class Engine:
     """Queue a request another engine exported; it continues with the tokens an
     uninterrupted run yields (see handoff.py). ``ValueError`` on bad input."""
     handoff_lib.check(handoff, self.model.page_size, self.model.vocab_size)
+    # Here the request may keep every position on the device (no host pages): then
+    # the KV has nowhere to go and the prompt and outputs are replayed instead.
+    keeps_kv = bool(handoff.kv_end) and bool(
+        self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
+    if keeps_kv:
+      handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     req = self.submit(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
                       stop_ids=handoff.stop_ids, request_id=handoff.request_id,
                       on_token=on_token, arrival=arrival)
     req.output = list(handoff.output)
-    if handoff.kv_end:
+    if keeps_kv:
       req.imported = (handoff.kv_start, handoff.kv_end, handoff.kv)
     return req
 
@@ -415,9 +423,10 @@ class Engine:
       return self.waiting[0]
     def priority(item):  # the smallest goes first
       index, req = item
+      starving = req.overtaken >= self.config.max_overtakes
       return (req.metrics.admitted is None,  # resume preempted requests first
-              req.overtaken < self.config.max_overtakes,  # then the long-waiting
-              -self.radix.prefix_length(self._shareable(req)), index)
+              not starving,  # then the long-waiting, in arrival order
+              0 if starving else -self.radix.prefix_length(self._shareable(req)), index)
 
     window = itertools.islice(self.waiting, self.config.lpm_window)
     return min(enumerate(window), key=priority)[1]
@@ -613,6 +622,8 @@ class Engine:
     tokens, finite = np.asarray(tokens), np.asarray(finite)
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
+      if req.state.done:  # ended by an earlier on_token callback (abort, export)
+        continue
       if not finite[row]:
         self._release(req)
         self._end(req, State.FAILED, f"non-finite logits at position {p}")
@@ -627,6 +638,8 @@ class Engine:
         req.metrics.first_token = now
       if req.on_token:
         req.on_token(req, token)
+        if req.state.done:  # the callback ended it (abort, export): released
+          continue
       if len(req.output) >= req.max_new_tokens or token in req.stop_ids:
         self._release(req)
         self._end(req, State.FINISHED, "stop id" if token in req.stop_ids else "length")
@@ -678,6 +691,12 @@ class Engine:
     pages = self.pool.table[req.slot, :length // self.model.page_size].tolist()
     adopted, node = self.radix.insert(req.prompt[:length], pages)
     self.pool.retain(adopted)
+    # Lock the deepest node whose pages this request holds. Where the tree kept its
+    # own copy of a chunk the request computed again (a prompt of whole chunks, all
+    # cached: its last chunk is always computed), that copy is not the request's
+    # to pin: locked, it could never be evicted while the request needs pages.
+    while node.parent is not None and not self.radix.holds(node, pages):
+      node = node.parent
     self.radix.lock(node)
     if req.radix_node is not None:
       self.radix.unlock(req.radix_node)

@@ -138,7 +138,10 @@ def check(handoff: Handoff, page_size: int, vocab_size: int) -> None:
   if bad:
     raise ValueError(f"relayed token ids {bad[:5]} are outside the vocabulary")
   if handoff.kv_end:
-    last = len(handoff.prompt) + max(0, len(handoff.output) - 1)
+    # Positions with K/V at the sender: the prompt and every output but the last
+    # (not fed yet); without outputs the receiver computes the last prompt position,
+    # whose logits give the first token.
+    last = len(handoff.prompt) + len(handoff.output) - 1
     if handoff.kv_start % page_size or not 0 <= handoff.kv_start < handoff.kv_end <= last:
       raise ValueError(f"KV of positions [{handoff.kv_start}, {handoff.kv_end}) is not a "
                        f"page-aligned range of the {last} positions computed")
@@ -147,3 +150,14 @@ def check(handoff: Handoff, page_size: int, vocab_size: int) -> None:
       raise ValueError(f"positions [{handoff.kv_start}, {handoff.kv_end}) need {pages} "
                        f"pages; the handoff carries {[a.shape[0] for a in handoff.kv]}")
 
+
+def check_pages(handoff: Handoff, layout: list[np.ndarray]) -> None:
+  """Clear errors for page contents the receiver cannot store: ``layout`` is one
+  page of the receiver's own (``read_pages``), each field's page shape and dtype."""
+  if len(handoff.kv) != len(layout):
+    raise ValueError(f"the handoff carries {len(handoff.kv)} page fields; this engine's "
+                     f"pages have {len(layout)}")
+  for i, (got, want) in enumerate(zip(handoff.kv, layout)):
+    if got.shape[1:] != want.shape[1:] or got.dtype != want.dtype:
+      raise ValueError(f"page field {i} is {got.dtype}{list(got.shape[1:])} per page; "
+                       f"this engine's is {want.dtype}{list(want.shape[1:])}")

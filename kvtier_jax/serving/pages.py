@@ -103,6 +103,8 @@ class PagePool:
     return sum(partition is None or self.page_partition(p) == partition for p in freed)
 
   def release(self, slot: int) -> None:
+    if not isinstance(slot, (int, np.integer)):  # table[None] would be every row
+      raise TypeError(f"slot {slot!r} is not a slot index")
     row = self.table[slot]
     self.drop(row[row >= 0].tolist())
     row[:] = EMPTY

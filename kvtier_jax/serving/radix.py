@@ -170,6 +170,12 @@ class RadixCache:
     self.num_pages += len(new.pages)
     return adopted + new.pages, new
 
+  def holds(self, node: Node, pages: Sequence[int]) -> bool:
+    """Whether ``node``'s host pages are those ``pages`` (a path's pages from the
+    root) has at its depth."""
+    start = self._pages_of(self.depth(node) - len(node.key))
+    return node.pages == list(pages[start:start + len(node.pages)])
+
   def lock(self, node: Node) -> None:
     while node is not None:
       node.lock += 1
