@@ -7,7 +7,7 @@ at B=2k (13.4%), and the memory each keeps on the accelerator. The variants alte
 step by step and ``vs_full_kv`` is the median of the per-round ratios, so a drifting
 machine (this shared CPU moves 2x between minutes) moves both sides together.
 
-Command (the README's main job; ~1-2 min on a 2-core CPU):
+Command (~1-2 min on a 2-core CPU):
   python -m experiments.bench_decode
 Defaults: 4 requests, 4 layers, 32K context, B=2048, k=512, 8 q / 2 KV heads, D=128,
 f32. ``--smoke`` runs in seconds. Results: results/bench_decode/<time>/.

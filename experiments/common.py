@@ -1,8 +1,9 @@
-"""What every runner shares: result folders, config capture, timing, rendering.
+"""What every runner shares: result folders, config capture, tables and plots.
 
 Each run writes ``results/<experiment>/<timestamp>/config.json`` (flags, jax version,
-device, git SHA) and ``rows.jsonl``; ``render`` turns rows into ``table.md`` and
-``plot.png``. Measuring never formats and rendering never measures.
+device, git SHA) and ``rows.jsonl``; ``markdown_table`` and ``line_plot`` turn rows
+into ``table.md`` and ``plot.png`` (timing is in ``experiments/timing.py``).
+Measuring never formats and rendering never measures.
 """
 
 from __future__ import annotations

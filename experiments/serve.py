@@ -1,5 +1,6 @@
 r"""Serve a stream of requests with SmolLM2 and one cache backend; optionally check
-every finished request against the sparse backend run alone.
+every finished request against the sparse backend run alone (the dense one for
+``--cache=dense``).
 
 Paper context (HiSparse): with the KV in host memory a server admits several times
 more concurrent long-context requests into the same device memory, which is where
@@ -32,9 +33,9 @@ topics): independent requests, or agent sessions (``--sessions=skewed|narrow``).
 Results: results/serve/<time>/ (config.json, rows.jsonl (the summary),
 requests.jsonl, steps.jsonl, table.md, plot.png). Last line: ``serve: cache=...
 requests=N output_tokens=T throughput=X tok/s ttft_p50=A s ttft_p99=B s
-tpot_p50=C ms max_concurrency=K prefill_tokens=P exact=E/N prefix_hit=H`` (N:
-finished requests, ``-/N`` without ``--check_exact``; P: prompt tokens computed; H:
-the fraction of prompt tokens served by the prefix cache).
+tpot_p50=C ms max_concurrency=K prefill_tokens=P exact=E/F prefix_hit=H`` (N: every
+request; F: the finished ones, ``-/F`` without ``--check_exact``; P: prompt tokens
+computed; H: the fraction of prompt tokens served by the prefix cache).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Commands:
   # The README's main job (~4 min on a 2-core CPU): SmolLM2 (real weights), 8
   # synthetic ~1K-token requests, closed loop at concurrency 8, one 200 MiB budget.
   python -m experiments.serve_sweep
-  # The CPU sweep in WORKSPACE_NOTES.md (~25 min):
-  python -m experiments.serve_sweep --contexts=512,1024 --concurrency=2,4,8 --num_requests=12
+  # The CPU sweep in WORKSPACE_NOTES.md (~27 min):
+  python -m experiments.serve_sweep --contexts=1024 --concurrency=2,4,8 --num_requests=12 \
+      --output_len=96 --prompt_spread=0.5
   # RL rollouts, decode-first chunked prefill vs prefill that blocks decode (~6 min):
   python -m experiments.serve_sweep --workload=rollout --caches=tiered \
       --prefill_policies=decode_first,blocking
