@@ -25,6 +25,34 @@ def brute_match(sent: list[list[int]], prompt: list[int]) -> int:
   return best
 
 
+def test_a_replica_refuses_a_bad_request_and_serves_on():
+  """A request its engine refuses (longer than the context) is reported failed, with
+  no output, and the replica serves the next one with its solo tokens."""
+  import multiprocessing
+  import threading
+
+  from kvtier_jax.serving import Engine, replica
+  from tests.test_serving import FakeModel, solo
+  ours, theirs = multiprocessing.Pipe()
+  thread = threading.Thread(target=replica.serve,
+                            args=(lambda: Engine(FakeModel()), theirs), daemon=True)
+  thread.start()
+  assert ours.recv() == ("ready",)
+  ours.send(("submit", dict(id="long", prompt=list(range(200)), max_new_tokens=4)))
+  ours.send(("submit", dict(id="fine", prompt=[3, 4, 5], max_new_tokens=4)))
+  done = {}
+  while len(done) < 2:
+    assert ours.poll(30), f"the replica stopped answering: {done}"
+    kind, rid, *rest = ours.recv()
+    if kind == "done":
+      done[rid] = rest
+  ours.send(("stop",))
+  assert ours.recv()[0] == "stats"
+  thread.join(10)
+  assert done["long"] == ["failed", [], None]
+  assert done["fine"][:2] == ["finished", solo(FakeModel, [3, 4, 5], 4)]
+
+
 def test_prefix_router_matches_brute_force_and_respects_load():
   rng = np.random.default_rng()
   prefixes = [rng.integers(0, 50, int(rng.integers(4, 20))).tolist() for _ in range(4)]

@@ -5,7 +5,8 @@ Messages to the replica: ``("submit", request dict)`` (``id``, ``prompt``,
 ``max_new_tokens``), ``("reset",)`` (report and start a fresh engine: a new
 measurement on the same compiled model) and ``("stop",)``. From it: ``("ready",)``
 once its engine is built, ``("first", id)`` at a request's first token, ``("done",
-id, state, output, cached_tokens)`` when it ends, and ``("stats", dict)`` on reset
+id, state, output, cached_tokens)`` when it ends (``"failed"`` with no output for a
+request its engine refused), and ``("stats", dict)`` on reset
 and stop: the engine's prompt tokens, those served by its prefix cache and the
 prompt tokens it computed. With ``gather`` (the multi-controller runtime's
 all-gather, e.g. ``jax.experimental.multihost_utils.process_allgather``) every
@@ -43,8 +44,11 @@ def serve(engine_factory: Callable[[], object], conn, *,
       kind, *args = conn.recv()
       if kind == "submit":
         spec = args[0]
-        engine.submit(spec["prompt"], spec["max_new_tokens"], request_id=spec["id"],
-                      on_token=first_token)
+        try:
+          engine.submit(spec["prompt"], spec["max_new_tokens"], request_id=spec["id"],
+                        on_token=first_token)
+        except ValueError:  # refused (too long, a taken id): the replica goes on
+          conn.send(("done", spec["id"], "failed", [], None))
       elif kind in ("reset", "stop"):
         conn.send(("stats", stats()))
         if kind == "stop":
