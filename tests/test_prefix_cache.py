@@ -5,6 +5,7 @@ cache (FakeModel reads a cached prefix back from its "host pages", so a wrong or
 overwritten shared page changes the tokens)."""
 
 import dataclasses
+import functools
 import gc
 import itertools
 import os
@@ -273,6 +274,38 @@ def test_data_parallel_engine_places_a_request_with_its_cached_prefix():
   assert engine.pool.slot_partition(again.slot) == 0 and again.metrics.cached_tokens == 24
   engine.run()
   assert again.output == solo(TwoDeviceModel, again.prompt, 4)
+
+
+def test_a_request_placed_off_its_prefix_device_pins_none_of_its_pages():
+  """The prefix lives on device 0 but its slots are taken: the request goes to
+  device 1 and shares nothing. From admission on it must not lock the prefix's
+  node (device 0's pages, which it does not use), so device 0 can still evict it:
+  checked while its prompt is still prefilling, a chunk a step."""
+  engine = Engine(TwoDeviceModel(num_host_pages=40),
+                  EngineConfig(max_step_tokens=8, prefix_cache=True))
+  prefix = list(range(1, 25))  # three chunks of 8: 6 pages on device 0
+  engine.submit(prefix + [30], 2)
+  engine.run()
+  held = engine.radix.held_pages()
+  fillers = [engine.submit(prefix + [31 + i], 20) for i in range(2)]  # device 0
+  while any(f.state is State.WAITING for f in fillers):
+    engine.step()
+  away = engine.submit(prefix + [50], 30)
+  while away.state is State.WAITING:
+    engine.step()
+  assert engine.pool.slot_partition(away.slot) == 1 and away.metrics.cached_tokens == 0
+  assert away.state is State.PREFILLING
+  for f in fillers:
+    engine.abort(f.id)
+  def locked(node):
+    return node is not None and (node.lock > 0 or any(map(locked, node.children.values())))
+  assert not any(locked(n) for n in engine.radix.root.children.values()
+                 if set(n.pages) & set(held))
+  freed = engine.radix.evict(100, functools.partial(engine.pool.drop, partition=0))
+  assert freed == len(held)
+  engine.run()
+  assert away.output == solo(TwoDeviceModel, away.prompt, 30)
+  engine.pool.check(engine.radix.held_pages())
 
 
 def test_data_parallel_engine_refuses_a_request_no_device_can_hold():

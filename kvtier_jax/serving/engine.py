@@ -386,6 +386,8 @@ class Engine:
                    len(shared))
       whole = local == len(shared)
       shared = shared[:local]
+      if not whole:  # lock only what the slot shares, not the other device's pages
+        node = self._relock(node, shared)
       if self._host_pages(req.total_length):
         on_disk = [] if node is None or not whole else self.radix.disk_path(node)
         load = bool(on_disk) and self._load_from_disk(on_disk)
@@ -681,6 +683,17 @@ class Engine:
         req = None
     return ran
 
+  def _relock(self, node, pages: list[int]):
+    """Moves a lock from ``node`` to its deepest ancestor (or itself) whose pages
+    are those ``pages`` holds at its depth; returns that node."""
+    keep = node
+    while keep.parent is not None and not self.radix.holds(keep, pages):
+      keep = keep.parent
+    if keep is not node:
+      self.radix.lock(keep)
+      self.radix.unlock(node)
+    return keep
+
   def _cache_prompt(self, req: Request) -> None:
     """After its prefill: cache the request's whole prompt chunks (their pages)."""
     if self.radix is None or not self._host_pages(req.total_length):
@@ -693,11 +706,11 @@ class Engine:
     self.pool.retain(adopted)
     # Lock the deepest node whose pages this request holds. Where the tree kept its
     # own copy of a chunk the request computed again (a prompt of whole chunks, all
-    # cached: its last chunk is always computed), that copy is not the request's
-    # to pin: locked, it could never be evicted while the request needs pages.
-    while node.parent is not None and not self.radix.holds(node, pages):
-      node = node.parent
+    # cached: its last chunk is always computed; a prefix cached on another
+    # device), that copy is not the request's to pin: locked, it could never be
+    # evicted while the request needs pages.
     self.radix.lock(node)
+    node = self._relock(node, pages)
     if req.radix_node is not None:
       self.radix.unlock(req.radix_node)
     req.radix_node = node
