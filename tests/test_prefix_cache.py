@@ -224,6 +224,22 @@ def test_a_cached_prompt_of_whole_chunks_pins_no_copy_of_its_last_chunk():
   engine.pool.check(engine.radix.held_pages())
 
 
+def test_lpm_does_not_rank_a_request_by_a_prefix_it_cannot_use():
+  """A request short enough to stay on the device (hot cache, no host pages) never
+  shares the cached prefix, so LPM ranks it as uncached: arrival order decides."""
+  factory = lambda: FakeModel(num_slots=1, num_host_pages=60)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=8, prefix_cache=True,
+                                          schedule="lpm"))
+  prefix = list(range(1, 9))  # one chunk
+  engine.submit(prefix + [40] * 8, 2)
+  engine.run()
+  long = engine.submit([50] * 20, 3, request_id="long")
+  short = engine.submit(prefix + [60], 2, request_id="short")  # 11 <= hot_slots
+  engine.run()
+  assert short.metrics.cached_tokens == 0 and long.admit_order < short.admit_order
+  assert short.output == solo(factory, short.prompt, 2)
+
+
 def test_schedule_is_checked():
   with pytest.raises(ValueError, match="schedule"):
     EngineConfig(prefix_cache=True, schedule="sjf")

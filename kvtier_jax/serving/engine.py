@@ -426,9 +426,11 @@ class Engine:
     def priority(item):  # the smallest goes first
       index, req = item
       starving = req.overtaken >= self.config.max_overtakes
+      # A request kept on the device (no host pages) cannot use the cache.
+      usable = not starving and self._host_pages(req.total_length)
       return (req.metrics.admitted is None,  # resume preempted requests first
               not starving,  # then the long-waiting, in arrival order
-              0 if starving else -self.radix.prefix_length(self._shareable(req)), index)
+              -self.radix.prefix_length(self._shareable(req)) if usable else 0, index)
 
     window = itertools.islice(self.waiting, self.config.lpm_window)
     return min(enumerate(window), key=priority)[1]
