@@ -117,22 +117,26 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   hit_quantiles = {f"hit_p{q}": float(np.percentile(hits, q)) if hits else None
                    for q in (10, 50, 90)}
   computed = sum(s["prefill_tokens"] for s in served.steps)
+  # Per request at its first admission (a preempted request re-admitted would count
+  # its prompt again, and hit its own cached prompt): as bench.summarize counts.
+  admitted = [r for r in served.requests if r.metrics.cached_tokens is not None]
+  prompt_tokens = sum(len(r.prompt) for r in admitted)
+  cached_tokens = sum(r.metrics.cached_tokens for r in admitted)
   ms = lambda v: None if v is None else v / 1e3
   return dict(cache=cache, requests=full["requests"], finished=full["finished"],
               output_tokens=full["output_tokens"], throughput=full["output_throughput"],
               ttft_p50=ms(full["ttft_median_ms"]), ttft_p99=ms(full["ttft_p99_ms"]),
               tpot_p50_ms=full["tpot_median_ms"],
               max_concurrency=full["peak_concurrency"],
-              prefill_tokens=computed, prompt_tokens=engine.prompt_tokens,
-              prefix_hit=(engine.cached_tokens / engine.prompt_tokens
-                          if engine.prompt_tokens else 0.0),
+              prefill_tokens=computed, prompt_tokens=prompt_tokens,
+              prefix_hit=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
               **hit_quantiles,
               # What a remote decode instance receives: the uncached increment (DRC).
-              transfer_mib=(engine.prompt_tokens - engine.cached_tokens)
+              transfer_mib=(prompt_tokens - cached_tokens)
               * engine.model.cfg.kv_bytes_per_token() / 2**20,
               peak_host_mib=full["peak_host_mib"],
               preemptions=full["preemptions"],
-              max_host_pages=max((s["host_pages_in_use"] for s in served.steps), default=0),
+              max_host_pages=max((s["peak_host_pages"] for s in served.steps), default=0),
               max_disk_mib=max((s["disk_pages"] for s in served.steps), default=0)
               * engine.model.host_page_bytes / 2**20,
               disk_loaded_tokens=engine.disk_loaded_tokens,

@@ -202,10 +202,11 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
 
 
 def compare(rows: list[dict], outputs: list[dict]) -> None:
-  """Per point: throughput and TTFT vs the sparse run, and tokens equal to it."""
+  """Per point (context, concurrency, prefill policy): throughput and TTFT vs the
+  sparse run, and tokens equal to it."""
   points = collections.defaultdict(list)
   for row, out in zip(rows, outputs):
-    points[(row["context"], row["concurrency"])].append((row, out))
+    points[(row["context"], row["concurrency"], row["prefill_policy"])].append((row, out))
   for group in points.values():
     ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), group[0])
     for row, out in group:

@@ -127,10 +127,13 @@ def test_summary_metrics_from_their_definitions():
           hand_request("b", 20, 0.0, [2.0, 2.2]),  # TTFT 2, TPOT 0.2
           hand_request("c", 30, 1.0, [4.0, 5.0, 7.0, 8.0]),  # TTFT 3, TPOT 4/3, ITL 1 2 1
           hand_request("d", 40, 1.0, [], State.ABORTED)]
-  steps = [dict(running=r, device_bytes_in_use=b, host_pages_in_use=p, misses=m,
-                decode_batch=d, prefill_tokens=f, seconds=t)
-           for r, b, p, m, d, f, t in [(2, 2**20, 4, 1, 2, 0, 0.5), (3, 3 * 2**20, 9, 2, 3, 8, 1.0),
-                                       (1, 2**19, 2, 0, 1, 0, 0.25)]]
+  # End-of-step counts one lower than the step's peaks: the peaks are what counts.
+  steps = [dict(peak_running=r, peak_device_bytes=b, peak_host_pages=p, running=r - 1,
+                device_bytes_in_use=b // 2, host_pages_in_use=p - 1, misses=m,
+                decode_batch=d, new_tokens=n, prefill_tokens=f, seconds=t)
+           for r, b, p, m, d, n, f, t in [(2, 2**20, 4, 1, 2, 2, 0, 0.5),
+                                          (3, 3 * 2**20, 9, 2, 3, 3, 8, 1.0),
+                                          (1, 2**19, 2, 0, 2, 1, 0, 0.25)]]
   row = bench.summarize(bench.Served(reqs, steps, 0.0, 10.0), host_page_bytes=2**18,
                         slo_ttft_s=2.5, slo_tpot_s=1.0)
   ttft = np.array([1.0, 2.0, 3.0]) * 1e3
@@ -142,8 +145,9 @@ def test_summary_metrics_from_their_definitions():
   assert row["total_token_throughput"] == pytest.approx(6.9)
   assert row["goodput"] == pytest.approx(0.2)  # a and b meet both SLOs; c misses both
   assert row["peak_concurrency"] == 3 and row["misses"] == 3
-  assert row["decode_throughput"] == pytest.approx(3 / 0.75)  # the steps without a chunk
-  assert row["mean_decode_batch"] == pytest.approx(1.5)
+  # The steps without a chunk; the last decoded 2 but one was a replayed output.
+  assert row["decode_throughput"] == pytest.approx(3 / 0.75)
+  assert row["mean_decode_batch"] == pytest.approx(2.0)
   assert row["peak_device_mib"] == pytest.approx(3.0)
   assert row["peak_host_mib"] == pytest.approx(9 / 4)
   assert row["ttft_mean_ms"] == pytest.approx(2000) and row["ttft_median_ms"] == 2000
@@ -172,3 +176,91 @@ def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
                                  for w in workload]
   with pytest.raises(ValueError, match="prefill_policy"):
     EngineConfig(prefill_policy="eager")
+
+
+def test_peaks_are_what_a_step_held_before_its_requests_let_go():
+  """One- and two-token requests end in the step that admits them, so the counts at
+  the end of a step miss them. The peaks must equal the brute-force maximum over
+  steps of the requests (and their device charges) admitted by then and not ended
+  before it, and the host pages any step's slots held."""
+  rng = np.random.default_rng()
+  model = FakeModel(num_slots=3)
+  engine, clock = engine_with_clock(model, max_step_tokens=16)
+  held = []
+  engine._on_step = lambda row: (held.append(engine.pool.in_use), clock.on_step(row))
+  work = [bench.RequestSpec(f"q{i}", tuple(rng.integers(0, VOCAB - 1, 14).tolist()),
+                            int(rng.integers(1, 3))) for i in range(6)]
+  served = bench.drive(engine, work, sleep=clock.sleep)
+  row = bench.summarize(served, host_page_bytes=model.host_page_bytes)
+  reqs = served.requests
+  assert all(r.state is State.FINISHED for r in reqs)
+  at = lambda s: [r for r in reqs if r.metrics.admitted <= s <= r.metrics.finished]
+  times = sorted({r.metrics.admitted for r in reqs})
+  ends = max(s["running"] for s in served.steps)
+  assert row["peak_concurrency"] == max(len(at(s)) for s in times) > ends
+  charge = lambda r: model.device_bytes(len(r.prompt) + r.max_new_tokens)
+  assert row["peak_device_mib"] * 2**20 == max(sum(map(charge, at(s))) for s in times)
+  # Pages: every live request holds ceil(prompt / page) at least (14 > hot_slots).
+  least = max(sum(-(-len(r.prompt) // model.page_size) for r in at(s)) for s in times)
+  assert row["peak_host_mib"] * 2**20 / model.host_page_bytes >= least > max(held)
+
+
+def test_decode_throughput_counts_new_tokens_not_replays():
+  """Under page pressure preempted requests replay their outputs through decode
+  steps: those steps' batches count them, the new-token count does not. Every
+  output token is counted once, at the step that sampled it."""
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock(FakeModel(num_host_pages=24), max_step_tokens=20)
+  work = [bench.RequestSpec(f"q{i}", tuple(rng.integers(0, VOCAB - 1,
+                                                        int(rng.integers(20, 45))).tolist()),
+                            int(rng.integers(10, 30))) for i in range(30)]
+  served = bench.drive(engine, work, sleep=clock.sleep)
+  outputs = sum(len(r.output) for r in served.requests)
+  assert sum(r.metrics.preemptions for r in served.requests) > 0, "no page pressure"
+  assert sum(s["new_tokens"] for s in served.steps) == outputs
+  first_tokens = sum(r.metrics.first_token is not None for r in served.requests)
+  assert sum(s["decode_batch"] for s in served.steps) > outputs - first_tokens
+
+
+def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
+  from experiments import serve_sweep
+  rows = [dict(context=1024, concurrency=8, cache=cache, prefill_policy=policy,
+               output_throughput=tput, decode_throughput=tput)
+          for cache, policy, tput in (("sparse", "decode_first", 4.0),
+                                      ("tiered", "decode_first", 2.0),
+                                      ("sparse", "blocking", 1.0),
+                                      ("tiered", "blocking", 3.0))]
+  serve_sweep.compare(rows, [{} for _ in rows])
+  assert [r["vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
+  assert [r["decode_vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
+
+
+def test_arrival_times_of_no_requests():
+  assert bench.arrival_times(0, 2.0).shape == (0,)
+
+
+
+def test_serve_prefix_hit_counts_each_request_once():
+  """A preempted request is admitted again and then hits its own cached prompt:
+  ``experiments.serve``'s prefix hit and prompt tokens count each request at its
+  first admission, as ``bench.summarize`` does, not every admission."""
+  import types
+
+  from experiments import serve
+  from tests.test_prefix_cache import shared_prefix_workload
+  rng = np.random.default_rng()
+  model = FakeModel(num_host_pages=24)
+  model.cfg = types.SimpleNamespace(kv_bytes_per_token=lambda: 8)
+  engine, clock = engine_with_clock(model, max_step_tokens=20, prefix_cache=True)
+  work = [bench.RequestSpec(f"q{i}", tuple(p), new, sampling=sp)
+          for i, (p, new, sp) in enumerate(shared_prefix_workload(rng, 30))]
+  served = bench.drive(engine, work, sleep=clock.sleep)
+  assert sum(r.metrics.preemptions for r in served.requests) > 0, "no preemption"
+  assert all(r.state is State.FINISHED for r in served.requests)
+  row = serve.summarize("tiered", served, engine, "-/30")
+  prompt = sum(len(r.prompt) for r in served.requests)
+  cached = sum(r.metrics.cached_tokens for r in served.requests)
+  assert row["prompt_tokens"] == prompt < engine.prompt_tokens
+  assert row["prefix_hit"] == pytest.approx(cached / prompt)
+  assert row["prefix_hit"] == pytest.approx(bench.summarize(served)["prefix_hit"])
+  assert row["transfer_mib"] == pytest.approx((prompt - cached) * 8 / 2**20)

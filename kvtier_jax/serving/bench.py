@@ -85,7 +85,7 @@ def arrival_times(num: int, rate: float, burstiness: float = 1.0,
   shape ``burstiness`` (vLLM: scale 1 / (rate * burstiness); 1 is Poisson)."""
   if rate <= 0 or burstiness <= 0:
     raise ValueError(f"rate={rate} and burstiness={burstiness} must be > 0 (inf: at once)")
-  if math.isinf(rate):
+  if math.isinf(rate) or num == 0:
     return np.zeros((num,))
   rng = rng or np.random.default_rng(0)
   gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=num)
@@ -199,15 +199,15 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
              output_throughput=output_tokens / duration,
              total_token_throughput=(prompt_tokens + output_tokens) / duration,
              goodput=sum(map(good, per)) / duration,
-             peak_concurrency=max((s["running"] for s in steps), default=0),
-             decode_throughput=sum(s["decode_batch"] for s in decode_only)
+             peak_concurrency=max((s["peak_running"] for s in steps), default=0),
+             decode_throughput=sum(s["new_tokens"] for s in decode_only)
              / max(sum(s["seconds"] for s in decode_only), 1e-9) if decode_only else None,
              mean_decode_batch=float(np.mean([s["decode_batch"] for s in decode_only]))
              if decode_only else None,
              preemptions=sum(r.metrics.preemptions for r in reqs),
-             peak_device_mib=max((s["device_bytes_in_use"] for s in steps), default=0)
+             peak_device_mib=max((s["peak_device_bytes"] for s in steps), default=0)
              / 2**20,
-             peak_host_mib=max((s["host_pages_in_use"] for s in steps), default=0)
+             peak_host_mib=max((s["peak_host_pages"] for s in steps), default=0)
              * host_page_bytes / 2**20,
              prefix_hit=(sum(p["cached_tokens"] or 0 for p in per) / prompt_tokens
                          if prompt_tokens else None),

@@ -197,6 +197,7 @@ class Engine:
     self._admitted = 0
     self._device_in_use = 0
     self._last_stats = model.stats(self.state)
+    self._peak, self._new_tokens = dict(running=0, device=0, host=0), 0  # per step
     self.steps = 0
 
   # Submission and abort --------------------------------------------------------
@@ -326,20 +327,30 @@ class Engine:
   def step(self) -> dict:
     """Admit, decode, prefill; returns this step's metrics."""
     start = self.now()
+    self._peak = dict(running=0, device=0, host=0)
+    self._new_tokens = 0
     self._admit()
+    self._note_peak()
     if self.config.prefill_policy == "blocking" and self._prefilling() is not None:
       decoded, prefilled = 0, self._prefill(math.inf)
     else:
       decoded = self._decode()
       prefilled = self._prefill(self.config.max_step_tokens - decoded)
+    self._note_peak()
     stats = self.model.stats(self.state)
     delta = {k: stats[k] - self._last_stats.get(k, 0) for k in stats}
     self._last_stats = stats
     self.steps += 1
+    # ``running`` and the bytes in use are at the step's end, after finished
+    # requests let go; the peaks are the most the step held (after admission, once
+    # the decoding requests got their next pages). ``new_tokens``: tokens sampled (a
+    # resumed request's replayed outputs are decoded, counted in decode_batch, but
+    # not new).
     row = dict(step=self.steps, t=start, seconds=self.now() - start, decode_batch=decoded,
-               prefill_tokens=prefilled, waiting=len(self.waiting),
-               running=sum(r is not None for r in self.slots),
-               host_pages_in_use=self.pool.in_use,
+               new_tokens=self._new_tokens, prefill_tokens=prefilled,
+               waiting=len(self.waiting), running=sum(r is not None for r in self.slots),
+               peak_running=self._peak["running"], peak_device_bytes=self._peak["device"],
+               peak_host_pages=self._peak["host"], host_pages_in_use=self.pool.in_use,
                cached_pages=0 if self.radix is None else self.radix.num_pages,
                disk_pages=0 if self.disk is None else self.radix.num_disk_pages,
                host_bytes_in_use=self.pool.in_use * self.model.host_page_bytes,
@@ -347,6 +358,12 @@ class Engine:
     if self._on_step:
       self._on_step(row)
     return row
+
+  def _note_peak(self) -> None:
+    peak = self._peak
+    peak["running"] = max(peak["running"], sum(r is not None for r in self.slots))
+    peak["device"] = max(peak["device"], self._device_in_use)
+    peak["host"] = max(peak["host"], self.pool.in_use)
 
   def run(self, until: Callable[[], bool] | None = None) -> None:
     """Step until nothing is left (or ``until()``)."""
@@ -584,6 +601,7 @@ class Engine:
 
   def _decode(self) -> int:
     self._ensure_pages()
+    self._note_peak()
     batch = [r for r in self.slots if r is not None and r.state is State.DECODING]
     if not batch:
       return 0
@@ -637,6 +655,7 @@ class Engine:
         continue  # replaying after a preemption: known already
       token = int(tokens[row])
       req.output.append(token)
+      self._new_tokens += 1
       req.metrics.token_times.append(now)
       if req.metrics.first_token is None:
         req.metrics.first_token = now
