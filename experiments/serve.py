@@ -117,11 +117,7 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   hit_quantiles = {f"hit_p{q}": float(np.percentile(hits, q)) if hits else None
                    for q in (10, 50, 90)}
   computed = sum(s["prefill_tokens"] for s in served.steps)
-  # Per request at its first admission (a preempted request re-admitted would count
-  # its prompt again, and hit its own cached prompt): as bench.summarize counts.
-  admitted = [r for r in served.requests if r.metrics.cached_tokens is not None]
-  prompt_tokens = sum(len(r.prompt) for r in admitted)
-  cached_tokens = sum(r.metrics.cached_tokens for r in admitted)
+  prompt_tokens, cached_tokens = bench.first_admission_tokens(served.requests)
   ms = lambda v: None if v is None else v / 1e3
   return dict(cache=cache, requests=full["requests"], finished=full["finished"],
               output_tokens=full["output_tokens"], throughput=full["output_throughput"],

@@ -33,7 +33,6 @@ throughput vs concurrency, TTFT CDF, device and host memory over time).
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 
@@ -201,24 +200,6 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
   return row, outputs
 
 
-def compare(rows: list[dict], outputs: list[dict]) -> None:
-  """Per point (context, concurrency, prefill policy): throughput and TTFT vs the
-  sparse run, and tokens equal to it."""
-  points = collections.defaultdict(list)
-  for row, out in zip(rows, outputs):
-    points[(row["context"], row["concurrency"], row["prefill_policy"])].append((row, out))
-  for group in points.values():
-    ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), group[0])
-    for row, out in group:
-      for key, ratio in (("output_throughput", "vs_sparse"),
-                         ("decode_throughput", "decode_vs_sparse")):
-        row[ratio] = (row[key] / ref[0][key] if ref[0]["cache"] == "sparse"
-                      and row.get(key) and ref[0].get(key) else None)
-      if row is not ref[0] and ref[1]:
-        same = sum(out.get(k) == v for k, v in ref[1].items())
-        row["same_tokens"] = f"{same}/{len(ref[1])}"
-
-
 def render(out, rows, weights: str) -> str:
   table = common.markdown_table(rows, TABLE_COLUMNS)
   paper = common.markdown_table(PAPER, list(PAPER[0]))
@@ -323,7 +304,7 @@ def main(argv):
                 f"{row['output_throughput']:.3g} tok/s, peak concurrency "
                 f"{row['peak_concurrency']} (admissible {row['admissible']}, "
                 f"{row['bound_by']}-bound), {row['duration_s']:.1f} s", flush=True)
-  compare(rows, outputs)
+  bench.compare_with_sparse(rows, outputs)
   for row in rows:
     common.append_row(out, row)
   print(render(out, rows, weights))

@@ -93,9 +93,13 @@ def _selector_install(selector, max_len: int, sel, params, staging: Staging, slo
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _kv_install(kv: cache_lib.DenseKV, staging: Staging, slot, length):
+  # Rows past ``length`` hold an earlier request's staging: zeros instead, since
+  # attention multiplies masked-out rows' V by probability 0 (0 * NaN is NaN).
   max_len = kv.k.shape[2]
-  return kv.replace(k=kv.k.at[:, slot].set(staging.k[:, :max_len].astype(kv.k.dtype)),
-                    v=kv.v.at[:, slot].set(staging.v[:, :max_len].astype(kv.v.dtype)),
+  fresh = (jnp.arange(max_len) < length)[None, :, None, None]
+  take = lambda a, like: jnp.where(fresh, a[:, :max_len], 0).astype(like.dtype)
+  return kv.replace(k=kv.k.at[:, slot].set(take(staging.k, kv.k)),
+                    v=kv.v.at[:, slot].set(take(staging.v, kv.v)),
                     lens=kv.lens.at[slot].set(length))
 
 
@@ -242,7 +246,7 @@ class ServingBackend:
     return int(host_bytes // cls.page_bytes(cfg, page_size))
 
   def _selector_bytes(self, length: int) -> int:
-    if self.selector is None:
+    if self.selector is None or self.backend == "dense":  # dense keeps no selector state
       return 0
     return state_bytes(self.selector, length) * self.cfg.num_layers
 
@@ -316,6 +320,12 @@ class ServingBackend:
 
   def prefill(self, state: ServingState, slot: int, tokens: np.ndarray, start: int,
               count: int):
+    if start % self.chunk_size or not 0 < count <= self.chunk_size:
+      # The staging writes and the host write-through are whole chunks: another
+      # start would be clamped onto the wrong rows.
+      raise ValueError(f"a prefill chunk starts at a multiple of chunk_size="
+                       f"{self.chunk_size} and holds 1..{self.chunk_size} tokens: "
+                       f"start={start}, count={count}")
     logits, staging = _prefill(self.cfg, self.weights, state.staging,
                                jnp.asarray(tokens, jnp.int32), jnp.int32(start),
                                jnp.int32(count))
@@ -442,8 +452,16 @@ def place_snapshot(template, leaves: list[np.ndarray], with_lengths: bool):
                        f"{slot.dtype}{list(slot.shape)}")
   placed = [jax.device_put(leaf, slot.sharding) for leaf, slot in zip(leaves, slots)]
   del template, slots  # the template's buffers go before the caller keeps the copy
-  lens = np.asarray(leaves[-1], np.int64).copy() if with_lengths else None
-  return jax.tree.unflatten(treedef, placed), lens
+  state = jax.tree.unflatten(treedef, placed)
+  if not with_lengths:
+    return state, None
+  # The driver's host mirror of the lengths must be the state's own.
+  mirror, device = leaves[-1], np.asarray(state.cache.tier.seq_len)
+  if (mirror.dtype.kind not in "iu" or mirror.shape != device.shape
+      or (mirror != device).any()):
+    raise ValueError(f"the length mirror {mirror.dtype}{list(mirror.shape)} "
+                     f"{mirror.tolist()[:8]} is not the state's seq_len {device.tolist()[:8]}")
+  return state, mirror.astype(np.int64)
 
 
 def _tiered_run(cfg, tier_cfg, selector, weights, carry, tokens):

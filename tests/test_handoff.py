@@ -3,6 +3,7 @@ request continued elsewhere, by sent K/V pages or by replaying its relayed token
 yields the tokens of an uninterrupted run; handoffs survive the wire format; bad ones
 are refused."""
 
+import dataclasses
 import socket
 import threading
 
@@ -137,6 +138,33 @@ def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
   other = receiver.submit([3, 4, 5], 4)
   receiver.run()
   assert other.output == solo(FakeModel, [3, 4, 5], 4)
+
+
+def test_a_receiver_with_larger_chunks_prefills_on_its_own_chunk_grid():
+  """Prompt K/V from a sender with chunks of 4 ends at 36, inside the receiver's
+  chunk [32, 40): the receiver keeps the K/V up to 32 and prefills from there, a
+  whole chunk at a time (a start off its grid would land on other rows). Tokens
+  are the uninterrupted run's."""
+  @dataclasses.dataclass
+  class GridModel(FakeModel):
+    chunk_size: int = 8
+
+    def prefill(self, state, slot, tokens, start, count):
+      assert start % self.chunk_size == 0, (start, self.chunk_size)
+      return FakeModel.prefill(self, state, slot, tokens, start, count)
+
+  prompt, new = list(range(1, 40)), 6
+  sender = Engine(FakeModel(chunk_size=4))
+  req = sender.submit(prompt, new)
+  while len(req.output) < 2:
+    sender.step()
+  handoff = sender.export(req.id, kv="prompt")
+  assert handoff.kv_end == 36
+  receiver = Engine(GridModel())
+  moved = receiver.accept(handoff)
+  assert moved.imported[1] == 32 and moved.imported[2][0].shape[0] == 8
+  receiver.run()
+  assert moved.output == solo(FakeModel, prompt, new)
 
 
 def test_send_and_recv_frames_at_a_capped_rate():

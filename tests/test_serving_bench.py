@@ -223,14 +223,13 @@ def test_decode_throughput_counts_new_tokens_not_replays():
 
 
 def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
-  from experiments import serve_sweep
   rows = [dict(context=1024, concurrency=8, cache=cache, prefill_policy=policy,
                output_throughput=tput, decode_throughput=tput)
           for cache, policy, tput in (("sparse", "decode_first", 4.0),
                                       ("tiered", "decode_first", 2.0),
                                       ("sparse", "blocking", 1.0),
                                       ("tiered", "blocking", 3.0))]
-  serve_sweep.compare(rows, [{} for _ in rows])
+  bench.compare_with_sparse(rows, [{} for _ in rows])
   assert [r["vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
   assert [r["decode_vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
 
@@ -240,27 +239,21 @@ def test_arrival_times_of_no_requests():
 
 
 
-def test_serve_prefix_hit_counts_each_request_once():
+def test_prefix_hit_counts_each_request_once():
   """A preempted request is admitted again and then hits its own cached prompt:
-  ``experiments.serve``'s prefix hit and prompt tokens count each request at its
-  first admission, as ``bench.summarize`` does, not every admission."""
-  import types
-
-  from experiments import serve
+  the prompt and cached tokens ``experiments.serve`` reports count each request at
+  its first admission (``first_admission_tokens``), as ``summarize`` does, not
+  every admission as the engine's counters do."""
   from tests.test_prefix_cache import shared_prefix_workload
   rng = np.random.default_rng()
-  model = FakeModel(num_host_pages=24)
-  model.cfg = types.SimpleNamespace(kv_bytes_per_token=lambda: 8)
-  engine, clock = engine_with_clock(model, max_step_tokens=20, prefix_cache=True)
+  engine, clock = engine_with_clock(FakeModel(num_host_pages=24), max_step_tokens=20,
+                                    prefix_cache=True)
   work = [bench.RequestSpec(f"q{i}", tuple(p), new, sampling=sp)
           for i, (p, new, sp) in enumerate(shared_prefix_workload(rng, 30))]
   served = bench.drive(engine, work, sleep=clock.sleep)
   assert sum(r.metrics.preemptions for r in served.requests) > 0, "no preemption"
   assert all(r.state is State.FINISHED for r in served.requests)
-  row = serve.summarize("tiered", served, engine, "-/30")
-  prompt = sum(len(r.prompt) for r in served.requests)
-  cached = sum(r.metrics.cached_tokens for r in served.requests)
-  assert row["prompt_tokens"] == prompt < engine.prompt_tokens
-  assert row["prefix_hit"] == pytest.approx(cached / prompt)
-  assert row["prefix_hit"] == pytest.approx(bench.summarize(served)["prefix_hit"])
-  assert row["transfer_mib"] == pytest.approx((prompt - cached) * 8 / 2**20)
+  prompt, cached = bench.first_admission_tokens(served.requests)
+  assert prompt == sum(len(r.prompt) for r in served.requests) < engine.prompt_tokens
+  assert cached == sum(r.metrics.cached_tokens for r in served.requests)
+  assert cached / prompt == pytest.approx(bench.summarize(served)["prefix_hit"])

@@ -194,3 +194,52 @@ def test_handoff_continues_on_another_engine_with_the_same_tokens(model_and_ids)
   assert main.cached_tokens > 0  # the second handoff reuses the receiver's cached prompt
   relay.pool.check(relay.radix.held_pages())
   main.pool.check(main.radix.held_pages())
+
+
+def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
+  """A prefill chunk off the chunk grid (its staging and host writes would be
+  clamped onto other rows), and a snapshot whose host length mirror is not the
+  state's own: clear errors. The dense backend charges no selector state."""
+  import numpy as np
+  model, _ = model_and_ids
+  tiered = backend(model, "tiered")
+  state = tiered.init()
+  tokens = np.zeros((64,), np.int32)
+  for start, count in ((48, 12), (0, 0), (0, 65)):
+    with pytest.raises(ValueError, match="chunk_size=64"):
+      tiered.prefill(state, 0, tokens, start, count)
+  leaves = tiered.snapshot(state)
+  for bad in (np.array([5, 0, 0]), np.array([0.0, 0.0, 0.0]), np.array([0, 0])):
+    with pytest.raises(ValueError, match="length mirror"):
+      tiered.restore_state(leaves[:-1] + [bad])
+  tiered.restore_state(leaves)  # the mirror as saved
+  selector, _ = setup.build_selector("quest", model.cfg, 32)
+  dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
+  assert dense.device_bytes(100) == serving.ServingBackend(model, "dense", 3,
+                                                           256).device_bytes(100)
+
+
+def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
+  """Staging rows past a prompt hold an earlier request's prompt (NaN here): the
+  dense install writes zeros there, so attention's 0 * V stays 0 and the decode
+  logits are the clean run's."""
+  import jax.numpy as jnp
+  import numpy as np
+  model, ids = model_and_ids
+  dense = backend(model, "dense")
+  logits = []
+  for poison in (False, True):
+    state = dense.init()
+    if poison:
+      staging = state.staging
+      state = state.replace(staging=staging.replace(k=jnp.full_like(staging.k, jnp.nan),
+                                                    v=jnp.full_like(staging.v, jnp.nan)))
+    tokens = np.zeros((64,), np.int32)
+    tokens[:20] = ids[:20]
+    state, _ = dense.prefill(state, 0, tokens, 0, 20)
+    state = dense.start_decoding(state, 0, 20)
+    state, out = dense.decode(state, np.array([ids[20], 0, 0], np.int32),
+                              np.array([True, False, False]))
+    logits.append(np.asarray(out)[0])
+  assert np.isfinite(logits[1]).all()
+  np.testing.assert_array_equal(logits[1], logits[0])

@@ -26,6 +26,7 @@ arrival (and TTFT) keeps the due time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -77,6 +78,35 @@ class Rollout:
     rid = self.turn_ids[index] if self.turn_ids else f"{self.id}/t{index}"
     return RequestSpec(rid, tuple(history), self.max_new_tokens[index], arrival_s,
                        self.sampling)
+
+
+def first_admission_tokens(requests: Sequence[Request]) -> tuple[int, int]:
+  """(prompt tokens, of them served by the prefix cache) of the requests admitted,
+  each at its first admission: a preempted request admitted again would count its
+  prompt twice and hit its own cached prompt."""
+  admitted = [r for r in requests if r.metrics.cached_tokens is not None]
+  return (sum(len(r.prompt) for r in admitted),
+          sum(r.metrics.cached_tokens for r in admitted))
+
+
+def compare_with_sparse(rows: list[dict], outputs: list[dict]) -> None:
+  """Adds ``vs_sparse`` / ``decode_vs_sparse`` (throughput over the sparse run's)
+  and ``same_tokens`` (finished requests whose tokens equal it) to sweep rows,
+  per point: (context, concurrency, prefill policy). ``outputs``: {id: tokens}
+  per row."""
+  points = collections.defaultdict(list)
+  for row, out in zip(rows, outputs):
+    points[(row["context"], row["concurrency"], row["prefill_policy"])].append((row, out))
+  for group in points.values():
+    ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), group[0])
+    for row, out in group:
+      for key, ratio in (("output_throughput", "vs_sparse"),
+                         ("decode_throughput", "decode_vs_sparse")):
+        row[ratio] = (row[key] / ref[0][key] if ref[0]["cache"] == "sparse"
+                      and row.get(key) and ref[0].get(key) else None)
+      if row is not ref[0] and ref[1]:
+        same = sum(out.get(k) == v for k, v in ref[1].items())
+        row["same_tokens"] = f"{same}/{len(ref[1])}"
 
 
 def arrival_times(num: int, rate: float, burstiness: float = 1.0,

@@ -301,6 +301,12 @@ class Engine:
     # the KV has nowhere to go and the prompt and outputs are replayed instead.
     keeps_kv = bool(handoff.kv_end) and bool(
         self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
+    kv_end = handoff.kv_end
+    if keeps_kv and kv_end < len(handoff.prompt):
+      # The rest of the prompt is prefilled here, in this engine's whole chunks: K/V
+      # past the last chunk boundary is recomputed (a sender with smaller chunks).
+      kv_end = kv_end // self.model.chunk_size * self.model.chunk_size
+      keeps_kv = kv_end > handoff.kv_start
     if keeps_kv:
       handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     req = self.submit(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
@@ -308,7 +314,9 @@ class Engine:
                       on_token=on_token, arrival=arrival)
     req.output = list(handoff.output)
     if keeps_kv:
-      req.imported = (handoff.kv_start, handoff.kv_end, handoff.kv)
+      size = self.model.page_size
+      pages = -(-kv_end // size) - handoff.kv_start // size
+      req.imported = (handoff.kv_start, kv_end, [f[:pages] for f in handoff.kv])
     return req
 
   @property
