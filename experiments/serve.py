@@ -215,6 +215,7 @@ def main(argv):
               for w in workload)
   with tqdm(total=total, desc=f"serve ({FLAGS.cache})", unit="req") as bar:
     served = bench.drive(engine, workload, on_finish=lambda req: bar.update())
+  prefills = engine.model.compiled_prefills()  # warm-up and served (not --check_exact)
   done = [r for r in served.requests if r.state is State.FINISHED]
   exact = f"-/{len(done)}"
   if FLAGS.check_exact:
@@ -246,7 +247,8 @@ def main(argv):
                    f"serve: cache={FLAGS.cache}, budget {FLAGS.kv_budget_mib:g} MiB")
   print(table)
   if mesh is not None:  # a per-slot output XLA placed off its row's layout is copied
-    print(f"mesh: {engine.model.reshards} per-slot outputs re-placed")
+    print(f"mesh: {engine.model.reshards} per-slot outputs re-placed, "
+          f"{prefills} prefill compile(s) serving")
   print(f"results: {out}")
   print(last_line(row))
 

@@ -430,6 +430,12 @@ class ServingBackend:
       self.driver.seq_len = lens
     return state
 
+  @staticmethod
+  def compiled_prefills() -> int:
+    """Compiled variants of the prefill chunk, every backend together (a state
+    whose placement drifts between chunks compiles it again)."""
+    return _prefill._cache_size()
+
   def stats(self, state: ServingState) -> dict:
     if self.backend != "tiered":
       return {}

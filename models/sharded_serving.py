@@ -255,7 +255,12 @@ class MeshServingBackend:
             jax.tree.map(lambda x, s: NamedSharding(
                 mesh, s, memory_kind=x.sharding.memory_kind), state.cache, self._specs,
                 is_leaf=lambda x: isinstance(x, jax.Array)),
-            jax.tree.map(lambda _: NamedSharding(mesh, P()), state.staging)))
+            # Staged K/V split by head as a prefill chunk returns them (replicated,
+            # the first chunk recompiled and each row held width copies).
+            state.staging.replace(
+                k=NamedSharding(mesh, P(None, None, "model")),
+                v=NamedSharding(mesh, P(None, None, "model")),
+                x=None if state.staging.x is None else NamedSharding(mesh, P()))))
       per_device += sharding.split(state.cache, self._row_meshes[row])
       stagings.append(state.staging)
     return ShardedState(sharding.assemble(self.mesh, self._specs, per_device),
@@ -359,3 +364,4 @@ class MeshServingBackend:
     return state
 
   stats = ServingBackend.stats  # the same counters, summed over every device's cache
+  compiled_prefills = staticmethod(ServingBackend.compiled_prefills)
