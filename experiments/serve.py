@@ -21,6 +21,11 @@ run per request, ~2 min):
   # cached prefix (SGLang's LPM):
   python -m experiments.serve --shared_prefix_groups=4 --num_requests=24 \
       --request_rate=4 --prefix_cache --schedule=lpm
+  # Stop after 40 engine steps and save the engine; then, in a new process, go on
+  # from the snapshot (the same flags) and check every request's tokens:
+  python -m experiments.serve --request_rate=1 --snapshot_at_step=40 \
+      --snapshot_dir=/tmp/serve-snapshot
+  python -m experiments.serve --request_rate=1 --restore=/tmp/serve-snapshot --check_exact
   # Shared system prompts, a host pool too small to keep them, a disk tier below it:
   python -m experiments.serve --shared_prefix_groups=6 --num_requests=24 --max_batch=4 \
       --prefix_cache --host_budget_mib=150 --disk_budget_mib=512 --check_exact
@@ -40,6 +45,7 @@ computed; H: the fraction of prompt tokens served by the prefix cache).
 
 from __future__ import annotations
 
+import collections
 import math
 
 from absl import app, flags
@@ -48,7 +54,7 @@ from tqdm import tqdm
 
 from experiments import common, model_setup, workloads  # noqa: F401 (model_setup: flags)
 from kvtier_jax import sharding
-from kvtier_jax.serving import State, bench
+from kvtier_jax.serving import Engine, State, bench, snapshot
 from models import setup, text
 
 FLAGS = flags.FLAGS
@@ -94,20 +100,32 @@ flags.DEFINE_string("mesh", None, "Serve over a device mesh: data:4 (requests sp
                     "over 4 devices; --max_batch and the host budget split with them), "
                     "data:2,model:2 (and the KV heads over 2: --selector=quest becomes "
                     "quest_kv). On a CPU the devices are XLA's fake host devices.")
+flags.DEFINE_integer("snapshot_at_step", 0, "Stop after this many engine steps, save "
+                     "the engine (orbax, checksummed) to --snapshot_dir and exit; a "
+                     "run with --restore goes on (0: serve to the end).")
+flags.DEFINE_string("snapshot_dir", None, "Where --snapshot_at_step saves (default: "
+                    "<results>/snapshot).")
+flags.DEFINE_string("restore", None, "Continue the snapshot at this path: the same "
+                    "flags and workload; requests it holds go on, the rest are sent on "
+                    "their schedule (independent requests, not --sessions).")
 flags.DEFINE_string("out_root", None, "Results root.")
 flags.DEFINE_bool("smoke", False, "Tiny workload (tests).")
 
 
 def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
-                prefix_cache=False, disk_budget_mib=0.0, mesh=None, schedule="fcfs"):
+                prefix_cache=False, disk_budget_mib=0.0, mesh=None, schedule="fcfs",
+                restore=None):
+  """A fresh engine, or (``restore``: a snapshot's path) the one it saved."""
   backend = workloads.build_backend(
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
       hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib, mesh=mesh)
-  return workloads.build_engine(backend, max_step_tokens=FLAGS.max_step_tokens,
-                                kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
-                                disk_budget_mib=disk_budget_mib,
-                                disk_policy=FLAGS.disk_policy, schedule=schedule)
+  config = workloads.engine_config(backend, max_step_tokens=FLAGS.max_step_tokens,
+                                   kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
+                                   disk_budget_mib=disk_budget_mib,
+                                   disk_policy=FLAGS.disk_policy, schedule=schedule)
+  return Engine(backend, config) if restore is None else snapshot.restore(
+      restore, backend, config)
 
 
 def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
@@ -163,6 +181,8 @@ def main(argv):
     FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 64
     if FLAGS["host_budget_mib"].using_default_value:
       FLAGS.host_budget_mib = 256.0  # the smoke's requests need ~30 MiB
+  if FLAGS.restore and FLAGS.sessions:
+    raise app.UsageError("--restore continues independent requests, not --sessions")
   data = sharding.parse_mesh(FLAGS.mesh)["data"]
   if FLAGS.smoke:
     FLAGS.max_batch = -(-FLAGS.max_batch // data) * data
@@ -210,11 +230,20 @@ def main(argv):
                     FLAGS.chunk_size)
   engine = make_engine(model, FLAGS.cache, selector, params, FLAGS.kv_budget_mib,
                        FLAGS.prefix_cache, FLAGS.disk_budget_mib, mesh=mesh,
-                       schedule=FLAGS.schedule)
+                       schedule=FLAGS.schedule, restore=FLAGS.restore)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
+  stop = (lambda: engine.steps >= FLAGS.snapshot_at_step) if FLAGS.snapshot_at_step else None
   with tqdm(total=total, desc=f"serve ({FLAGS.cache})", unit="req") as bar:
-    served = bench.drive(engine, workload, on_finish=lambda req: bar.update())
+    served = bench.drive(engine, workload, on_finish=lambda req: bar.update(),
+                         until=stop, resume=FLAGS.restore is not None)
+  if stop is not None and stop():
+    path = FLAGS.snapshot_dir or str(out / "snapshot")
+    snapshot.save(engine, path)
+    states = collections.Counter(r.state.value for r in engine.requests.values())
+    print(f"snapshot: step {engine.steps}, requests {dict(sorted(states.items()))}, "
+          f"{len(workload) - len(engine.requests)} not sent yet; saved to {path}")
+    return
   prefills = engine.model.compiled_prefills()  # warm-up and served (not --check_exact)
   done = [r for r in served.requests if r.state is State.FINISHED]
   exact = f"-/{len(done)}"

@@ -184,20 +184,23 @@ def build_backend(model, cache: str, *, selector, params, max_batch: int, max_le
                                 page_size=page_size, device=device, **extra)
 
 
-def build_engine(backend, *, max_step_tokens: int, kv_budget_mib: float | None = None,
-                 prefill_policy: str = "decode_first", prefix_cache: bool = False,
-                 disk_budget_mib: float = 0.0, disk_policy: str = "auto",
-                 schedule: str = "fcfs", on_step=None) -> Engine:
-  """An engine over ``backend``; ``disk_budget_mib`` > 0 adds a disk tier below the
-  host pool for cached prefixes (in a temporary directory)."""
+def engine_config(backend, *, max_step_tokens: int, kv_budget_mib: float | None = None,
+                  prefill_policy: str = "decode_first", prefix_cache: bool = False,
+                  disk_budget_mib: float = 0.0, disk_policy: str = "auto",
+                  schedule: str = "fcfs") -> EngineConfig:
+  """The engine's config; ``disk_budget_mib`` > 0 adds a disk tier below the host
+  pool for cached prefixes (in a temporary directory)."""
   budget = None if kv_budget_mib is None else int(kv_budget_mib * 2**20)
   disk_pages = (int(disk_budget_mib * 2**20 // backend.host_page_bytes)
                 if disk_budget_mib and backend.host_page_bytes else 0)
-  return Engine(backend, EngineConfig(max_step_tokens=max_step_tokens,
-                                      kv_budget_bytes=budget, prefill_policy=prefill_policy,
-                                      prefix_cache=prefix_cache, disk_pages=disk_pages,
-                                      disk_policy=disk_policy, schedule=schedule),
-                on_step=on_step)
+  return EngineConfig(max_step_tokens=max_step_tokens, kv_budget_bytes=budget,
+                      prefill_policy=prefill_policy, prefix_cache=prefix_cache,
+                      disk_pages=disk_pages, disk_policy=disk_policy, schedule=schedule)
+
+
+def build_engine(backend, *, on_step=None, **config) -> Engine:
+  """An engine over ``backend`` (``config``: ``engine_config``'s)."""
+  return Engine(backend, engine_config(backend, **config), on_step=on_step)
 
 
 def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, str]:

@@ -77,3 +77,26 @@ def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   assert tiered["peak_host_mib"] > 0 == sparse["peak_host_mib"]
   assert (run_dir / "plot.png").stat().st_size > 0
   assert "Published (author-reported)" in out and "| 192 | 3 | tiered |" in out
+
+
+def test_serve_stops_at_a_snapshot_and_another_process_goes_on_exactly(tmp_path):
+  """``--snapshot_at_step`` saves the engine mid-run (requests in flight, waiting or
+  not yet sent: which, depends on this machine's speed, the arrivals being in
+  seconds); a second process ``--restore``s it with the same flags, sends the rest
+  on their schedule and every request's tokens equal its solo run
+  (``--check_exact``)."""
+  common = ("--smoke", f"--model_layers={SMOKE_LAYERS}", "--request_rate=2",
+            f"--out_root={tmp_path}")
+  snap = tmp_path / "snap"
+  out = run("experiments.serve", *common, "--snapshot_at_step=6",
+            f"--snapshot_dir={snap}")
+  line = next(l for l in out.splitlines() if l.startswith("snapshot:"))
+  match = re.fullmatch(r"snapshot: step 6, requests \{(.*)\}, (\d+) not sent yet; "
+                       r"saved to (.*)", line)
+  assert match and match.group(3) == str(snap), line
+  states = dict(re.findall(r"'(\w+)': (\d+)", match.group(1)))
+  assert int(match.group(2)) + sum(int(n) for s, n in states.items()
+                                   if s != "finished") > 0, line  # work is left
+  last = run("experiments.serve", *common, f"--restore={snap}",
+             "--check_exact").strip().splitlines()[-1]
+  assert re.search(r"requests=4 .* exact=4/4 ", last), last

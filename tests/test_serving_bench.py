@@ -257,3 +257,37 @@ def test_prefix_hit_counts_each_request_once():
   assert prompt == sum(len(r.prompt) for r in served.requests) < engine.prompt_tokens
   assert cached == sum(r.metrics.cached_tokens for r in served.requests)
   assert cached / prompt == pytest.approx(bench.summarize(served)["prefix_hit"])
+
+
+def test_drive_stops_at_until_and_resumes_a_restored_engine(tmp_path):
+  """Stopped after 5 steps (some requests done, some in flight, some not yet sent),
+  saved and restored: ``resume`` waits for the restored requests, sends only the
+  rest, each at its scheduled time, and every request ends with its solo tokens."""
+  from kvtier_jax.serving import snapshot
+  rng = np.random.default_rng()
+  work = [bench.RequestSpec(f"q{i}", tuple(rng.integers(0, VOCAB - 1, 20).tolist()),
+                            2 if i == 0 else 10 if i == 1 else int(rng.integers(2, 12)),
+                            1.0 * i if i < 2 else 6.0 + 2.0 * i) for i in range(8)]
+  engine, clock = engine_with_clock(FakeModel(num_host_pages=30), max_step_tokens=16)
+  first = bench.drive(engine, work, sleep=clock.sleep,
+                      until=lambda: engine.requests["q0"].state.done)
+  states = {r.state for r in first.requests}
+  assert State.FINISHED in states and len(first.requests) < len(work)
+  assert any(not s.done for s in states)
+  snapshot.save(engine, tmp_path / "snap")
+  clock = StepClock()
+  restored = snapshot.restore(tmp_path / "snap", FakeModel(num_host_pages=30),
+                              EngineConfig(max_step_tokens=16), clock=clock,
+                              on_step=clock.on_step)
+  served = bench.drive(restored, work, sleep=clock.sleep, resume=True)
+  by_id = {r.id: r for r in served.requests}
+  assert sorted(by_id) == sorted(w.id for w in work)
+  sent_before = {r.id for r in first.requests}
+  for spec in work:
+    req = by_id[spec.id]
+    assert req.state is State.FINISHED, spec.id
+    assert req.output == solo(FakeModel, list(spec.prompt), spec.max_new_tokens), spec.id
+    if spec.id not in sent_before:
+      assert req.metrics.arrival == spec.arrival_s, spec.id
+  with pytest.raises(ValueError, match="rollouts"):
+    bench.drive(restored, [bench.Rollout("r", (1, 2), (2, 2), ((3,),))], resume=True)

@@ -135,24 +135,39 @@ class Served:
 def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
           max_concurrency: int | None = None,
           on_finish: Callable[[Request], None] | None = None,
-          sleep: Callable[[float], None] = time.sleep) -> Served:
+          sleep: Callable[[float], None] = time.sleep,
+          until: Callable[[], bool] | None = None, resume: bool = False) -> Served:
   """Send ``workload`` to ``engine`` as a client would and step it until every
-  request (and every rollout turn) has ended.
+  request (and every rollout turn) has ended, or until ``until()`` is true after a
+  step (requests in flight stay in the engine: a snapshot can take them on).
 
   ``max_concurrency``: at most this many requests outstanding (closed loop); a
   request is sent at its arrival time or when a slot frees, whichever is later.
   A rollout's next turn is sent ``env_seconds`` after its previous turn ends; a
   turn that does not finish (aborted, failed) ends its rollout.
+
+  ``resume``: the engine was restored from a snapshot of a run of this workload.
+  Its requests count as sent (those in flight are waited for), workload requests
+  it already holds are not sent again, and send times keep counting from the
+  engine's time 0, so the rest of the workload keeps its schedule.
   """
   if max_concurrency is not None and max_concurrency <= 0:
     raise ValueError(f"max_concurrency={max_concurrency} must be positive")
+  if resume and any(isinstance(w, Rollout) for w in workload):
+    raise ValueError("resume continues independent requests, not rollouts")
   # (send time, order, spec, rollout or None, turn index)
-  pending = [(float(w.arrival_s), n, w, None, 0) for n, w in enumerate(workload)]
-  order = len(pending)
+  pending = [(float(w.arrival_s), n, w, None, 0) for n, w in enumerate(workload)
+             if not (resume and w.id in engine.requests)]
+  order = len(workload)
   outstanding: dict[str, tuple[Request, Rollout | None, int]] = {}
-  sent: list[Request] = []
+  sent: list[Request] = list(engine.requests.values()) if resume else []
+  for req in sent:
+    if not req.state.done:
+      outstanding[req.id] = (req, None, 0)
+    elif on_finish:
+      on_finish(req)
   steps: list[dict] = []
-  start = engine.now()
+  start = 0.0 if resume else engine.now()
   # When each closed-loop slot last freed (a request sent to it arrives no earlier).
   freed = [start] * (max_concurrency or 0)
   while pending or outstanding:
@@ -174,6 +189,8 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
       sent.append(req)
     if engine.has_work:
       steps.append(engine.step())
+      if until is not None and until():
+        break
     elif pending:
       sleep(max(0.0, min(0.05, start + pending[0][0] - engine.now())))
     for rid, (req, rollout, turn) in list(outstanding.items()):
