@@ -208,7 +208,7 @@ def twoq_oracle(stream, capacity, kin_frac=0.25, kout_frac=0.5):
     for _ in range(max(0, len(resident) + len(misses) - capacity)):
       c_in = [p for p in a1in if p not in wset]
       c_m = [p for p in am if p not in wset]
-      if c_in and (len(a1in) + admitted > kin or not c_m):
+      if c_in and (len(a1in) + admitted - (admitted > 0) > kin or not c_m):
         a1in.remove(c_in[0])
         a1out.append(c_in[0])
       else:
@@ -521,6 +521,47 @@ def test_2q_sizes_match_oracle(kin, kout):
   want = [twoq_oracle(s, 18, kin, kout) for s in sel]
   np.testing.assert_array_equal(replay(sel, 18, "2q", twoq_in=kin, twoq_out=kout),
                                 want)
+
+
+def twoq_textbook(requests, capacity, kin, kout):
+  """2Q as Johnson & Shasha (VLDB'94) give it, one request at a time: misses."""
+  a1in, am, a1out, out = [], [], [], []
+  for x in requests:
+    if x in am:
+      am.remove(x)
+      am.append(x)
+      out.append(0)
+      continue
+    if x in a1in:
+      out.append(0)
+      continue
+    ghost = x in a1out  # admitted to Am (and no longer a ghost), else to A1in
+    if ghost:
+      a1out.remove(x)
+    if len(a1in) + len(am) >= capacity:  # reclaimfor(x)
+      if len(a1in) > kin or not am:
+        a1out.append(a1in.pop(0))
+        del a1out[:-kout]
+      else:
+        am.pop(0)
+    (am if ghost else a1in).append(x)
+    out.append(1)
+  return out
+
+
+@pytest.mark.parametrize("capacity", [4, 8, 16])
+def test_2q_with_one_request_a_step_is_the_papers(capacity):
+  """With k = 1 the step's admissions are one at a time, so the replay must be the
+  paper's algorithm exactly (its reclaim takes from A1in when |A1in| > Kin)."""
+  rng = np.random.default_rng()
+  streams = rng.integers(0, 3 * capacity, (6, 300))  # hot and cold positions mixed
+  streams = np.where(rng.random(streams.shape) < 0.5, streams % capacity, streams)
+  kin, kout = max(1, round(0.25 * capacity)), max(1, round(0.5 * capacity))
+  got = replay(streams[:, :, None].astype(np.int32), capacity, "2q", twoq_in=0.25,
+               twoq_out=0.5)
+  for s, stream in enumerate(streams):
+    np.testing.assert_array_equal(got[s], twoq_textbook(stream.tolist(), capacity, kin,
+                                                        kout), err_msg=f"stream {s}")
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -56,13 +56,29 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   for t in range(40):
     for l in range(2):
       trace[t, l, 0] = rng.choice(np.arange(t, t + 60), 16, replace=False)
+  # A top-32 ranking beside it: the selection first, then 16 positions of earlier
+  # steps (resident ones: what the rank policy orders its victims by).
+  extra = np.full((40, 2, 1, 16), -1, np.int16)
+  for t in range(40):
+    for l in range(2):
+      seen = np.setdiff1d(trace[max(0, t - 3):t, l, 0], trace[t, l, 0])
+      seen = seen[seen >= 0]
+      extra[t, l, 0, :min(16, seen.size)] = rng.permutation(seen)[:16]
+  ranks = np.concatenate([trace, extra], axis=-1)
   path = tmp_path / "traces.npz"
-  np.savez_compressed(path, toy=trace)
+  np.savez_compressed(path, toy=trace, toy_ranks=ranks)
   run("experiments.miss_rate", f"--trace={path}", "--slots_per_k=1,2",
-      "--policies=lru,belady", "--warm_after=8", f"--out_root={tmp_path}")
+      "--policies=lru,belady,rank", "--warm_after=8", f"--out_root={tmp_path}")
   _, rows = only_run(tmp_path, "miss_rate")
   by = {(r["policy"], r["B"]): r for r in rows}
   assert by[("belady", 32)]["warm"] <= by[("lru", 32)]["warm"] <= by[("lru", 16)]["warm"]
+  # "rank" reads the recorded ranking (without it: the selection's row order).
+  from experiments import common
+  from experiments.analysis import cache_sim
+  sel = common.trace_streams(trace)
+  want = cache_sim.replay(sel, 32, "rank", ranks=common.trace_streams(ranks))
+  assert want.sum() != cache_sim.replay(sel, 32, "rank").sum()  # the ranking matters
+  assert by[("rank", 32)]["cold"] == pytest.approx(want.sum() / (sel >= 0).sum())
   run("experiments.report", f"--results={tmp_path}")
   report = (tmp_path / "REPORT.md").read_text()
   assert "Table 2" in report and "| toy |" in report

@@ -8,7 +8,8 @@ across independent streams (layers, requests, units): each step is a handful of
 
 ``"lru"`` reproduces ``kvtier_jax.resolve.resolve`` miss for miss (the newest-token
 slot aside), so replayed counts are what the decode loop would fetch. ``"belady"``
-is the offline optimum, a lower bound for every policy. The other policies are the
+is the offline optimum over the whole trace, a lower bound for every policy (not for
+misses counted after a warm-up: a policy can move a few into it). The other policies are the
 usual online candidates, adapted to set requests (see ``replay``);
 ``compare_policies`` tabulates them against both ends.
 """
@@ -462,9 +463,10 @@ class _TwoQ(_Policy):
     cand_in, cand_m = a1 & ~st.pinned, filled & am & ~st.pinned
     need = np.maximum(st.num_miss - st.empty.sum(axis=1), 0)
     n_new = (st.miss & ~self.ghit).sum(axis=1)
-    # A1in gives while it exceeds Kin counting this step's admissions.
-    n_in = np.minimum(np.minimum(need, np.maximum(a1.sum(1) + n_new - self.kin, 0)),
-                      cand_in.sum(axis=1))
+    # 2Q's reclaim, one admission at a time (A1out ghosts first, then new entries):
+    # each takes from A1in while |A1in| > Kin, and a new entry that did not grows it.
+    over = a1.sum(1) + n_new - (n_new > 0) - self.kin
+    n_in = np.minimum(np.minimum(need, np.maximum(over, 0)), cand_in.sum(axis=1))
     return _lex_pick(st, ~_split(need, n_in, cand_in, self.born[:, :-1], cand_m,
                                  self.rec[:, :-1]))
 
@@ -720,9 +722,12 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
   * ``"2q"`` (full 2Q, VLDB'94): new entries enter the FIFO A1in; its evictions go
     to the ghost FIFO A1out (``twoq_out * B`` ids); a miss found in A1out enters
     the LRU list Am; Am hits become most recent, A1in hits change nothing. An
-    eviction takes A1in's oldest unrequested entry while |A1in| plus the step's
-    admissions to A1in exceeds Kin = ``twoq_in * B`` (|A1in| falls as it gives),
-    else Am's LRU unrequested entry; if that list has none, the other's.
+    eviction takes A1in's oldest unrequested entry while |A1in| plus the step's new
+    admissions to A1in but one exceeds Kin = ``twoq_in * B`` (|A1in| falls as it
+    gives), else Am's LRU unrequested entry; if that list has none, the other's.
+    That is the paper's "reclaim from A1in when |A1in| > Kin", one admission at a
+    time, with a step's A1out ghosts admitted before its new entries (tested against
+    the paper's algorithm at one request a step).
   * ``"arc"`` (FAST'03): T1/T2 with ghosts B1/B2. Hits move to T2; p moves by
     ``+max(|B2|/|B1|, 1)`` per B1-ghost miss and ``-max(|B1|/|B2|, 1)`` per B2 one
     (start-of-step sizes, summed, clipped to [0, B]); each eviction takes T1's LRU
