@@ -147,8 +147,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   pages = state.page_table
 
-  status = _or_reduce(selection_errors(selected, newest_u, cfg.max_len + 1,
-                                       cfg.impl.lookup))
+  row_errors = selection_errors(selected, newest_u, cfg.max_len + 1,
+                                cfg.impl.lookup)  # [R, U]
+  status = _or_reduce(row_errors)
   status |= jnp.where((active & (newest >= cfg.max_len)).any(), STATUS_CAPACITY, 0)
   ok = (prior_status == 0) & (status == 0)
 
@@ -157,8 +158,10 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   slot_pos = effective_slot_pos(state.slot_pos[layer], newest)
   res, new_score = _resolve(cfg, slot_pos, state.lru[layer], state.slot_score[layer],
                             selected, newest_u, ranks)
-  # A miss must be read from a host page: one without a page refuses the step.
-  unpaged = res.is_miss & ~has_page(cfg, pages, selected)
+  # A miss must be read from a host page: one without a page refuses the step (a
+  # malformed row's misses are not counted: it refuses for its own reason, as in
+  # the fused kernel).
+  unpaged = res.is_miss & ~has_page(cfg, pages, selected) & (row_errors == 0)[..., None]
   status |= jnp.where(unpaged.any(), STATUS_CAPACITY, 0)
   # On a mesh every device refuses the layer with the others, before any write.
   status = sharding.agree_status(status, cfg.mesh_axes)
@@ -365,6 +368,9 @@ def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, o
                      f"B={cfg.hot_slots}")
   resident = lookup.resident_mask(slot_pos, predicted, **_positions(cfg))
   usable = (predicted >= 0) & (predicted < newest[..., None]) & ok
+  # A prediction is a guess, not a selection: a repeated position is fetched once
+  # (twice, it would hold two slots), never refused.
+  usable &= ~lookup.duplicate_mask(predicted, **_positions(cfg))
   if page_table is not None:
     usable &= has_page(cfg, page_table, predicted)
   wanted = usable & ~resident

@@ -128,11 +128,16 @@ def resident_mask(slot_pos, positions, *, method: str = "auto",
 
 def duplicate_mask(selected, *, method: str = "auto", num_positions: int | None = None):
   """bool[..., k]: entries whose position an earlier-found lane of the row also holds
-  (at least one lane of every repeated position is flagged; padding never)."""
+  (at least one lane of every repeated position is flagged; padding never, nor a
+  position >= ``num_positions``, which the map cannot hold: out of range, not a
+  repeat, whichever the method)."""
   lane = jnp.broadcast_to(jnp.arange(selected.shape[-1], dtype=jnp.int32),
                           selected.shape)
   owner = index_in(selected, selected, method=method, num_positions=num_positions)
-  return (selected >= 0) & (owner != lane)
+  counted = selected >= 0
+  if num_positions is not None:
+    counted &= selected < num_positions
+  return counted & (owner != lane)
 
 
 def rank_of(slot_pos, ranks, *, method: str = "auto", num_positions: int | None = None):

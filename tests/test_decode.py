@@ -309,6 +309,67 @@ def test_fused_path_prefetches_like_the_unfused_step():
   assert int(np.asarray(fused.state.prefetched).sum()) > 0
 
 
+def test_a_repeated_prefetch_position_takes_one_slot_on_every_path():
+  """Predicted positions are a guess: a repeat is fetched once, never into two
+  slots (a position held twice made the XLA, Pallas and fused RESOLVE disagree on
+  the next hit). Every metadata array equal across the paths, outputs exact."""
+  seed = int(np.random.default_rng().integers(2**31))
+  impls = (ImplConfig.every("xla", fetch_chunk=3),
+           ImplConfig(resolve="pallas", attention="xla", fetch="pallas"), FUSED)
+  cfgs = [make_cfg(impl=impl, lookahead_cap=6) for impl in impls]
+  runs = [Harness(c, [60, 90, 70], seed=seed) for c in cfgs]
+  for step in range(6):
+    sel = draw_selection(runs[0].rng, cfgs[0], runs[0].decoder.seq_len, runs[0].prev)
+    ahead = draw_selection(runs[0].rng, cfgs[0], runs[0].decoder.seq_len, sel)[..., :6]
+    ahead[..., 1] = ahead[..., 0]  # a repeat (and -1 with -1 where empty)
+    inputs = step_inputs(runs[0].rng, cfgs[0])
+    for h in runs:
+      h.prev = runs[0].prev
+      out, ref = h.step(sel, inputs, prefetch=ahead)
+      np.testing.assert_array_equal(out, ref, err_msg=f"{seed=} {step=}")
+  for h in runs:
+    slot_pos = np.asarray(h.state.slot_pos)
+    for row in slot_pos.reshape(-1, slot_pos.shape[-1]):
+      held = row[row >= 0]
+      assert len(held) == len(set(held.tolist())), (seed, row)
+  for name in ("slot_pos", "lru", "slot_score", "hits", "misses", "prefetched"):
+    for h in runs[1:]:
+      np.testing.assert_array_equal(getattr(h.state, name), getattr(runs[0].state, name),
+                                    err_msg=f"{name} {seed=}")
+  assert int(np.asarray(runs[0].state.prefetched).sum()) > 0
+
+
+def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
+  """A row whose selection repeats a position (or leaves the range) and also misses
+  a position without a host page: both paths refuse for its own reason only (the
+  unfused one added "no host page"); and the map and search lookups agree that a
+  position past the range is out of range, not a repeat."""
+  from kvtier_jax import layer as layer_lib
+  from kvtier_jax.resolve import (STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
+                                  selection_errors)
+  words = {}
+  for name, impl in (("xla", ImplConfig.every("xla")), ("fused", FUSED)):
+    cfg = make_cfg(impl=impl, num_requests=3, max_len=128, host_pages=12, page_size=16)
+    state = kv_state.init_state(cfg, fill=0.0)
+    table = np.full((3, cfg.pages_per_request), -1, np.int32)
+    table[:, :2] = np.arange(6).reshape(3, 2)  # pages only for positions 0..31
+    state = state.replace(page_table=jnp.asarray(table),
+                          seq_len=jnp.full((3,), 60, jnp.int32))
+    q, kn = jnp.zeros((3, 4, 16)), jnp.zeros((3, 2, 16))
+    status = jax.jit(lambda st, s: layer_lib.anchor_layer(
+        cfg, st, jnp.int32(0), q, kn, kn, s, jnp.int32(0), jnp.ones(3, bool))[3])
+    for bad in ([50, 3, 3], [50, 3, 99]):  # 50 has no page
+      sel = np.full((3, 1, cfg.top_k), -1, np.int32)
+      sel[0, 0, :3], sel[1, 0, :2], sel[2, 0, :2] = bad, [1, 2], [4, 5]
+      words[name, bad[-1]] = int(status(state, jnp.asarray(sel)))
+  assert words == {("xla", 3): STATUS_DUPLICATE, ("fused", 3): STATUS_DUPLICATE,
+                   ("xla", 99): STATUS_OUT_OF_RANGE, ("fused", 99): STATUS_OUT_OF_RANGE}, words
+  sel = jnp.asarray([[3, 128 + 7, -1]], jnp.int32)
+  for method in ("map", "search"):
+    got = int(selection_errors(sel, jnp.asarray([60]), 129, method)[0])
+    assert got == STATUS_OUT_OF_RANGE, method
+
+
 @pytest.mark.parametrize("fetch_chunk", [None, 8])  # one gather of every lane, chunks
 def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk):
   """The compiled CPU step never copies the whole hot cache (its writes are two
