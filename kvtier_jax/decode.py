@@ -140,16 +140,21 @@ def finish_draft(before: TieredCarry, after: TieredCarry) -> TieredCarry:
   """Undo what a draft pass would commit; keep what it fetched (the prefetch).
 
   seq_len and the hit/miss counters are restored (the rows it fetched count as
-  prefetched). Its KV went only to reserved slot B and the install slot, and its
-  selector state moved only at the uncommitted position seq_len: the next step
-  overwrites both (selector updates are position-idempotent, selectors.base), and
-  RESOLVE treats that position as empty. Keeping ``before``'s selector state instead
-  would make XLA copy all of it.
+  prefetched), and so is the keyed policies' score EMA, but in the slots the pass
+  refilled (they restart as a prefetch does): the EMA moves once per step, with
+  what the step selected. Its KV went only to reserved slot B and the install
+  slot, and its selector state moved only at the uncommitted position seq_len: the
+  next step overwrites both (selector updates are position-idempotent,
+  selectors.base), and RESOLVE treats that position as empty. Keeping ``before``'s
+  selector state instead would make XLA copy all of it.
   """
   fetched = after.tier.misses - before.tier.misses
+  refilled = after.tier.slot_pos != before.tier.slot_pos
   tier = after.tier.replace(seq_len=before.tier.seq_len, hits=before.tier.hits,
                             misses=before.tier.misses,
-                            prefetched=after.tier.prefetched + fetched)
+                            prefetched=after.tier.prefetched + fetched,
+                            slot_score=jnp.where(refilled, after.tier.slot_score,
+                                                 before.tier.slot_score))
   return after.replace(tier=tier)
 
 

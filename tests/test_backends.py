@@ -203,6 +203,30 @@ def test_a_refused_step_retried_keeps_parity(model_and_prompt, name):
   assert tiered.cache_stats()["misses"] > 0
 
 
+def test_the_draft_pass_leaves_the_score_ema_to_the_real_step(model_and_prompt):
+  """The look-ahead's uncommitted draft pass under the freq policy: the score EMA
+  moves once per step, with what the step selected. After the pass every slot it
+  did not refill keeps its score bit for bit; the refilled ones restart as a
+  prefetch does."""
+  _, ids = model_and_prompt
+  model, _ = smollm2_or_skip(num_layers=3)
+  selector, _ = selector_for("quest", model.cfg)
+  runner = backends.Runner(model, "tiered", len(ids) + 8, selector=selector,
+                           hot_slots=selector.top_k, lookahead="draft", policy="freq")
+  logits = runner.prefill(ids[None], [len(ids)])
+  for _ in range(3):
+    logits = runner.step(jnp.argmax(logits, -1))
+  before = jax.device_get(runner.carry.tier)
+  copy = jax.tree.map(jnp.copy, runner.carry)
+  after = jax.device_get(backends._tiered_draft_pass(
+      model.cfg, runner.tier_cfg, selector, runner.weights,
+      jnp.asarray([ids[5]], jnp.int32), copy).tier)
+  refilled = after.slot_pos != before.slot_pos
+  assert refilled.any() and (np.asarray(after.prefetched) > np.asarray(before.prefetched)).any()
+  np.testing.assert_array_equal(after.slot_score[~refilled], before.slot_score[~refilled])
+  np.testing.assert_array_equal(after.slot_score[refilled], 1.0)
+
+
 @pytest.mark.parametrize("name", ["dsa"])  # the selector that also reads x
 def test_model_step_is_the_library_step(model_and_prompt, name):
   """The model's tiered step and ``decode.decode_step`` run the same per-layer
