@@ -293,13 +293,17 @@ def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]
   import os
   entry.parent.mkdir(parents=True, exist_ok=True)
   tmp = entry.with_name(f"{entry.name}_{os.getpid()}_tmp")
-  with open(tmp.with_suffix(".npz"), "wb") as f:
-    np.savez(f, **loaded.params)
-  head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),
-              tokenizer=loaded.tokenizer.to_str())
-  tmp.with_suffix(".json").write_text(json.dumps(head))
-  os.replace(tmp.with_suffix(".npz"), entry.with_suffix(".npz"))
-  os.replace(tmp.with_suffix(".json"), entry.with_suffix(".json"))  # last: the marker
+  try:
+    with open(tmp.with_suffix(".npz"), "wb") as f:
+      np.savez(f, **loaded.params)
+    head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),
+                tokenizer=loaded.tokenizer.to_str())
+    tmp.with_suffix(".json").write_text(json.dumps(head))
+    os.replace(tmp.with_suffix(".npz"), entry.with_suffix(".npz"))
+    os.replace(tmp.with_suffix(".json"), entry.with_suffix(".json"))  # last: the marker
+  finally:  # a failed write (a full disk) leaves no partial file behind
+    for suffix in (".npz", ".json"):
+      tmp.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _read_cache(entry: pathlib.Path, path: pathlib.Path) -> LoadedGGUF:

@@ -69,6 +69,8 @@ def greedy_generate(model: Transformer, tokens, lens, num_new: int,
     i32[R, num_new] generated tokens (the first comes from prefill's logits).
   """
   tokens = np.asarray(tokens, np.int32)
+  if num_new < 1:
+    raise ValueError(f"num_new={num_new} must be >= 1")
   max_len = max_len or tokens.shape[1] + num_new
   logits, kv = prefill_dense(model, tokens, lens, max_len)
   _check_room(kv, num_new - 1)

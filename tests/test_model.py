@@ -376,3 +376,23 @@ def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
   assert cached.config == fresh.config and cached.metadata == fresh.metadata
   text = "def f(x): return 12345 + x  # digits split"
   assert cached.tokenizer.encode(text).ids == fresh.tokenizer.encode(text).ids
+
+
+def test_a_failed_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):
+  """The cache's JSON marker fails to write (a full disk) after the arrays did: the
+  load goes on uncached, and no temporary or half-written file stays behind (one a
+  run, each up to the model's size)."""
+  import pathlib
+  import types
+
+  from models import gguf_loader
+  loaded = types.SimpleNamespace(params={"w": np.ones((4, 4), np.float32)}, metadata={},
+                                 tokenizer=types.SimpleNamespace(to_str=lambda: "{}"))
+
+  def full_disk(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+  with pytest.raises(OSError):
+    gguf_loader._write_cache(tmp_path / "m-0", loaded, ("w",))
+  assert list(tmp_path.iterdir()) == []
