@@ -65,11 +65,13 @@ def capacity_rows():
 
 
 def throughput_rows():
-  model = capacity.ThroughputModel(link_bandwidth=FLAGS.link_gbps * 1e9,
-                                   exposed_io=FLAGS.exposed_io)
   budget = FLAGS.kv_budget_gb * GB  # per device
   rows = []
   for name in ("glm_5_1", "qwen3_30b_a3b"):
+    model = capacity.ThroughputModel(link_bandwidth=FLAGS.link_gbps * 1e9,
+                                     exposed_io=FLAGS.exposed_io,
+                                     weight_bytes=capacity.weight_bytes_per_device(
+                                         name, FLAGS.devices))
     cfg = preset(name)
     for context in map(int, FLAGS.contexts):
       hot_slots = 2 * cfg.top_k
@@ -80,7 +82,9 @@ def throughput_rows():
       miss = FLAGS.miss_rate if context > hot_slots else 0.0
       tp_full = FLAGS.devices * model.tokens_per_second(cfg, n_full, None)
       tp_tier = FLAGS.devices * model.tokens_per_second(cfg, n_tier, miss)
-      rows.append(dict(model=name, context=context, full_requests=FLAGS.devices * n_full,
+      rows.append(dict(model=name, context=context,
+                       weight_GB_per_device=model.weight_bytes / GB,
+                       full_requests=FLAGS.devices * n_full,
                        tiered_requests=FLAGS.devices * n_tier, full_tok_s=tp_full,
                        tiered_tok_s=tp_tier,
                        speedup=tp_tier / tp_full if tp_full else None))
@@ -132,7 +136,8 @@ def main(argv):
           f"context exceeds B, link {FLAGS.link_gbps} GB/s per GPU, exposed IO "
           f"{FLAGS.exposed_io:.0%}, batch <= {FLAGS.max_batch} per GPU). Model: "
           + " ".join(capacity.ThroughputModel.__doc__.split()),
-          common.markdown_table(thr, ["model", "context", "full_requests",
+          common.markdown_table(thr, ["model", "context", "weight_GB_per_device",
+                                      "full_requests",
                                       "tiered_requests", "full_tok_s", "tiered_tok_s",
                                       "speedup"])]
   if measured:

@@ -30,7 +30,7 @@ import pathlib
 from absl import app, flags
 
 from experiments import common
-from models import tiers
+from models import capacity, tiers
 from models.config import ModelConfig
 
 FLAGS = flags.FLAGS
@@ -83,7 +83,8 @@ def main(argv):
   cfg = ModelConfig.from_name(FLAGS.model)
   hot = FLAGS.hot_slots or 2 * cfg.top_k
   acc = tiers.Accelerator(usd=FLAGS.accelerator_usd, kv_budget_gb=FLAGS.kv_budget_gb,
-                          years=FLAGS.years)
+                          years=FLAGS.years,
+                          weight_bytes=capacity.weight_bytes_per_device(FLAGS.model))
   measured = measured_serve()
   shared = measured.get("prefix_hit", FLAGS.measured_shared)
   placements = [None, *tier_set().values()]

@@ -59,6 +59,20 @@ def concurrency(budget_bytes: float, per_request: int, max_batch: int) -> int:
   return int(min(max_batch, budget_bytes // per_request))
 
 
+# Weight bytes every decode step reads, over all devices: GLM-5.1 in FP8 (~750B
+# parameters, the paper's deployment), DeepSeek-V3.2 in FP8 (671B), Qwen3-30B-A3B in
+# BF16 (30.5B), SmolLM2-135M in f32 (our port).
+WEIGHT_BYTES = {"glm_5_1": 750e9, "deepseek_v3_2": 671e9, "qwen3_30b_a3b": 30.5e9 * 2,
+                "smollm2_135m": 134.5e6 * 4}
+
+
+def weight_bytes_per_device(name: str, devices: int = 8) -> float:
+  """A preset's weights over ``devices`` (tensor / expert parallel)."""
+  if name not in WEIGHT_BYTES:
+    raise ValueError(f"no weight size for {name!r}; known: {sorted(WEIGHT_BYTES)}")
+  return WEIGHT_BYTES[name] / devices
+
+
 @dataclasses.dataclass(frozen=True)
 class ThroughputModel:
   """Per-device roofline decode throughput (every request lives on one device, as

@@ -102,7 +102,7 @@ def placement(cfg: ModelConfig, context: int, acc: Accelerator, tier: Tier | Non
     link = tier.miss_bandwidth(cfg.kv_bytes_per_token_per_layer)
     miss = miss_rate if context > hot_slots else 0.0
   bounds = {"batch": acc.max_batch, "HBM": int(acc.kv_budget_gb * GB // device)}
-  if tier is not None:
+  if tier is not None and below > 0:  # every prefix shared: the tier bounds nothing
     bounds[tier.name] = int(tier.gb_per_accelerator * GB // below)
   bound = min(bounds, key=bounds.get)
   batch = bounds[bound]

@@ -96,3 +96,18 @@ def test_system_accounting():
     assert o.ttft_s < by_arrival[o.request.arrival].ttft_s
     assert 0 < o.relayed_tokens <= o.request.output_tokens
   assert {o.mode for o in relayed} <= {"catch-up", "one-shot", "finished on RLD"}
+
+
+def test_a_relayed_request_hands_off_the_tokens_rld_produced():
+  """One request, relayed (its WAN transfer estimate exceeds the budget), One-Shot:
+  RLD starts after the RDMA copy, makes a token every tpot, and the WAN lands at
+  0.24 s, after two of them (0.1102 s, 0.2102 s): the handoff carries 2 tokens."""
+  req = pdd_sim.TraceRequest(arrival=0.0, session=0, input_tokens=10_000,
+                             cached_tokens=0, output_tokens=50)
+  cfg = pdd_sim.SystemConfig(kv_bytes_per_token=1000, wan_gbps=0.4, wan_rtt_s=0.03,
+                             rdma_gbps=400.0, prefill_tok_s=1e6, tpot_s=0.1,
+                             ttft_budget_s=0.1, catch_up_below=0.0)
+  (out,), _ = pdd_sim.simulate([req], cfg)
+  assert out.relayed and out.mode == "one-shot"
+  assert out.ttft_s == pytest.approx(0.01 + 10e6 / 50e9 + 0.1)
+  assert out.relayed_tokens == 2

@@ -35,8 +35,10 @@ def miss_bytes_per_layer(cfg: ModelConfig, batch: int, miss_rate: float) -> floa
 
 
 def exposed_io_ms(cfg: ModelConfig, batch: int, miss_rate: float, link: Link,
-                  hidden_s_per_layer: float = 0.0) -> float:
-  """Milliseconds of host IO on the critical path of one decode step."""
+                  hidden_s_per_layer: float = 0.0, fetching_layers: int | None = None
+                  ) -> float:
+  """Milliseconds of host IO on the critical path of one decode step, over the
+  ``fetching_layers`` (default: every layer) that fetch on it at ``miss_rate``."""
   layer_s = (miss_bytes_per_layer(cfg, batch, miss_rate) / link.bandwidth + link.latency
              - hidden_s_per_layer)
-  return 1e3 * cfg.num_layers * max(0.0, layer_s)
+  return 1e3 * (fetching_layers or cfg.num_layers) * max(0.0, layer_s)

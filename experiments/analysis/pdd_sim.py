@@ -305,7 +305,9 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
         yield env.timeout(req.output_tokens / cfg.extend_tok_s)
       out.relayed_tokens = req.output_tokens
       return
-    generated = min(req.output_tokens, 1 + int((env.now - started) / cfg.tpot_s))
+    # Tokens RLD has produced: one per tpot since it started (the first at started
+    # + tpot, before this point); the epsilon keeps an exact multiple from rounding down.
+    generated = min(req.output_tokens, max(1, int((env.now - started) / cfg.tpot_s + 1e-9)))
     handoff_start = env.now
     with md.request() as md_slot:
       yield md_slot
