@@ -8,7 +8,7 @@ In-place P/D multiplexing (AInfer-PD, arXiv 2609.00993): makespan -7.1% to -22.5
 on prefill-heavy RL rollouts. Those rows are printed beside ours (``PAPER``).
 
 Commands:
-  # The README's main job (~4 min on a 2-core CPU): SmolLM2 (real weights), 8
+  # The README's main job (~2-4 min on a 2-core CPU): SmolLM2 (real weights), 8
   # synthetic ~1K-token requests, closed loop at concurrency 8, one 200 MiB budget.
   python -m experiments.serve_sweep
   # The CPU sweep in WORKSPACE_NOTES.md (~27 min):
