@@ -138,6 +138,7 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   prompt_tokens, cached_tokens = bench.first_admission_tokens(served.requests)
   ms = lambda v: None if v is None else v / 1e3
   return dict(cache=cache, requests=full["requests"], finished=full["finished"],
+              refused=full["refused"],
               output_tokens=full["output_tokens"], throughput=full["output_throughput"],
               ttft_p50=ms(full["ttft_median_ms"]), ttft_p99=ms(full["ttft_p99_ms"]),
               tpot_p50_ms=full["tpot_median_ms"],
@@ -226,7 +227,8 @@ def main(argv):
         f"; mesh={dict(mesh.shape) if mesh else 'one device'}", flush=True)
   first = workload[0]
   first = first.turn(0, first.prompt, 0.0) if isinstance(first, bench.Rollout) else first
-  workloads.warm_up(make_engine(model, FLAGS.cache, selector, params, mesh=mesh), first,
+  workloads.warm_up(make_engine(model, FLAGS.cache, selector, params,
+                                prefix_cache=FLAGS.prefix_cache, mesh=mesh), first,
                     FLAGS.chunk_size)
   engine = make_engine(model, FLAGS.cache, selector, params, FLAGS.kv_budget_mib,
                        FLAGS.prefix_cache, FLAGS.disk_budget_mib, mesh=mesh,

@@ -219,6 +219,10 @@ def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, 
 
 def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
   """Compile the prefill, the decode step and the sampler on a throwaway engine
-  (the jitted functions are shared), so no measured request pays for compiling."""
+  (the jitted functions are shared), so no measured request pays for compiling.
+  With a prefix cache a second request repeats the prompt, which compiles the
+  prefix load too (its first chunk is then cached)."""
   prompt = spec.prompt[:chunk_size + 1]
   drive(engine, [RequestSpec("warm-up", prompt, 2)])
+  if engine.config.prefix_cache:
+    drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 2)])

@@ -178,6 +178,24 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens, 
   return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)))
 
 
+def check_page_table(table, shape: tuple[int, int], num_pages: int) -> np.ndarray:
+  """``table`` as i32[S, MP] after checking what the step would otherwise read
+  through silently: the shape, ids in [-1, num_pages), and no page twice in one
+  slot (slots may share pages: a cached prefix)."""
+  table = np.asarray(table)
+  if table.shape != shape or not np.issubdtype(table.dtype, np.integer):
+    raise ValueError(f"a page table is int {shape} (slots, pages per slot); got "
+                     f"{table.dtype} {table.shape}")
+  if ((table < -1) | (table >= num_pages)).any():
+    raise ValueError(f"page ids are -1 (none) or in [0, {num_pages}); got "
+                     f"{sorted(set(table[(table < -1) | (table >= num_pages)].tolist()))[:8]}")
+  for slot, row in enumerate(table):
+    held = row[row >= 0]
+    if len(np.unique(held)) != len(held):
+      raise ValueError(f"slot {slot} lists a page twice: {row.tolist()}")
+  return table.astype(np.int32)
+
+
 class ServingBackend:
   """A ``ServingModel``: the Flax decoder with one cache backend over S slots.
 
@@ -312,8 +330,8 @@ class ServingBackend:
     if self.backend != "tiered":
       return state
     old = state.cache.tier.page_table  # same placement: the step must not recompile
-    tier = state.cache.tier.replace(page_table=jax.device_put(
-        np.asarray(table, np.int32), old.sharding))
+    table = check_page_table(table, old.shape, self.tier_cfg.num_host_pages)
+    tier = state.cache.tier.replace(page_table=jax.device_put(table, old.sharding))
     return state.replace(cache=state.cache.replace(tier=tier))
 
   # Prefill -----------------------------------------------------------------------

@@ -36,7 +36,7 @@ from kvtier_jax import sharding
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
-                            place_snapshot)
+                            check_page_table, place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
 
 # Leaves without a request or head axis that differ per device: concatenated.
@@ -271,7 +271,8 @@ class MeshServingBackend:
     engine's partitions)."""
     if self.backend != "tiered":
       return state
-    table = np.array(table, np.int32)
+    table = check_page_table(table, state.cache.tier.page_table.shape,
+                             self.rows * self._local_pages)
     owner = np.repeat(np.arange(self.rows), self._per)[:, None]
     held = table >= 0
     if (held & (table // self._local_pages != owner)).any():

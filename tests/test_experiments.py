@@ -183,6 +183,29 @@ def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
   assert len(set(firsts)) == len(firsts)
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_warm_up_loads_a_cached_prefix_when_the_engine_caches_prefixes(prefix_cache):
+  """The measured run then compiles nothing on its first prefix hit."""
+  from experiments import workloads
+  from kvtier_jax.serving import Engine, EngineConfig
+  from kvtier_jax.serving.bench import RequestSpec
+  from tests.test_serving import VOCAB, FakeModel
+
+  loads = []
+
+  class CountingModel(FakeModel):
+    def load_prefix(self, state, slot, length):
+      loads.append(length)
+      return super().load_prefix(state, slot, length)
+
+  model = CountingModel(hot_slots=0)  # every position in host pages
+  engine = Engine(model, EngineConfig(max_step_tokens=20, prefix_cache=prefix_cache))
+  prompt = tuple(np.random.default_rng().integers(0, VOCAB - 1, 30).tolist())
+  workloads.warm_up(engine, RequestSpec("r", prompt, 4), model.chunk_size)
+  assert loads == ([model.chunk_size] if prefix_cache else [])
+  assert all(r.state.value == "finished" for r in engine.requests.values())
+
+
 def test_pdd_smoke(tmp_path):
   out = run("experiments.pdd", "--smoke", f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "pdd")

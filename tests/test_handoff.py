@@ -87,6 +87,8 @@ def test_handoff_wire_format_and_refusals():
                                       kv_end=11, kv=kv))
   with pytest.raises(ValueError, match="already has"):
     engine.accept(handoff_lib.Handoff("r", [1, 2], [3, 4], 2))
+  with pytest.raises(ValueError, match="stop id 3"):  # it finished at the sender
+    engine.accept(handoff_lib.Handoff("r", [1, 2], [3], 5, stop_ids=[3, 9]))
   with pytest.raises(ValueError, match="need 3 pages"):
     engine.accept(handoff_lib.Handoff("r", list(range(9)), [4, 5], 10, kv_start=0,
                                       kv_end=9, kv=[k[:2] for k in kv]))
@@ -182,7 +184,7 @@ def test_send_and_recv_frames_at_a_capped_rate():
 
 
 def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
-  from kvtier_jax.serving import snapshot
+  from kvtier_jax.serving import bench, snapshot
   rng = np.random.default_rng()
   model = lambda slots=3: FakeModel(num_slots=slots, max_len=128, num_host_pages=80)
   p = Engine(model(), EngineConfig(max_step_tokens=20))
@@ -193,16 +195,22 @@ def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
   while any(r.state is not State.DECODING or len(r.output) < 2 for r in reqs):
     p.step()
   moved = [d.accept(p.export(r.id, kv="all")) for r in reqs]
+  relayed = {m.id: m.relayed for m in moved}
+  assert relayed == {r.id: len(r.output) for r in reqs}
   d.step()  # one slot: the others wait with their pages in memory
   assert sum(m.state is State.WAITING and m.imported is not None for m in moved) == 2
   snapshot.save(d, tmp_path / "snap")
   back = snapshot.restore(tmp_path / "snap", model(1), d_config)
   before = back.imported_tokens
-  back.run()
+  served = bench.drive(back, [], resume=True)
   for req in reqs:
     assert back.requests[req.id].output == solo(model, req.prompt, req.max_new_tokens,
                                                 req.sampling)
+    assert back.requests[req.id].relayed == relayed[req.id]
   assert back.imported_tokens > before  # the waiting ones came with their pages
+  # The receiver's output counts only what it generated, not the sender's tokens.
+  assert bench.summarize(served)["output_tokens"] == sum(
+      r.max_new_tokens - relayed[r.id] for r in reqs)
 
 
 def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):

@@ -122,7 +122,7 @@ def shared_prefix_workload(rng, num, groups=3):
 def run_with_prefix_cache(rng, num, pages, abort_rate=0.0, model=FakeModel, **config):
   factory = lambda: model(num_host_pages=pages)
   engine = Engine(factory(), EngineConfig(max_step_tokens=20, prefix_cache=True, **config))
-  pending, reqs = shared_prefix_workload(rng, num), []
+  pending, reqs, kept_answers = shared_prefix_workload(rng, num), [], []
   while pending or engine.has_work:
     for _ in range(min(len(pending), int(rng.integers(0, 3)))):
       prompt, new, sp = pending.pop()
@@ -132,6 +132,10 @@ def run_with_prefix_cache(rng, num, pages, abort_rate=0.0, model=FakeModel, **co
       engine.abort(live[int(rng.integers(len(live)))].id)
     step = engine.step()
     assert step["cached_pages"] == engine.radix.num_pages
+    for req in engine.waiting:  # "lpm"'s kept answers are the tree's answers now
+      if req.prefix_seen[0] == engine.radix.version:
+        assert req.prefix_seen[1] == engine.radix.prefix_length(engine._shareable(req))
+        kept_answers.append(req.id)
     engine.pool.check(engine.radix.held_pages())
     if engine.disk is not None:
       held = engine.radix.disk_pages()
@@ -139,6 +143,7 @@ def run_with_prefix_cache(rng, num, pages, abort_rate=0.0, model=FakeModel, **co
   for req in reqs:
     if req.state is State.FINISHED:
       assert req.output == solo(factory, req.prompt, req.max_new_tokens, req.sampling), req.id
+  assert bool(kept_answers) == (engine.config.schedule == "lpm")
   return engine, reqs
 
 

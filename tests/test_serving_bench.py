@@ -111,6 +111,25 @@ def test_rollout_turns_continue_the_trajectory_after_the_environment():
     bench.Rollout("x", (1,), (2, 2), ())
 
 
+def test_a_rollout_turn_that_outgrows_the_engine_ends_its_rollout_only():
+  """FakeModel holds 96 positions: the long trajectory's third turn (30 + 10 + 20 +
+  10 + 20 + 10 = 100) is refused and ends it; the short one runs all its turns."""
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock()
+  draw = lambda n: tuple(rng.integers(0, VOCAB - 1, n).tolist())
+  rollouts = [bench.Rollout("long", draw(30), (10, 10, 10), (draw(20), draw(20))),
+              bench.Rollout("short", draw(6), (4, 3, 5), ((7, 8), (9,)))]
+  served = bench.drive(engine, rollouts, sleep=clock.sleep)
+  assert sorted(r.id for r in served.requests) == [
+      "long/t0", "long/t1", "short/t0", "short/t1", "short/t2"]
+  assert all(r.state is State.FINISHED for r in served.requests)
+  assert [rid for rid, _ in served.refused] == ["long/t2"]
+  assert "exceeds the context of 96" in served.refused[0][1]
+  assert bench.summarize(served)["refused"] == 1
+  with pytest.raises(ValueError):  # a first request that cannot fit is bad input
+    bench.drive(engine_with_clock()[0], [bench.RequestSpec("big", draw(100), 4)])
+
+
 def hand_request(rid, prompt_len, arrival, token_times, state=State.FINISHED):
   req = Request(rid, [1] * prompt_len, len(token_times), SamplingParams(), frozenset(),
                 Metrics(arrival))

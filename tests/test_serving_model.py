@@ -199,7 +199,8 @@ def test_handoff_continues_on_another_engine_with_the_same_tokens(model_and_ids)
 def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   """A prefill chunk off the chunk grid (its staging and host writes would be
   clamped onto other rows), and a snapshot whose host length mirror is not the
-  state's own: clear errors. The dense backend charges no selector state."""
+  state's own, a page table with a page twice in a slot or out of range: clear
+  errors. The dense backend charges no selector state."""
   import numpy as np
   model, _ = model_and_ids
   tiered = backend(model, "tiered")
@@ -213,6 +214,20 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
     with pytest.raises(ValueError, match="length mirror"):
       tiered.restore_state(leaves[:-1] + [bad])
   tiered.restore_state(leaves)  # the mirror as saved
+  # Page tables the step would read through silently: a page twice in a slot, an id
+  # past the host tier (or below -1), another shape. Slots may share a page.
+  num_pages = tiered.tier_cfg.num_host_pages
+  table = np.full(state.cache.tier.page_table.shape, -1, np.int32)
+  table[0, :2] = table[1, :2] = [3, 4]  # a shared prefix
+  assert (np.asarray(tiered.set_pages(state, table).cache.tier.page_table) == table).all()
+  for bad, match in (([5, 5], "twice"), ([num_pages, 0], "page ids"),
+                     ([-2, 0], "page ids")):
+    wrong = table.copy()
+    wrong[2, :2] = bad
+    with pytest.raises(ValueError, match=match):
+      tiered.set_pages(state, wrong)
+  with pytest.raises(ValueError, match="page table is int"):
+    tiered.set_pages(state, table[:, :-1])
   selector, _ = setup.build_selector("quest", model.cfg, 32)
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
   assert dense.device_bytes(100) == serving.ServingBackend(model, "dense", 3,

@@ -130,6 +130,7 @@ class Served:
   steps: list[dict]
   start: float
   end: float
+  refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (id, why)
 
 
 def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
@@ -144,7 +145,9 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
   ``max_concurrency``: at most this many requests outstanding (closed loop); a
   request is sent at its arrival time or when a slot frees, whichever is later.
   A rollout's next turn is sent ``env_seconds`` after its previous turn ends; a
-  turn that does not finish (aborted, failed) ends its rollout.
+  turn that does not finish (aborted, failed) ends its rollout, and so does a later
+  turn the engine refuses (its history outgrew ``max_len`` or the host tier): it is
+  listed in ``Served.refused``. A refused first request raises (bad input).
 
   ``resume``: the engine was restored from a snapshot of a run of this workload.
   Its requests count as sent (those in flight are waited for), workload requests
@@ -167,6 +170,7 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
     elif on_finish:
       on_finish(req)
   steps: list[dict] = []
+  refused: list[tuple[str, str]] = []
   start = 0.0 if resume else engine.now()
   # When each closed-loop slot last freed (a request sent to it arrives no earlier).
   freed = [start] * (max_concurrency or 0)
@@ -183,8 +187,14 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
         rollout, spec = item, item.turn(0, item.prompt, send)
       else:
         spec = item
-      req = engine.submit(spec.prompt, spec.max_new_tokens, spec.sampling,
-                          stop_ids=spec.stop_ids, request_id=spec.id, arrival=arrival)
+      try:
+        req = engine.submit(spec.prompt, spec.max_new_tokens, spec.sampling,
+                            stop_ids=spec.stop_ids, request_id=spec.id, arrival=arrival)
+      except ValueError as err:
+        if not turn:
+          raise
+        refused.append((spec.id, str(err)))
+        continue
       outstanding[req.id] = (req, rollout, turn)
       sent.append(req)
     if engine.has_work:
@@ -208,7 +218,7 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
         pending.append((send, order, rollout.turn(turn + 1, history, send), rollout,
                         turn + 1))
         order += 1
-  return Served(sent, steps, start, engine.now())
+  return Served(sent, steps, start, engine.now(), refused)
 
 
 # Metrics -----------------------------------------------------------------------
@@ -231,7 +241,8 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
   per = [r.metrics.summary() for r in done]
   duration = max(served.end - served.start, 1e-9)
   prompt_tokens = sum(len(r.prompt) for r in done)
-  output_tokens = sum(len(r.output) for r in done)
+  # Generated here: an accepted handoff's relayed tokens are the sender's output.
+  output_tokens = sum(len(r.output) - r.relayed for r in done)
   # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
   decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
 
@@ -241,6 +252,7 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
 
   row = dict(requests=len(reqs), finished=len(done),
              failed=sum(r.state is State.FAILED for r in reqs),
+             refused=len(served.refused),
              duration_s=duration, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
              request_throughput=len(done) / duration,
              output_throughput=output_tokens / duration,

@@ -313,6 +313,7 @@ class Engine:
                       stop_ids=handoff.stop_ids, request_id=handoff.request_id,
                       on_token=on_token, arrival=arrival)
     req.output = list(handoff.output)
+    req.relayed = len(handoff.output)
     if keeps_kv:
       size = self.model.page_size
       pages = -(-kv_end // size) - handoff.kv_start // size
@@ -448,6 +449,12 @@ class Engine:
     order, preempted requests re-queued at its front."""
     if self.config.schedule == "fcfs":
       return self.waiting[0]
+    def cached_prefix(req):  # re-walked only once the tree changed
+      if req.prefix_seen[0] != self.radix.version:
+        req.prefix_seen = (self.radix.version,
+                           self.radix.prefix_length(self._shareable(req)))
+      return req.prefix_seen[1]
+
     def priority(item):  # the smallest goes first
       index, req = item
       starving = req.overtaken >= self.config.max_overtakes
@@ -455,7 +462,7 @@ class Engine:
       usable = not starving and self._host_pages(req.total_length)
       return (req.metrics.admitted is None,  # resume preempted requests first
               not starving,  # then the long-waiting, in arrival order
-              -self.radix.prefix_length(self._shareable(req)) if usable else 0, index)
+              -cached_prefix(req) if usable else 0, index)
 
     window = itertools.islice(self.waiting, self.config.lpm_window)
     return min(enumerate(window), key=priority)[1]

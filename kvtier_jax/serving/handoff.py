@@ -134,6 +134,10 @@ def check(handoff: Handoff, page_size: int, vocab_size: int) -> None:
   if len(handoff.output) >= handoff.max_new_tokens:
     raise ValueError(f"request {handoff.request_id!r} already has its "
                      f"{handoff.max_new_tokens} tokens: nothing to continue")
+  stops = sorted(set(handoff.output) & set(handoff.stop_ids))
+  if stops:
+    raise ValueError(f"request {handoff.request_id!r} already produced its stop id "
+                     f"{stops[0]}: nothing to continue")
   bad = [t for t in handoff.output if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"relayed token ids {bad[:5]} are outside the vocabulary")

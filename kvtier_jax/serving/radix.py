@@ -65,6 +65,9 @@ class RadixCache:
     self._clock = itertools.count(1)
     self.num_pages = 0  # host pages the tree holds a reference to
     self.num_disk_pages = 0  # disk pages of the nodes on disk
+    # Bumped whenever a ``prefix_length`` answer may change (a node added or
+    # removed): a scheduler may keep its answers until then.
+    self.version = 0
 
   def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
     return tuple(tokens[at:at + self.unit])
@@ -168,6 +171,7 @@ class RadixCache:
                last_used=next(self._clock))
     node.children[self._first(new.key, 0)] = new
     self.num_pages += len(new.pages)
+    self.version += 1
     return adopted + new.pages, new
 
   def holds(self, node: Node, pages: Sequence[int]) -> bool:
@@ -223,6 +227,7 @@ class RadixCache:
   def _remove(self, node: Node) -> None:
     """Forget ``node`` and its subtree (on disk: their disk pages are freed)."""
     del node.parent.children[self._first(node.key, 0)]
+    self.version += 1
     stack = [node]
     while stack:
       n = stack.pop()

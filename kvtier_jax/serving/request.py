@@ -92,6 +92,8 @@ class Request:
   overtaken: int = 0  # later arrivals admitted while it waited (schedule "lpm")
   radix_node: object = None  # the prefix-cache node it locks
   imported: tuple | None = None  # (kv_start, kv_end, pages) from a handoff
+  relayed: int = 0  # leading tokens of ``output`` another engine generated (a handoff)
+  prefix_seen: tuple[int, int] = (-1, 0)  # (radix version, cached prefix) "lpm" read
 
   @property
   def total_length(self) -> int:

@@ -162,6 +162,7 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
         metrics=dataclasses.asdict(req.metrics), state=req.state.value, output=req.output,
         reason=req.reason, slot=req.slot, device_bytes=req.device_bytes, cached=req.cached,
         staged=req.staged, admit_order=req.admit_order, overtaken=req.overtaken,
+        relayed=req.relayed,
         radix_node=None if req.radix_node is None else index[id(req.radix_node)],
         imported=None if req.imported is None or req.state.done else list(req.imported[:2])))
   pool = engine.pool
@@ -196,6 +197,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
       node.lock, node.last_used = spec["lock"], spec["last_used"]
       nodes.append(node)
     radix._clock = itertools.count(books["radix"]["clock"])
+    radix.version += 1
     radix.num_pages = len(radix.held_pages())
     radix.num_disk_pages = len(radix.disk_pages())
   if books["disk"]:
@@ -224,6 +226,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
                   slot=spec["slot"], device_bytes=spec["device_bytes"],
                   cached=spec["cached"], staged=spec["staged"],
                   admit_order=spec["admit_order"], overtaken=spec.get("overtaken", 0),
+                  relayed=spec.get("relayed", 0),
                   radix_node=None if spec["radix_node"] is None else nodes[spec["radix_node"]])
     if spec["imported"]:
       req.imported = (*spec["imported"], groups[f"imported:{req.id}"])
