@@ -7,7 +7,8 @@ result is reported on ``--trace``, by default a trace of the held-out docstrings
 (``--prompt_file=heldout``); the hand-made policies' defaults were chosen on the
 pydoc text, and the learned key (``analysis/learned_policy.py``: an MLP over
 causal per-slot features, labelled by Belady's next use) is trained, and its
-horizon chosen, on ``--train_trace`` only, one model per selector.
+horizon chosen, on ``--train_trace`` only, one model per selector (and per B/k with
+``--per_capacity``).
 
 Gap closed = (LRU - policy) / (LRU - Belady), pooled over layers, units and steps of
 every selector's trace (cold start included). The rank-aware policies read each
@@ -45,6 +46,9 @@ flags.DEFINE_list("horizons", ["4", "16"], "Reuse horizons (steps) the learned "
                   "key is trained for; the one that closes most of the gap on the "
                   "training trace at B=2k is kept.")
 flags.DEFINE_integer("learned_steps", 1500, "AdamW steps per training round.")
+flags.DEFINE_bool("per_capacity", False, "Also train the learned key at every other "
+                  "B/k of --slots_per_k (the horizon chosen at 2k), as a deployment of "
+                  "one B would; default: the 2k model at every B.")
 flags.DEFINE_list("foresight", ["1", "2", "4", "8"], "Steps of exact future knowledge "
                   "for the offline 'foresight' reference at B=2k ('rank' plus Belady "
                   "within the horizon): how far ahead an eviction must see.")
@@ -93,9 +97,10 @@ def foresight_rows(data, names, horizons, out):
 
 
 def train_keys(train_data, names, out):
-  """One learned key per selector, trained on ``train_data``; the horizon is picked
-  by the gap it closes on that same trace (never on the reported one). Also a key
-  on the per-slot features alone (``SLOT_FEATURES``) at that horizon: what the
+  """Learned keys per selector, trained on ``train_data``: {B/k: model}. The horizon
+  is picked at 2k by the gap it closes on that same trace (never on the reported
+  one); with ``--per_capacity`` a key is trained at each other B/k with it. Also a
+  key on the per-slot features alone (``SLOT_FEATURES``) at 2k: what the
   per-position history adds."""
   models, slot_models, rows = {}, {}, []
   for name in tqdm(names, desc="learned keys"):
@@ -110,8 +115,16 @@ def train_keys(train_data, names, out):
       common.append_row(out, dict(table="learned_training", **rows[-1]))
       if best is None or gap > best[0]:
         best = (gap, model)
-    models[name] = best[1]
+    models[name] = {TRAIN_B: best[1]}
     best[1].save(out / f"learned_{name}.npz")
+    for mult in map(float, FLAGS.slots_per_k):
+      if mult == TRAIN_B:
+        continue
+      models[name][mult] = best[1] if not FLAGS.per_capacity else learned_policy.fit(
+          trace[0], trace[2], round(mult * trace[0].shape[-1]), best[1].horizon,
+          steps=FLAGS.learned_steps)
+      if FLAGS.per_capacity:
+        models[name][mult].save(out / f"learned_{name}_B{mult:g}k.npz")
     slot_models[name] = learned_policy.fit(
         trace[0], trace[2], slots, best[1].horizon, uses=learned_policy.SLOT_FEATURES,
         steps=FLAGS.learned_steps)
@@ -142,13 +155,13 @@ def main(argv):
   online = ONLINE + ([cache_sim.LEARNED] if models else [])
   rows = []
   for name in tqdm(names, desc="selectors"):
-    for row in cache_sim.compare_policies([_streams(data, name)],
-                                          [float(m) for m in FLAGS.slots_per_k],
-                                          ["lru", "belady", *online],
-                                          key_fn=models.get(name)):
-      row = dict(selector=name, B_over_k=row.pop("capacity"), **row)
-      rows.append(row)
-      common.append_row(out, row)
+    for mult in map(float, FLAGS.slots_per_k):
+      key_fn = models[name][mult] if models else None
+      for row in cache_sim.compare_policies([_streams(data, name)], [mult],
+                                            ["lru", "belady", *online], key_fn=key_fn):
+        row = dict(selector=name, B_over_k=row.pop("capacity"), **row)
+        rows.append(row)
+        common.append_row(out, row)
   ablation = []
   for name, model in slot_models.items():
     trace = _streams(data, name)

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.analysis.cache_sim import (LEARNED, LEARNED_FEATURES, OFFLINE_POLICIES,
-                                           POLICIES, compare_policies, replay,
-                                           synthetic_trace)
+from experiments.analysis.cache_sim import (CHURN_DECAY, LEARNED, LEARNED_FEATURES,
+                                           OFFLINE_POLICIES, POLICIES, compare_policies,
+                                           replay, synthetic_trace)
 from kvtier_jax.resolve import resolve
 
 ONLINE = tuple(p for p in POLICIES if p not in OFFLINE_POLICIES)
@@ -708,7 +708,7 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
   key_fn(features) (LEARNED_FEATURES from their definitions, on dicts), ties by
   LRU position; ``log`` gets (t, position, features, steps to its next request)
   of every candidate."""
-  order, out, top = [], [], 0
+  order, out, top, churn = [], [], 0, 0.0
   last, count, ema, prev_rank, fetched, hits = {}, {}, {}, {}, {}, {}
   rank_ema, ranked_freq = [1.0] * num_pos, [0.0] * num_pos
   rows = [[int(p) for p in row if p >= 0] for row in stream]
@@ -727,7 +727,7 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
       return np.array([at.get(p, m) / m, prev_rank.get(p, 1.0),
                        ema[p] * alpha ** since, np.log1p(since), np.log1p(count[p]),
                        np.log1p(t - fetched[p]), np.log1p(hits[p]), p / (top + 1.0),
-                       rank_ema[p], ranked_freq[p]])
+                       rank_ema[p], ranked_freq[p], churn])
 
     cands = [p for p in order if p not in wset]
     keys = {p: float(key_fn(feats(p))) for p in cands}
@@ -747,6 +747,7 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
       else:
         fetched[p], hits[p] = t, 0
     prev_rank = {p: r / m for p, r in at.items()}
+    churn = CHURN_DECAY * churn + (1 - CHURN_DECAY) * len(misses) / len(stream[t])
     order = lru_order(order, want, resident)
     out.append(len(misses))
   return out

@@ -235,12 +235,12 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
 
   train, heldout = save("train.npz", 0), save("heldout.npz", 1)
   out = run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
-      "--slots_per_k=2", "--horizons=4,16", "--learned_steps=60",
+      "--slots_per_k=2,1.5", "--horizons=4,16", "--learned_steps=60", "--per_capacity",
       f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "policies")
   training = [r for r in rows if r.get("table") == "learned_training"]
   assert sorted(r["horizon"] for r in training) == [4, 16]
-  report = {r["policy"]: r for r in rows if "policy" in r}
+  report = {r["policy"]: r for r in rows if "policy" in r and r["B_over_k"] == 2}
   assert report.keys() == {*cache_sim.POLICIES, "learned"} - {"foresight"}
   foresight = [r for r in rows if r.get("table") == "foresight"]
   assert [r["selector"] for r in foresight] == ["toy"]
@@ -257,6 +257,13 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   got = cache_sim.replay(np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16), 32,
                          "learned", key_fn=model).sum()
   assert report["learned"]["miss_rate"] == got / (sel >= 0).sum()
+  # At 1.5k the key trained at 1.5k (the 2k horizon) is the one reported.
+  tight = learned_policy.KeyModel.load(run_dir / "learned_toy_B1.5k.npz")
+  assert tight.horizon == model.horizon
+  got = cache_sim.replay(np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16), 24,
+                         "learned", key_fn=tight).sum()
+  assert next(r["miss_rate"] for r in rows if r.get("policy") == "learned"
+              and r["B_over_k"] == 1.5) == got / (sel >= 0).sum()
   proc = subprocess.run([sys.executable, "-m", "experiments.policies", f"--trace={train}",
                          f"--train_trace={train}", f"--out_root={tmp_path}"],
                         capture_output=True, text=True, timeout=600)

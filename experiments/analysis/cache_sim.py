@@ -45,7 +45,11 @@ LEARNED_FEATURES = (
     "rel_pos",  # position / (largest position requested so far + 1)
     "rank_ema",  # EMA (1/2 per step) of rank_now, over every step since the start
     "ranked_freq",  # EMA (alpha) of [in the top-m ranking], every step
+    "churn",  # the stream's misses per entry: EMA (CHURN_DECAY) over earlier steps
 )
+# Per step weight of the past in the "churn" feature (how fast a layer's selection
+# moves tells how soon an evicted entry may be asked for again).
+CHURN_DECAY = 0.8
 
 _PAD = -1
 _NEVER = np.iinfo(np.int64).max  # a key above every stamp
@@ -628,6 +632,7 @@ class _Learned(_Policy):
     self.fetched = np.zeros((c.S, c.B + 1), np.int64)
     self.hits = np.zeros((c.S, c.B + 1), np.int64)
     self.top = np.zeros((c.S, 1))
+    self.churn = np.zeros((c.S, 1))
     if c.collect is not None:
       self.nxt = _next_use(c.sel, c.num_pos)
       self.slot_next = np.zeros((c.S, c.B + 1), np.int64)
@@ -647,7 +652,8 @@ class _Learned(_Policy):
         self.ema[st.rows, pos] * c.alpha ** since, np.log1p(since),
         np.log1p(self.count[st.rows, pos]), np.log1p(st.t - self.fetched[:, :-1]),
         np.log1p(self.hits[:, :-1]), pos / (self.top + 1.0),
-        self.rank_ema[st.rows, pos], self.ranked_freq[st.rows, pos]],
+        self.rank_ema[st.rows, pos], self.ranked_freq[st.rows, pos],
+        np.broadcast_to(self.churn, pos.shape)],
         axis=-1)  # f64[S, B, F]
     if c.collect is not None:  # candidates: filled slots this step does not request
       c.collect(st.t, feats, ~st.empty & ~st.pinned, self.slot_next[:, :-1] - st.t)
@@ -671,6 +677,8 @@ class _Learned(_Policy):
     self.fetched[rows, miss_slot] = st.t
     self.hits[rows, miss_slot] = 0
     self.hits[rows, hit_slot] += 1
+    self.churn = (CHURN_DECAY * self.churn
+                  + (1 - CHURN_DECAY) * st.num_miss[:, None] / cur.shape[1])
     _touch(self.rec, st)
     if c.collect is not None:
       self.slot_next[rows, st.slot_in] = self.nxt[st.t]

@@ -23,8 +23,9 @@ from experiments.analysis import cache_sim
 
 FEATURES = cache_sim.LEARNED_FEATURES
 # The features a slot's own metadata gives (no per-position history kept past an
-# eviction): what a jitted RESOLVE could compute from its per-slot arrays.
-SLOT_FEATURES = ("rank_now", "since_request", "since_fetch", "hits", "rel_pos")
+# eviction): what a jitted RESOLVE could compute from its per-slot arrays and the
+# layer's miss counter.
+SLOT_FEATURES = ("rank_now", "since_request", "since_fetch", "hits", "rel_pos", "churn")
 
 
 def baseline_key(features: np.ndarray) -> np.ndarray:
@@ -99,7 +100,7 @@ def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
 
 
 def train(features, reuse_in, steps_left, horizon: int, *, uses=FEATURES,
-          hidden: int = 32, steps: int = 1500, batch: int = 4096,
+          hidden: int = 64, steps: int = 1500, batch: int = 4096,
           learning_rate: float = 3e-3, seed: int = 0) -> KeyModel:
   """Fits P(reuse within ``horizon`` steps) from the ``uses`` columns of
   ``features`` by logistic loss (optax AdamW).
