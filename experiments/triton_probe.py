@@ -165,7 +165,8 @@ def check_pallas(sel, host) -> dict:
   from pallas_kernels.fetch import gather_rows_call
   rows, top_k = sel.shape
   host6 = host.reshape(1, rows, host.shape[1], 1, 1, host.shape[-1])  # [L, NH+1, Pg, U, Hg, D]
-  src = np.zeros((rows * top_k, 4), np.int32)  # (layer, page, offset, unit) per lane
+  lanes = -(-rows * top_k // 32) * 32  # the kernel's lanes come in blocks of 32
+  src = np.zeros((lanes, 4), np.int32)  # (layer, page, offset, unit) per lane
   start = time.perf_counter()
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
       jax.jit(lambda s, h: gather_rows_call(s, rows * top_k, h, h)), src,

@@ -268,3 +268,19 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
                          f"--train_trace={train}", f"--out_root={tmp_path}"],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "same file" in proc.stderr
+
+
+def test_triton_probe_checks_a_triton_kernel_without_a_gpu(tmp_path):
+  """Needs ``.[triton]`` (~1 GB; not in CI, which skips this): the Triton-language
+  kernel run by Triton's interpreter against numpy, and lowered for sm_90 with its
+  host operand zero-copy."""
+  pytest.importorskip("triton")
+  pytest.importorskip("jax_triton")
+  run("experiments.triton_probe", f"--out_root={tmp_path}", "--rows=3", "--top_k=16")
+  _, rows = only_run(tmp_path, "triton_probe")
+  by_check = {r["check"]: r for r in rows}
+  assert all(r["ok"] for r in rows) and "interpret" in by_check
+  assert by_check["interpret"]["misses"] > 0
+  if "lower" in by_check:
+    assert by_check["lower"]["whole_host_copies"] == 0
+    assert by_check["lower"]["triton_calls"] == 1
