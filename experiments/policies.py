@@ -8,7 +8,9 @@ result is reported on ``--trace``, by default a trace of the held-out docstrings
 pydoc text, and the learned key (``analysis/learned_policy.py``: an MLP over
 causal per-slot features, labelled by Belady's next use) is trained, and its
 horizon chosen, on ``--train_trace`` only, one model per selector (and per B/k with
-``--per_capacity``).
+``--per_capacity``). At 2k, keys with less history say what a jitted step could
+carry: per-slot features only, and the history kept for a bounded ghost table of
+the last G evictions (``--ghosts``).
 
 Gap closed = (LRU - policy) / (LRU - Belady), pooled over layers, units and steps of
 every selector's trace (cold start included). The rank-aware policies read each
@@ -17,7 +19,7 @@ so there they rank by row order only). An offline reference, ``"foresight"``
 (``rank`` that knows the next h steps exactly), says how far ahead an eviction
 must see to close half of the gap: a draft's lookahead sees one step.
 
-Command (~25-40 min on a 2-core CPU, most of it training the learned keys; needs
+Command (~30-45 min on a 2-core CPU, most of it training the learned keys; needs
 both traces, ~10 min each):
   python -m experiments.trace && python -m experiments.trace --prompt_file=heldout
   python -m experiments.policies
@@ -49,6 +51,9 @@ flags.DEFINE_integer("learned_steps", 1500, "AdamW steps per training round.")
 flags.DEFINE_bool("per_capacity", False, "Also train the learned key at every other "
                   "B/k of --slots_per_k (the horizon chosen at 2k), as a deployment of "
                   "one B would; default: the 2k model at every B.")
+flags.DEFINE_list("ghosts", ["1"], "At B=2k, also train keys whose per-position "
+                  "history is kept only while resident or among the last G evictions "
+                  "(G = each value x B): a bounded table a jitted step could hold.")
 flags.DEFINE_list("foresight", ["1", "2", "4", "8"], "Steps of exact future knowledge "
                   "for the offline 'foresight' reference at B=2k ('rank' plus Belady "
                   "within the horizon): how far ahead an eviction must see.")
@@ -74,7 +79,8 @@ def _bounds(trace, slots):
 
 def _gap(trace, slots, key_fn, bounds):
   sel, _, ranks = trace
-  got = cache_sim.replay(sel, slots, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn).sum()
+  got = cache_sim.replay(sel, slots, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn,
+                         history=key_fn.history).sum()
   return (bounds["lru"] - got) / max(bounds["lru"] - bounds["belady"], 1)
 
 
@@ -99,9 +105,11 @@ def foresight_rows(data, names, horizons, out):
 def train_keys(train_data, names, out):
   """Learned keys per selector, trained on ``train_data``: {B/k: model}. The horizon
   is picked at 2k by the gap it closes on that same trace (never on the reported
-  one); with ``--per_capacity`` a key is trained at each other B/k with it. Also a
-  key on the per-slot features alone (``SLOT_FEATURES``) at 2k: what the
-  per-position history adds."""
+  one); with ``--per_capacity`` a key is trained at each other B/k with it. Also,
+  at 2k, keys with less history: on the per-slot features alone
+  (``SLOT_FEATURES``), and with the history kept for the last G evictions only
+  (``--ghosts``): what the per-position history adds, and what a bounded table
+  keeps of it."""
   models, slot_models, rows = {}, {}, []
   for name in tqdm(names, desc="learned keys"):
     trace = _streams(train_data, name)
@@ -125,10 +133,16 @@ def train_keys(train_data, names, out):
           steps=FLAGS.learned_steps)
       if FLAGS.per_capacity:
         models[name][mult].save(out / f"learned_{name}_B{mult:g}k.npz")
-    slot_models[name] = learned_policy.fit(
+    slot_models[name] = {"slot_features_only": learned_policy.fit(
         trace[0], trace[2], slots, best[1].horizon, uses=learned_policy.SLOT_FEATURES,
-        steps=FLAGS.learned_steps)
-    slot_models[name].save(out / f"learned_slot_features_{name}.npz")
+        steps=FLAGS.learned_steps)}
+    slot_models[name]["slot_features_only"].save(
+        out / f"learned_slot_features_{name}.npz")
+    for mult in map(float, FLAGS.ghosts):
+      model = learned_policy.fit(trace[0], trace[2], slots, best[1].horizon,
+                                 history=round(mult * slots), steps=FLAGS.learned_steps)
+      slot_models[name][f"ghosts_{mult:g}B"] = model
+      model.save(out / f"learned_{name}_ghosts{mult:g}B.npz")
   return models, slot_models, rows
 
 
@@ -163,14 +177,16 @@ def main(argv):
         rows.append(row)
         common.append_row(out, row)
   ablation = []
-  for name, model in slot_models.items():
+  for name, variants in slot_models.items():
     trace = _streams(data, name)
     slots = round(TRAIN_B * trace[0].shape[-1])
-    gap = _gap(trace, slots, model, _bounds(trace, slots))
+    bounds = _bounds(trace, slots)
     full = next(r["gap_closed"] for r in rows if r["selector"] == name
                 and r["B_over_k"] == TRAIN_B and r["policy"] == cache_sim.LEARNED)
-    ablation.append(dict(selector=name, horizon=model.horizon, all_features=full,
-                         slot_features_only=float(gap)))
+    ablation.append(dict(selector=name, horizon=models[name][TRAIN_B].horizon,
+                         all_features=full))
+    ablation[-1].update({label: float(_gap(trace, slots, model, bounds))
+                         for label, model in variants.items()})
     common.append_row(out, dict(table="learned_slot_features", **ablation[-1]))
   horizons = [int(h) for h in FLAGS.foresight]
   foresight = foresight_rows(data, names, horizons, out)
@@ -207,10 +223,12 @@ def main(argv):
                "B=2k; the best horizon is kept)\n\n"
                + common.markdown_table(training, ["selector", "horizon",
                                                   "train_gap_closed"]) + "\n"
-               + "\nlearned key without the per-position history (gap closed on the "
-               "reported trace, B=2k)\n\n"
+               + "\nlearned key with less per-position history (gap closed on the "
+               "reported trace, B=2k): none (per-slot features only), or kept for the "
+               "last G evictions only (ghosts_xB: G = x B)\n\n"
                + common.markdown_table(ablation, ["selector", "horizon", "all_features",
-                                                  "slot_features_only"]) + "\n")
+                                                  *next(iter(slot_models.values()))])
+               + "\n")
   (out / "table.md").write_text(report)
   common.bar_plot(out / "plot.png", online, [mean_gap[p] for p in online],
                   "LRU->Belady gap closed at B=2k", "online policies, mean over selectors")

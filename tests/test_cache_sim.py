@@ -7,6 +7,7 @@ scans), not from the vectorised code; LRU is checked against the library's own
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -703,12 +704,14 @@ def test_compare_policies_pools_traces_and_measures_the_gap():
 # ---------------------------------------------------------- learned key --
 
 
-def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos=64):
+def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos=64,
+                   history=None):
   """learned: evict the resident, unrequested entries with the smallest
   key_fn(features) (LEARNED_FEATURES from their definitions, on dicts), ties by
   LRU position; ``log`` gets (t, position, features, steps to its next request)
-  of every candidate."""
-  order, out, top, churn = [], [], 0, 0.0
+  of every candidate. ``history`` G: a miss on a position not among the last G
+  evicted ones forgets its history first."""
+  order, out, top, churn, evicted = [], [], 0, 0.0, []
   last, count, ema, prev_rank, fetched, hits = {}, {}, {}, {}, {}, {}
   rank_ema, ranked_freq = [1.0] * num_pos, [0.0] * num_pos
   rows = [[int(p) for p in row if p >= 0] for row in stream]
@@ -729,6 +732,7 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
                        np.log1p(t - fetched[p]), np.log1p(hits[p]), p / (top + 1.0),
                        rank_ema[p], ranked_freq[p], churn])
 
+    ghosts = set(evicted[-history:]) if history else set()  # before this step's
     cands = [p for p in order if p not in wset]
     keys = {p: float(key_fn(feats(p))) for p in cands}
     if log is not None:
@@ -737,7 +741,15 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
         log.append((t, p, feats(p), (later[0] if later else len(rows)) - t))
     for _ in range(max(0, len(order) + len(misses) - capacity)):
       cand = [p for p in order if p not in wset]
-      order.remove(min(cand, key=lambda p: (keys[p], order.index(p))))
+      victim = min(cand, key=lambda p: (keys[p], order.index(p)))
+      order.remove(victim)
+      evicted.append(victim)
+    if history is not None:
+      for p in misses:
+        if p not in ghosts:
+          for table in (last, count, ema):
+            table.pop(p, None)
+          rank_ema[p], ranked_freq[p] = 1.0, 0.0
     for p in want:
       ema[p] = (ema[p] * alpha ** (t - last[p]) if p in count else 0.0) + 1.0
       count[p] = count.get(p, 0) + 1
@@ -769,6 +781,29 @@ def test_learned_matches_oracle(seed, capacity):
   want = [learned_oracle(s, r, capacity, key_fn, 0.8) for s, r in zip(sel, ranks)]
   np.testing.assert_array_equal(
       replay(sel, capacity, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8), want)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("history", [0, 3, 20])
+def test_learned_with_bounded_history_matches_oracle(seed, history):
+  sel = make_trace(seed + 210, k=12, num_pos=64)
+  ranks = make_ranks(sel, seed)
+  key_fn = linear_key(seed + 1)
+  want = [learned_oracle(s, r, 14, key_fn, 0.8, history=history)
+          for s, r in zip(sel, ranks)]
+  got = replay(sel, 14, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8, history=history)
+  np.testing.assert_array_equal(got, want)
+  # The bound matters on this trace (a position's first entry forgets its ranking
+  # history even under a bound past every eviction: nothing tracked it before).
+  if history == 0:
+    assert (got != replay(sel, 14, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8)).any()
+
+
+def test_learned_history_needs_the_learned_policy_and_a_count():
+  sel = make_trace(230, k=12, num_pos=64)
+  for policy, history in (("rank", 4), (LEARNED, -1), (LEARNED, 2.5), (LEARNED, True)):
+    with pytest.raises(ValueError, match="history"):
+      replay(sel, 14, policy, key_fn=linear_key(0), history=history)
 
 
 def test_learned_collects_the_candidates_and_their_next_request():
@@ -827,6 +862,9 @@ def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
   model.save(tmp_path / "key.npz")
   again = lp.KeyModel.load(tmp_path / "key.npz")
   np.testing.assert_array_equal(again(feats), key)
+  assert again.history is None
+  dataclasses.replace(model, history=7).save(tmp_path / "bounded.npz")
+  assert lp.KeyModel.load(tmp_path / "bounded.npz").history == 7
   slot = lp.train(feats, reuse_in, np.full(6000, 100), horizon=4, steps=50,
                   uses=lp.SLOT_FEATURES)
   assert slot.uses == lp.SLOT_FEATURES and slot(feats).shape == (6000,)

@@ -236,7 +236,7 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   train, heldout = save("train.npz", 0), save("heldout.npz", 1)
   out = run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
       "--slots_per_k=2,1.5", "--horizons=4,16", "--learned_steps=60", "--per_capacity",
-      f"--out_root={tmp_path}")
+      "--ghosts=0.5", f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "policies")
   training = [r for r in rows if r.get("table") == "learned_training"]
   assert sorted(r["horizon"] for r in training) == [4, 16]
@@ -254,6 +254,15 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   assert slot.uses == learned_policy.SLOT_FEATURES and slot.horizon == model.horizon
   assert [r["table"] for r in rows if "slot_features_only" in r] == ["learned_slot_features"]
   sel = np.load(heldout)["toy"]
+  # The ghost-bounded key (--ghosts=0.5: G = 16 of 32 slots) runs with its bound.
+  ghosts = learned_policy.KeyModel.load(run_dir / "learned_toy_ghosts0.5B.npz")
+  assert ghosts.history == 16 and ghosts.horizon == model.horizon and model.history is None
+  streams = np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16)
+  bounds = {p: cache_sim.replay(streams, 32, p).sum() for p in ("lru", "belady")}
+  got = cache_sim.replay(streams, 32, "learned", key_fn=ghosts, history=16).sum()
+  ablation = next(r for r in rows if r.get("table") == "learned_slot_features")
+  assert ablation["ghosts_0.5B"] == pytest.approx(
+      (bounds["lru"] - got) / (bounds["lru"] - bounds["belady"]), rel=1e-12)
   got = cache_sim.replay(np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16), 32,
                          "learned", key_fn=model).sum()
   assert report["learned"]["miss_rate"] == got / (sel >= 0).sum()

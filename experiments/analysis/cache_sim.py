@@ -77,6 +77,7 @@ class _Replay:
   twoq_out: float
   key_fn: Any = None  # "learned": f[S, B, F] features -> f[S, B] retention keys
   collect: Any = None  # "learned": collect(t, features, candidates, reuse_in)
+  history: int | None = None  # "learned": evicted positions whose history is kept
 
 
 @dataclasses.dataclass
@@ -633,6 +634,9 @@ class _Learned(_Policy):
     self.hits = np.zeros((c.S, c.B + 1), np.int64)
     self.top = np.zeros((c.S, 1))
     self.churn = np.zeros((c.S, 1))
+    if c.history is not None:  # eviction number of each position's last eviction
+      self.evicted_as = np.full((c.S, num_cols), _PAD, np.int64)
+      self.evictions = np.zeros((c.S, 1), np.int64)
     if c.collect is not None:
       self.nxt = _next_use(c.sel, c.num_pos)
       self.slot_next = np.zeros((c.S, c.B + 1), np.int64)
@@ -666,6 +670,8 @@ class _Learned(_Policy):
   def commit(self, st):
     c, rows = self.c, st.rows
     cur = st.cur  # padding entries write the padding column
+    if c.history is not None:
+      self._forget_untracked(st)
     since = st.t - self.last_req[rows, cur]
     self.ema[rows, cur] = np.where(self.count[rows, cur] > 0,
                                    self.ema[rows, cur] * c.alpha ** since, 0.0) + 1.0
@@ -682,6 +688,28 @@ class _Learned(_Policy):
     _touch(self.rec, st)
     if c.collect is not None:
       self.slot_next[rows, st.slot_in] = self.nxt[st.t]
+    if c.history is not None:
+      self._count_evictions(st)
+
+  def _forget_untracked(self, st):
+    """``history`` bounded: a missed position that is not among its stream's last
+    ``history`` evictions enters with no history, as if never seen."""
+    rows = np.broadcast_to(st.rows, st.cur.shape)
+    stamp = self.evicted_as[rows, st.cur]  # numbers from 0: the last G read 1..G back
+    kept = (stamp != _PAD) & (self.evictions - stamp <= self.c.history)
+    r, p = rows[st.miss & ~kept], st.cur[st.miss & ~kept]
+    self.last_req[r, p], self.count[r, p], self.ema[r, p] = 0, 0, 0.0
+    self.rank_ema[r, p], self.ranked_freq[r, p] = 1.0, 0.0
+
+  def _count_evictions(self, st):
+    """Numbers this step's evictions per stream, in the order the misses took
+    their victims (the key order)."""
+    rows = np.broadcast_to(st.rows, st.cur.shape)
+    old = st.old_pos[rows, np.where(st.miss, st.slot_in, 0)]
+    evicts = st.miss & (old >= 0)  # i64[S, k]: a miss that displaced a position
+    number = self.evictions + np.cumsum(evicts, axis=1) - 1
+    self.evicted_as[rows[evicts], old[evicts]] = number[evicts]
+    self.evictions += evicts.sum(axis=1, keepdims=True)
 
 
 def _make_policy(c):
@@ -698,7 +726,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
            ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
            twoq_in: float = 0.25, twoq_out: float = 0.5,
            rank_freq: float = 0.3, foresight: int = 4, key_fn=None,
-           collect=None) -> np.ndarray:
+           collect=None, history: int | None = None) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -795,6 +823,11 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
       bool[S, B] the filled slots the step does not request (the ones it may
       evict), reuse_in i64[S, B] the steps until their next request (T - t: never).
       It reads the future: for building training labels, never in a key.
+    history: ``"learned"`` only: None keeps every position's history (a table the
+      size of the context); an int G keeps it only while the position is
+      resident or among its stream's last G evictions (a ghost table of G
+      entries): a miss on any other position starts it afresh (request time,
+      count and EMA, rank EMA and ranked frequency as for a first request).
   Defaults were tuned at B = 2k on ``synthetic_trace`` (better decays grow with
   B / k; see ``compare_policies``).
 
@@ -816,6 +849,10 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     raise ValueError(f"foresight={foresight!r} must be an int >= 0 (steps)")
   if policy == LEARNED and not callable(key_fn):
     raise ValueError(f"policy {LEARNED!r} needs key_fn, got {key_fn!r}")
+  if history is not None and (isinstance(history, bool) or policy != LEARNED
+                              or not isinstance(history, (int, np.integer))
+                              or history < 0):
+    raise ValueError(f"history={history!r} needs policy {LEARNED!r} and an int >= 0")
   score = _validate_scores(scores, sel) if policy == "score" else None
   batch, (num_steps, k) = sel.shape[:-2], sel.shape[-2:]
   num_streams, num_slots = int(np.prod(batch, dtype=np.int64)), int(capacity)
@@ -843,7 +880,8 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
       policy=policy, S=num_streams, B=num_slots, T=num_steps, k=k, num_pos=num_pos,
       sel=sel, ranks=ranked, rank_freq=rank_freq, foresight=int(foresight), seed=seed,
       slot_ids=slot_ids,
-      key_fn=key_fn, collect=collect, **params))
+      key_fn=key_fn, collect=collect, history=None if history is None else int(history),
+      **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]

@@ -44,6 +44,7 @@ class KeyModel:
   layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (w f32[in, out], b f32[out])
   horizon: int
   uses: tuple[str, ...] = FEATURES  # the input columns, in FEATURES order
+  history: int | None = None  # replay's ``history`` it was trained (and runs) with
 
   def __call__(self, features: np.ndarray) -> np.ndarray:
     cols = [FEATURES.index(name) for name in self.uses]
@@ -58,7 +59,8 @@ class KeyModel:
     arrays = {f"w{i}": w for i, (w, _) in enumerate(self.layers)}
     arrays.update({f"b{i}": b for i, (_, b) in enumerate(self.layers)})
     np.savez(path, mean=self.mean, std=self.std, horizon=self.horizon,
-             features=np.array(FEATURES), uses=np.array(self.uses), **arrays)
+             features=np.array(FEATURES), uses=np.array(self.uses),
+             history=-1 if self.history is None else self.history, **arrays)
 
   @classmethod
   def load(cls, path: str | pathlib.Path) -> "KeyModel":
@@ -67,13 +69,15 @@ class KeyModel:
       raise ValueError(f"{path} was trained on features {tuple(data['features'])}, "
                        f"this code computes {FEATURES}")
     n = sum(name.startswith("w") for name in data.files)
+    history = int(data["history"]) if "history" in data.files else -1
     return cls(data["mean"], data["std"],
                tuple((data[f"w{i}"], data[f"b{i}"]) for i in range(n)),
-               int(data["horizon"]), tuple(str(u) for u in data["uses"]))
+               int(data["horizon"]), tuple(str(u) for u in data["uses"]),
+               None if history < 0 else history)
 
 
 def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
-            seed: int = 0):
+            seed: int = 0, history: int | None = None):
   """Samples (features f32[N, F], steps to the next request i32[N]) of eviction
   candidates while replaying ``selections`` [S, T, k] under ``key_fn``.
 
@@ -95,7 +99,7 @@ def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
     left.append(np.full(int(keep.sum()), num_steps - t, np.int32))
 
   cache_sim.replay(selections, capacity, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn,
-                   collect=record)
+                   collect=record, history=history)
   return np.concatenate(feats), np.concatenate(dist), np.concatenate(left)
 
 
@@ -160,13 +164,15 @@ def train(features, reuse_in, steps_left, horizon: int, *, uses=FEATURES,
 
 
 def fit(selections, ranks, capacity: int, horizon: int, *, rounds: int = 2,
-        seed: int = 0, **train_kw) -> KeyModel:
+        seed: int = 0, history: int | None = None, **train_kw) -> KeyModel:
   """Trains on ``selections`` [S, T, k] only: round 0 collects under
-  ``baseline_key``, each later round adds samples under the previous model."""
+  ``baseline_key``, each later round adds samples under the previous model.
+  ``history``: the replay's bound on the per-position history (None: none)."""
   data, key_fn, model = [], baseline_key, None
   for r in range(rounds):
-    data.append(collect(selections, ranks, capacity, key_fn, seed=seed + r))
+    data.append(collect(selections, ranks, capacity, key_fn, seed=seed + r,
+                        history=history))
     model = train(*(np.concatenate(parts) for parts in zip(*data)), horizon,
                   seed=seed, **train_kw)
     key_fn = model
-  return model
+  return dataclasses.replace(model, history=history)
