@@ -19,7 +19,7 @@ so there they rank by row order only). An offline reference, ``"foresight"``
 (``rank`` that knows the next h steps exactly), says how far ahead an eviction
 must see to close half of the gap: a draft's lookahead sees one step.
 
-Command (~30-45 min on a 2-core CPU, most of it training the learned keys; needs
+Command (~50 min on a 2-core CPU, most of it training the learned keys; needs
 both traces, ~10 min each):
   python -m experiments.trace && python -m experiments.trace --prompt_file=heldout
   python -m experiments.policies
@@ -48,9 +48,9 @@ flags.DEFINE_list("horizons", ["4", "16"], "Reuse horizons (steps) the learned "
                   "key is trained for; the one that closes most of the gap on the "
                   "training trace at B=2k is kept.")
 flags.DEFINE_integer("learned_steps", 1500, "AdamW steps per training round.")
-flags.DEFINE_bool("per_capacity", False, "Also train the learned key at every other "
+flags.DEFINE_bool("per_capacity", True, "Also train the learned key at every other "
                   "B/k of --slots_per_k (the horizon chosen at 2k), as a deployment of "
-                  "one B would; default: the 2k model at every B.")
+                  "one B would; --noper_capacity: the 2k model at every B.")
 flags.DEFINE_list("ghosts", ["1"], "At B=2k, also train keys whose per-position "
                   "history is kept only while resident or among the last G evictions "
                   "(G = each value x B): a bounded table a jitted step could hold.")
