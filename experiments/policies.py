@@ -110,7 +110,7 @@ def train_keys(train_data, names, out):
   (``SLOT_FEATURES``), and with the history kept for the last G evictions only
   (``--ghosts``): what the per-position history adds, and what a bounded table
   keeps of it."""
-  models, slot_models, rows = {}, {}, []
+  models, less_history, rows = {}, {}, []
   for name in tqdm(names, desc="learned keys"):
     trace = _streams(train_data, name)
     slots = round(TRAIN_B * trace[0].shape[-1])
@@ -133,17 +133,17 @@ def train_keys(train_data, names, out):
           steps=FLAGS.learned_steps)
       if FLAGS.per_capacity:
         models[name][mult].save(out / f"learned_{name}_B{mult:g}k.npz")
-    slot_models[name] = {"slot_features_only": learned_policy.fit(
+    less_history[name] = {"slot_features_only": learned_policy.fit(
         trace[0], trace[2], slots, best[1].horizon, uses=learned_policy.SLOT_FEATURES,
         steps=FLAGS.learned_steps)}
-    slot_models[name]["slot_features_only"].save(
+    less_history[name]["slot_features_only"].save(
         out / f"learned_slot_features_{name}.npz")
     for mult in map(float, FLAGS.ghosts):
       model = learned_policy.fit(trace[0], trace[2], slots, best[1].horizon,
                                  history=round(mult * slots), steps=FLAGS.learned_steps)
-      slot_models[name][f"ghosts_{mult:g}B"] = model
+      less_history[name][f"ghosts_{mult:g}B"] = model
       model.save(out / f"learned_{name}_ghosts{mult:g}B.npz")
-  return models, slot_models, rows
+  return models, less_history, rows
 
 
 def main(argv):
@@ -159,13 +159,13 @@ def main(argv):
   names = common.trace_names(data)
   out = common.start_run("policies", dict(FLAGS.flag_values_dict(), trace=str(path),
                                           train_trace=str(train_path)), FLAGS.out_root)
-  models, slot_models, training = {}, {}, []
+  models, less_history, training = {}, {}, []
   if train_path is not None:
     train_data = np.load(train_path)
     missing = set(names) - set(common.trace_names(train_data))
     if missing:
       raise ValueError(f"{train_path} has no trace of {sorted(missing)}")
-    models, slot_models, training = train_keys(train_data, names, out)
+    models, less_history, training = train_keys(train_data, names, out)
   online = ONLINE + ([cache_sim.LEARNED] if models else [])
   rows = []
   for name in tqdm(names, desc="selectors"):
@@ -177,7 +177,7 @@ def main(argv):
         rows.append(row)
         common.append_row(out, row)
   ablation = []
-  for name, variants in slot_models.items():
+  for name, variants in less_history.items():
     trace = _streams(data, name)
     slots = round(TRAIN_B * trace[0].shape[-1])
     bounds = _bounds(trace, slots)
@@ -227,7 +227,7 @@ def main(argv):
                "reported trace, B=2k): none (per-slot features only), or kept for the "
                "last G evictions only (ghosts_xB: G = x B)\n\n"
                + common.markdown_table(ablation, ["selector", "horizon", "all_features",
-                                                  *next(iter(slot_models.values()))])
+                                                  *next(iter(less_history.values()))])
                + "\n")
   (out / "table.md").write_text(report)
   common.bar_plot(out / "plot.png", online, [mean_gap[p] for p in online],
