@@ -732,7 +732,7 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
                        np.log1p(t - fetched[p]), np.log1p(hits[p]), p / (top + 1.0),
                        rank_ema[p], ranked_freq[p], churn])
 
-    ghosts = set(evicted[-history:]) if history else set()  # before this step's
+    ghosts = set(evicted[-history:]) if history else set()  # before this step evicts
     cands = [p for p in order if p not in wset]
     keys = {p: float(key_fn(feats(p))) for p in cands}
     if log is not None:
