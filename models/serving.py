@@ -377,9 +377,12 @@ class ServingBackend:
     [n, L, Pg, U, Hg, D]."""
     if self.backend != "tiered":
       raise ValueError(f"the {self.backend} backend has no host pages")
-    ks, vs = [], []
+    tier = state.cache.tier
+    # [0, L, Pg, U, Hg, D] each for no pages, as a mesh returns them.
+    ks = [np.zeros((0,) + tier.host_k.shape[:1] + tier.host_k.shape[2:], tier.host_k.dtype)]
+    vs = [np.zeros((0,) + tier.host_v.shape[:1] + tier.host_v.shape[2:], tier.host_v.dtype)]
     for group, real in self._page_groups(pages):
-      k, v = _read_pages(self.tier_cfg, state.cache.tier, group)
+      k, v = _read_pages(self.tier_cfg, tier, group)
       ks.append(np.moveaxis(np.asarray(k), 1, 0)[:real])
       vs.append(np.moveaxis(np.asarray(v), 1, 0)[:real])
     return [np.concatenate(ks), np.concatenate(vs)]

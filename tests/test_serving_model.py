@@ -157,6 +157,8 @@ def test_disk_tier_round_trips_host_pages_and_keeps_the_tokens(model_and_ids, tm
   host = [np.moveaxis(np.asarray(a)[:, pages], 1, 0) for a in
           (state.cache.tier.host_k, state.cache.tier.host_v)]
   assert [f.tobytes() for f in fields] == [h.tobytes() for h in host]
+  empty = tiered.read_pages(state, [])
+  assert [(f.shape, f.dtype) for f in empty] == [((0,) + f.shape[1:], f.dtype) for f in fields]
   disk = DiskTier(tmp_path / "again", 8)
   back = disk.read(disk.write(fields))
   others = [p for p in range(tiered.num_host_pages) if engine.pool.refs[p] == 0][:4]
