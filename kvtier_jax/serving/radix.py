@@ -193,14 +193,17 @@ class RadixCache:
       node = node.parent
 
   def evict(self, num_pages: int, drop: Callable[[list[int]], int],
-            spill: Callable[[list[int]], list[int]] | None = None) -> int:
+            spill: Callable[[list[int]], list[int]] | None = None,
+            where: Callable[[list[int]], bool] | None = None) -> int:
     """Give up host pages of unlocked leaves (nodes whose children are all on
     disk), least recently used first, until ``drop`` (which releases the tree's
     references and returns the pages that became free) has freed ``num_pages``;
     returns the pages freed. With a disk tier and ``spill`` (host pages -> disk
     ids, the pages' contents written there) a leaf moves to disk, else it is
-    forgotten with its subtree."""
-    leaves = [(n.last_used, id(n), n) for n in self._nodes() if self._evictable(n)]
+    forgotten with its subtree. ``where(pages)``: only leaves whose pages it
+    accepts (data parallel: another device's pages would free nothing here)."""
+    evictable = lambda n: self._evictable(n) and (where is None or where(n.pages))
+    leaves = [(n.last_used, id(n), n) for n in self._nodes() if evictable(n)]
     heapq.heapify(leaves)
     freed = 0
     while leaves and freed < num_pages:
@@ -216,7 +219,7 @@ class RadixCache:
       if not leaf.disk:
         self._remove(leaf)
       freed += drop(pages)
-      if self._evictable(parent):
+      if evictable(parent):
         heapq.heappush(leaves, (parent.last_used, id(parent), parent))
     return freed
 
@@ -264,6 +267,31 @@ class RadixCache:
       if node is not self.root:
         yield node
       stack.extend(node.children.values())
+
+  def evictable_pages(self, group: Callable[[list[int]], int] = lambda pages: 0
+                      ) -> dict[int, list[int]]:
+    """Host pages ``evict`` can give up when asked for all of them, by the group
+    ``group(pages)`` of each node's pages (data parallel: the device): a node's
+    count under ``evict(where=<its group>)`` when it is unlocked and every host
+    page of its subtree is in its group."""
+    out: dict[int, list[int]] = {}
+    mixed = object()
+    groups = {}  # id(node) -> its subtree's one group, None (no host pages) or mixed
+    stack = [(self.root, False)]
+    while stack:  # post-order without recursion (a long prompt is a deep path)
+      node, children_done = stack.pop()
+      if not children_done:
+        stack.append((node, True))
+        stack.extend((c, False) for c in node.children.values())
+        continue
+      found = {groups[id(c)] for c in node.children.values()} - {None}
+      if node.pages:
+        found.add(group(node.pages))
+      one = None if not found else next(iter(found)) if len(found) == 1 else mixed
+      groups[id(node)] = one
+      if node.pages and one is not mixed and not node.lock:
+        out.setdefault(one, []).extend(node.pages)
+    return out
 
   def held_pages(self) -> list[int]:
     """Every host page the tree references (tests: the pool's reference counts)."""
