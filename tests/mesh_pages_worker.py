@@ -1,0 +1,80 @@
+"""The mesh serving backend's host-page IO (models/sharded_serving.py: ``read_pages``
+/ ``write_pages``, what a disk tier and the PDD relay call) against a numpy model of
+the host tier, on 4 fake CPU devices as a data:2 x model:2 mesh (run by
+tests/test_sharding.py in a subprocess: the device count is fixed when jax starts).
+Prints one JSON line; any mismatch raises."""
+
+import json
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4").strip()
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kvtier_jax import sharding  # noqa: E402
+from models import serving, sharded_serving  # noqa: E402
+from models import transformer as tfm  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.setup import build_selector  # noqa: E402
+
+ROWS, PAGES_PER_ROW = 2, 6
+
+
+def main():
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny")
+  model = tfm.Transformer(cfg, rngs=nnx.Rngs(0))
+  selector, _ = build_selector("quest_kv", cfg, top_k=16)
+  mesh = sharding.make_mesh({"data": ROWS, "model": 2})
+  backend = sharded_serving.MeshServingBackend(
+      model, "tiered", 4, 64, mesh=mesh, selector=selector, chunk_size=16,
+      page_size=8, hot_slots=32, host_pages=ROWS * PAGES_PER_ROW)
+  one = serving.ServingBackend(model, "tiered", 2, 64, selector=selector, chunk_size=16,
+                               page_size=8, hot_slots=32, host_pages=PAGES_PER_ROW)
+  state = backend.init()
+  num_pages = backend.num_host_pages
+  assert num_pages == ROWS * PAGES_PER_ROW, num_pages
+
+  # No pages: the one-device backend's empty fields ([0, L, Pg, U, Hg, D]).
+  empty, want = backend.read_pages(state, []), one.read_pages(one.init(), [])
+  assert [f.shape for f in empty] == [f.shape for f in want], (empty, want)
+  assert [f.dtype for f in empty] == [f.dtype for f in want]
+  assert empty[0].shape[0] == 0
+
+  rng = np.random.default_rng()
+  model_k = model_v = None
+  writes = 0
+  for _ in range(4):  # random subsets, random order, pages of both rows mixed
+    pages = rng.permutation(num_pages)[:rng.integers(1, num_pages + 1)].tolist()
+    shape = (len(pages),) + empty[0].shape[1:]
+    k = rng.standard_normal(shape).astype(empty[0].dtype)
+    v = rng.standard_normal(shape).astype(empty[1].dtype)
+    state = backend.write_pages(state, pages, [k, v])
+    writes += len(pages)
+    if model_k is None:
+      model_k = np.full((num_pages,) + shape[1:], np.nan, k.dtype)
+      model_v = model_k.copy()
+    model_k[pages], model_v[pages] = k, v
+    written = np.flatnonzero(~np.isnan(model_k.reshape(num_pages, -1)[:, 0]))
+    order = rng.permutation(written).tolist()
+    got_k, got_v = backend.read_pages(state, order)
+    np.testing.assert_array_equal(got_k, model_k[order])
+    np.testing.assert_array_equal(got_v, model_v[order])
+  # Global page p is row p // PAGES_PER_ROW's local page p % PAGES_PER_ROW (what
+  # set_pages maps a slot's page table to): read each row's tier on its own.
+  for row in range(ROWS):
+    local = model_k[row * PAGES_PER_ROW:(row + 1) * PAGES_PER_ROW]
+    held = np.flatnonzero(~np.isnan(local.reshape(PAGES_PER_ROW, -1)[:, 0])).tolist()
+    _, (row_k, row_v) = backend._on_row(state, row, lambda b, s: (s, b.read_pages(s, held)))
+    np.testing.assert_array_equal(row_k, local[held])
+    np.testing.assert_array_equal(
+        row_v, model_v[row * PAGES_PER_ROW:(row + 1) * PAGES_PER_ROW][held])
+  print(json.dumps({"pages": num_pages, "writes": writes,
+                    "empty_shape": list(empty[0].shape)}))
+
+
+if __name__ == "__main__":
+  main()
