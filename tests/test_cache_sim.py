@@ -877,3 +877,9 @@ def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
   # Unknown label (trace ends before the horizon, not reused): dropped, not negative.
   with pytest.raises(ValueError, match="too few"):
     lp.train(feats[:300], reuse_in[:300], np.full(300, 3), horizon=4)
+  # Never reused near the end: reuse_in == steps_left (T - t) is no reuse, even
+  # within the horizon. Those samples are unknown, so only the earlier ones, all
+  # negative, are left: one class.
+  left = np.where(np.arange(6000) < 3000, 3, 100)
+  with pytest.raises(ValueError, match="one class"):
+    lp.train(feats, left, left, horizon=4)

@@ -110,15 +110,18 @@ def train(features, reuse_in, steps_left, horizon: int, *, uses=FEATURES,
   ``features`` by logistic loss (optax AdamW).
 
   Samples whose remaining trace is shorter than the horizon and which are not
-  reused in it are dropped (their label is unknown).
+  reused in it are dropped (their label is unknown). A never-reused candidate has
+  ``reuse_in == steps_left`` (T - t, ``collect``): not a reuse, even when that is
+  within the horizon.
   """
   unknown = set(uses) - set(FEATURES)
   if unknown:
     raise ValueError(f"unknown features {sorted(unknown)}; expected from {FEATURES}")
   uses = tuple(name for name in FEATURES if name in uses)
-  known = (reuse_in <= horizon) | (steps_left > horizon)
+  soon = (reuse_in < steps_left) & (reuse_in <= horizon)
+  known = soon | (steps_left > horizon)
   x = np.asarray(features[known][:, [FEATURES.index(n) for n in uses]], np.float32)
-  y = (reuse_in[known] <= horizon).astype(np.float32)
+  y = soon[known].astype(np.float32)
   if x.shape[0] < 256 or y.min() == y.max():
     raise ValueError(f"{x.shape[0]} labelled samples, labels {sorted(set(y.tolist()))}: "
                      "too few (< 256) or one class only")
