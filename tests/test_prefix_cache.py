@@ -108,23 +108,32 @@ def test_radix_evicts_unlocked_leaves_lru_first_and_shared_prefixes_last():
 
 
 def evict_all(tree, where):
-  """The host pages ``tree.evict`` gives up when asked for all of them."""
+  """The host pages of group ``where`` that ``tree.evict`` gives up when asked for
+  all of them (it may give up other groups' pages below them too)."""
   freed = []
-  tree.evict(10**9, lambda pages: freed.extend(pages) or len(pages), where=where)
-  return freed
+  got = tree.evict(10**9, lambda pages: freed.extend(pages) or sum(where([p]) for p in pages),
+                   where=where)
+  mine = [p for p in freed if where([p])]
+  assert got == len(mine)
+  return mine
 
 
 def test_radix_evictable_pages_are_what_eviction_gives_up_per_group():
   """``evictable_pages(group)`` against evicting a copy of the tree with
   ``where=<that group>`` until nothing is left: the same pages, group by group, on
   random trees whose paths cross groups (as a prefix on one device extended from
-  another does) and with random nodes locked."""
+  another does: a node can be held up only by another group's suffix) and with
+  random nodes locked; what is left of the group is locked."""
   rng = np.random.default_rng()
   for _ in range(20):
     tree, ids = RadixCache(UNIT, PAGE), itertools.count()
     group = lambda pages: pages[0] % 2
+    inserted = []
     for _ in range(int(rng.integers(1, 12))):
       tokens = rng.integers(0, 3, UNIT * int(rng.integers(1, 5))).tolist()
+      if inserted and rng.random() < 0.5:  # a cached prompt extended, maybe elsewhere
+        tokens = inserted[int(rng.integers(len(inserted)))] + tokens
+      inserted.append(tokens)
       parity = int(rng.integers(2))  # the inserting "device": its page ids' parity
       pages = [2 * next(ids) + parity for _ in range(len(tokens) // PAGE)]
       _, node = tree.insert(tokens, pages)
@@ -132,8 +141,10 @@ def test_radix_evictable_pages_are_what_eviction_gives_up_per_group():
         tree.lock(node)
     got = tree.evictable_pages(group)
     for g in (0, 1):
-      assert sorted(got.get(g, [])) == sorted(evict_all(copy_module.deepcopy(tree),
+      emptied = copy_module.deepcopy(tree)
+      assert sorted(got.get(g, [])) == sorted(evict_all(emptied,
                                                         lambda pages, g=g: pages[0] % 2 == g))
+      assert all(n.lock for n in emptied._nodes() if n.pages and n.pages[0] % 2 == g)
     assert sorted(tree.evictable_pages().get(0, [])) == sorted(
         p for n in tree._nodes() if not n.lock for p in n.pages)  # one group: every unlocked page
 
@@ -431,6 +442,44 @@ def test_data_parallel_eviction_frees_only_the_device_that_needs_pages():
   engine.run()
   assert hog.output == solo(TwoDeviceModel, hog.prompt, 4)
   engine.pool.check(engine.radix.held_pages())
+
+
+def test_data_parallel_eviction_takes_a_prefix_held_up_by_another_devices_suffix():
+  """A prefix C cached on device 0 whose suffix E ran, and is cached, on device 1
+  (device 0's slots were busy). C is no leaf, and E is device 1's: evicting only
+  device 0's leaves could never free C. A request that shares C's first chunk waits
+  on device 0 (its prefix's device, a free slot) for pages only that unlocked prefix
+  holds: C goes, with E. (It stalled for good before: nothing ran anywhere.) A
+  request that grows past device 0's free pages while decoding is not preempted
+  over and over."""
+  engine = Engine(TwoDeviceModel(num_host_pages=40),
+                  EngineConfig(max_step_tokens=128, prefix_cache=True))
+  pool, part = engine.pool, engine.pool.page_partition
+  prefix = list(range(1, 57))  # 7 chunks, 14 pages
+  engine.submit(prefix + [57], 2)
+  engine.run()  # cached on device 0
+  fillers = [engine.submit(prefix + [58 + i], 3) for i in range(2)]  # both device 0 slots
+  while any(f.state is State.WAITING for f in fillers):
+    engine.step()
+  away = engine.submit(prefix + [60] * 8 + [61] * 8 + [1], 2)  # + 2 chunks: device 1
+  while away.state is State.WAITING:
+    engine.step()
+  assert pool.slot_partition(away.slot) == 1
+  engine.run()
+  held = {n.key[:1]: sorted({part(p) for p in n.pages}) for n in engine.radix._nodes()}
+  assert sorted(held.values()) == [[0], [1]]  # C on device 0, E below it on device 1
+  assert pool.free_in(0) < 12 <= pool.free_in(0) + 14
+  waiting = engine.submit(prefix[:8] + [62] * 40, 2)  # 12 pages, 2 of them C's
+  grows = engine.submit(prefix[:8] + [44] * 4, 40)  # 3 pages, then 13 while decoding
+  for _ in range(400):
+    if not engine.has_work:
+      break
+    engine.step()
+    engine.pool.check(engine.radix.held_pages())
+  assert waiting.state is grows.state is State.FINISHED, (waiting.reason, grows.reason)
+  assert grows.metrics.preemptions <= 1
+  assert waiting.output == solo(TwoDeviceModel, waiting.prompt, 2)
+  assert grows.output == solo(TwoDeviceModel, grows.prompt, 40)
 
 
 def test_data_parallel_engine_refuses_a_request_no_device_can_hold():

@@ -200,8 +200,25 @@ class RadixCache:
     references and returns the pages that became free) has freed ``num_pages``;
     returns the pages freed. With a disk tier and ``spill`` (host pages -> disk
     ids, the pages' contents written there) a leaf moves to disk, else it is
-    forgotten with its subtree. ``where(pages)``: only leaves whose pages it
-    accepts (data parallel: another device's pages would free nothing here)."""
+    forgotten with its subtree.
+
+    ``where(pages)`` (data parallel: the device that needs pages): its leaves go
+    first, since another device's pages would free nothing here. When they are not
+    enough, an unlocked node it accepts that other devices' host pages below it keep
+    from being a leaf goes too, least recently used first, with that subtree (a
+    suffix cannot outlive its prefix)."""
+    freed = self._evict_leaves(num_pages, drop, spill, where)
+    while where is not None and freed < num_pages:
+      blocked = [(n.last_used, id(n), n) for n in self._nodes()
+                 if n.pages and not n.lock and where(n.pages)]
+      if not blocked:
+        break
+      for node in self._host_post_order(min(blocked)[2]):
+        freed += self._give_up(node, drop, spill)
+      freed += self._evict_leaves(num_pages - freed, drop, spill, where)
+    return freed
+
+  def _evict_leaves(self, num_pages, drop, spill, where) -> int:
     evictable = lambda n: self._evictable(n) and (where is None or where(n.pages))
     leaves = [(n.last_used, id(n), n) for n in self._nodes() if evictable(n)]
     heapq.heapify(leaves)
@@ -209,19 +226,35 @@ class RadixCache:
     while leaves and freed < num_pages:
       _, _, leaf = heapq.heappop(leaves)
       parent = leaf.parent
-      if spill is not None and self.disk is not None:
-        self._make_disk_room(len(leaf.pages), keep=leaf)
-        if self.disk.num_free >= len(leaf.pages):
-          leaf.disk = spill(leaf.pages)
-          self.num_disk_pages += len(leaf.disk)
-      pages, leaf.pages = leaf.pages, []
-      self.num_pages -= len(pages)
-      if not leaf.disk:
-        self._remove(leaf)
-      freed += drop(pages)
+      freed += self._give_up(leaf, drop, spill)
       if evictable(parent):
         heapq.heappush(leaves, (parent.last_used, id(parent), parent))
     return freed
+
+  def _give_up(self, leaf: Node, drop, spill) -> int:
+    """``leaf``'s host pages to disk (``spill``, room permitting) or forgotten with
+    its subtree; returns what ``drop`` freed."""
+    if spill is not None and self.disk is not None:
+      self._make_disk_room(len(leaf.pages), keep=leaf)
+      if self.disk.num_free >= len(leaf.pages):
+        leaf.disk = spill(leaf.pages)
+        self.num_disk_pages += len(leaf.disk)
+    pages, leaf.pages = leaf.pages, []
+    self.num_pages -= len(pages)
+    if not leaf.disk:
+      self._remove(leaf)
+    return drop(pages)
+
+  @staticmethod
+  def _host_post_order(node: Node) -> list[Node]:
+    """``node``'s subtree's nodes with host pages, every child before its parent."""
+    out, stack = [], [node]
+    while stack:
+      n = stack.pop()
+      if n.pages:
+        out.append(n)
+      stack.extend(c for c in n.children.values() if c.pages or c.children)
+    return out[::-1]
 
   def _evictable(self, node: Node) -> bool:
     return (node is not self.root and not node.lock and bool(node.pages)
@@ -271,26 +304,13 @@ class RadixCache:
   def evictable_pages(self, group: Callable[[list[int]], int] = lambda pages: 0
                       ) -> dict[int, list[int]]:
     """Host pages ``evict`` can give up when asked for all of them, by the group
-    ``group(pages)`` of each node's pages (data parallel: the device): a node's
-    count under ``evict(where=<its group>)`` when it is unlocked and every host
-    page of its subtree is in its group."""
+    ``group(pages)`` of each node's pages (data parallel: the device): those of
+    every unlocked node, under ``evict(where=<its group>)`` (a node is unlocked only
+    when its whole subtree is)."""
     out: dict[int, list[int]] = {}
-    mixed = object()
-    groups = {}  # id(node) -> its subtree's one group, None (no host pages) or mixed
-    stack = [(self.root, False)]
-    while stack:  # post-order without recursion (a long prompt is a deep path)
-      node, children_done = stack.pop()
-      if not children_done:
-        stack.append((node, True))
-        stack.extend((c, False) for c in node.children.values())
-        continue
-      found = {groups[id(c)] for c in node.children.values()} - {None}
-      if node.pages:
-        found.add(group(node.pages))
-      one = None if not found else next(iter(found)) if len(found) == 1 else mixed
-      groups[id(node)] = one
-      if node.pages and one is not mixed and not node.lock:
-        out.setdefault(one, []).extend(node.pages)
+    for node in self._nodes():
+      if node.pages and not node.lock:
+        out.setdefault(group(node.pages), []).extend(node.pages)
     return out
 
   def held_pages(self) -> list[int]:
