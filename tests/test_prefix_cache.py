@@ -482,6 +482,54 @@ def test_data_parallel_eviction_takes_a_prefix_held_up_by_another_devices_suffix
   assert grows.output == solo(TwoDeviceModel, grows.prompt, 40)
 
 
+@dataclasses.dataclass
+class ThreeDeviceModel(FakeModel):
+  """FakeModel on three "devices": two slots and 20 host pages each."""
+
+  num_slots: int = 6
+  num_partitions: int = 3
+  num_host_pages: int = 60
+
+
+def test_data_parallel_room_counts_the_requests_own_match_on_other_devices():
+  """A request matches C (cached on device 0, whose slots are busy) and E below it
+  (cached on device 1). It will share neither elsewhere, so device 1's room
+  counts E's pages, which admission evicts there: it runs on device 1 at once.
+  (Its match was locked before the device was picked: device 1 had no room then,
+  and it waited on device 2, which has more free pages but not enough.)"""
+  engine = Engine(ThreeDeviceModel(), EngineConfig(max_step_tokens=128, prefix_cache=True))
+  pool, part = engine.pool, engine.pool.page_partition
+  prefix, suffix = list(range(1, 17)), list(range(20, 36))  # C, E: 2 chunks, 4 pages each
+  engine.submit(prefix + [57], 2)
+  engine.run()  # C cached on device 0
+  fillers = [engine.submit(prefix + [58 + i], 24) for i in range(2)]  # device 0's slots
+  while any(f.state is State.WAITING for f in fillers):
+    engine.step()
+  away = engine.submit(prefix + suffix + [1], 2)
+  while away.state is State.WAITING:
+    engine.step()
+  assert pool.slot_partition(away.slot) == 1
+  while away.state is not State.FINISHED:
+    engine.step()
+  held = {n.key[:1]: sorted({part(p) for p in n.pages}) for n in engine.radix._nodes()}
+  assert held == {(1,): [0], (20,): [1]}  # E on device 1, below C on device 0
+  hogs = [engine.submit([50] * 41, 20), engine.submit([51] * 29, 3)]  # 11 and 8 pages
+  for hog in hogs:
+    while hog.state is State.WAITING:
+      engine.step()
+  assert [pool.slot_partition(h.slot) for h in hogs] == [2, 1]
+  assert [pool.free_in(p) for p in (1, 2)] == [8, 9]  # both short of 10, device 1 has E's 4
+  late = engine.submit(prefix + suffix + [60] * 7 + [1], 2)  # 10 pages
+  engine.step()
+  assert late.state is not State.WAITING and pool.slot_partition(late.slot) == 1
+  assert late.metrics.cached_tokens == 0
+  engine.run()
+  for r in (*fillers, away, *hogs, late):
+    assert r.state is State.FINISHED
+    assert r.output == solo(ThreeDeviceModel, r.prompt, r.max_new_tokens)
+  engine.pool.check(engine.radix.held_pages())
+
+
 def test_data_parallel_engine_refuses_a_request_no_device_can_hold():
   """40 pages over 2 devices: a request needing 21 fits the pool but no device's
   host tier; it is refused at submit (it would wait forever)."""

@@ -407,6 +407,8 @@ class Engine:
       host = self._host_pages(req.total_length)
       shared, node = self._match(req) if host else ([], None)
       upto = max(len(req.prompt), req.imported[1] if req.imported else 0)
+      # The device is picked before the match is locked: its room counts the
+      # matched nodes on other devices, which this request will not share.
       slot = self._pick_slot(free, shared, -(-upto // self.model.page_size) if host else 0)
       # Data parallel: only the prefix's pages in the slot's own host tier are shared.
       part = self.pool.slot_partition(slot)
@@ -415,7 +417,9 @@ class Engine:
       whole = local == len(shared)
       shared = shared[:local]
       if not whole:  # lock only what the slot shares, not the other device's pages
-        node = self._relock(node, shared)
+        node = self._holder(node, shared)
+      if node is not None:
+        self.radix.lock(node)
       if self._host_pages(req.total_length):
         on_disk = [] if node is None or not whole else self.radix.disk_path(node)
         load = bool(on_disk) and self._load_from_disk(on_disk)
@@ -520,13 +524,11 @@ class Engine:
     return req.prompt[:(len(req.prompt) - 1) // chunk * chunk]
 
   def _match(self, req: Request) -> tuple[list[int], object]:
-    """(pages, locked node) of the request's longest cached prefix; at least one
-    prompt token is left to prefill (its logits give the first output)."""
+    """(pages, node, not locked) of the request's longest cached prefix; at least
+    one prompt token is left to prefill (its logits give the first output)."""
     if self.radix is None:
       return [], None
-    pages, node = self.radix.match_prefix(self._shareable(req))
-    self.radix.lock(node)
-    return pages, node
+    return self.radix.match_prefix(self._shareable(req))
 
   def _load_from_disk(self, on_disk) -> bool:
     """Load (True) or recompute the matched prefix nodes ``on_disk``."""
@@ -742,12 +744,16 @@ class Engine:
         req = None
     return ran
 
+  def _holder(self, node, pages: list[int]):
+    """``node``'s deepest ancestor (or itself) whose pages are those ``pages``
+    holds at its depth."""
+    while node.parent is not None and not self.radix.holds(node, pages):
+      node = node.parent
+    return node
+
   def _relock(self, node, pages: list[int]):
-    """Moves a lock from ``node`` to its deepest ancestor (or itself) whose pages
-    are those ``pages`` holds at its depth; returns that node."""
-    keep = node
-    while keep.parent is not None and not self.radix.holds(keep, pages):
-      keep = keep.parent
+    """Moves a lock from ``node`` to ``_holder(node, pages)``; returns that node."""
+    keep = self._holder(node, pages)
     if keep is not node:
       self.radix.lock(keep)
       self.radix.unlock(node)
