@@ -169,8 +169,11 @@ def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
   from experiments import workloads
   rng = np.random.default_rng()
   stream = rng.integers(0, 1000, 5000)
-  specs = workloads.shared_prefix(stream, rng, 40, 3, 100, (16, 64), (2, 5),
-                                  arrivals=np.arange(40.0))
+  for _ in range(100):  # two groups may draw the same window (~7 draws in 10000)
+    specs = workloads.shared_prefix(stream, rng, 40, 3, 100, (16, 64), (2, 5),
+                                    arrivals=np.arange(40.0))
+    if len({s.prompt[:100] for s in specs}) == len({s.id.split("-")[0] for s in specs}):
+      break
   groups = {}
   for spec in specs:
     group = spec.id.split("-")[0]

@@ -207,8 +207,10 @@ def test_peaks_are_what_a_step_held_before_its_requests_let_go():
   engine, clock = engine_with_clock(model, max_step_tokens=16)
   held = []
   engine._on_step = lambda row: (held.append(engine.pool.in_use), clock.on_step(row))
+  # The last request takes one token: 1,1,1,1,1,2 (1 draw in 64) overlapped nothing,
+  # peak_concurrency == ends, and the check below failed on it (16 in 1000 draws).
   work = [bench.RequestSpec(f"q{i}", tuple(rng.integers(0, VOCAB - 1, 14).tolist()),
-                            int(rng.integers(1, 3))) for i in range(6)]
+                            int(rng.integers(1, 3)) if i < 5 else 1) for i in range(6)]
   served = bench.drive(engine, work, sleep=clock.sleep)
   row = bench.summarize(served, host_page_bytes=model.host_page_bytes)
   reqs = served.requests
