@@ -4,7 +4,9 @@ yields the tokens of an uninterrupted run; handoffs survive the wire format; bad
 are refused."""
 
 import dataclasses
+import json
 import socket
+import struct
 import threading
 
 import numpy as np
@@ -97,6 +99,148 @@ def test_handoff_wire_format_and_refusals():
   with pytest.raises(ValueError, match="no host pages"):  # a waiting request has none
     engine.export(req.id, kv="all")
   assert engine.export(req.id, kv="none").output == [] and req.state is State.HANDED_OFF
+
+
+def test_malformed_frames_are_refused_clearly():
+  """A frame from the wire that is not a handoff: a ValueError, whatever is wrong."""
+  good = handoff_lib.Handoff("r", [1, 2], [], 3)
+  header = json.loads(good.to_bytes()[8:])
+  def frame(head, body=b""):
+    blob = json.dumps(head).encode()
+    return struct.pack("<Q", len(blob)) + blob + body
+  bad = [b"", b"\0" * 5, struct.pack("<Q", 100) + b"{}", frame(header)[:-1],
+         frame(dict(header, kv=[dict(dtype="int64", shape=[-1, 4])]), b"\0" * 64),
+         frame(dict(header, kv=[dict(dtype="object", shape=[1])]), b"\0" * 8),
+         frame(dict(header, kv=[dict(dtype="nonsense", shape=[1])]), b"\0" * 8),
+         frame(dict(header, kv=[dict(shape=[1])]), b"\0" * 8),
+         frame({k: v for k, v in header.items() if k != "kv"}),
+         frame(dict(header, surprise=1)), frame([1, 2])]
+  for data in bad:
+    with pytest.raises(ValueError):
+      handoff_lib.Handoff.from_bytes(data)
+  assert handoff_lib.Handoff.from_bytes(frame(header)) == good
+
+
+def test_relayed_tokens_must_be_ids_and_the_receivers_eos_ends_them():
+  """Relayed outputs that are not integer ids (a float through JSON, a bool) are
+  refused, not truncated into the feed; so is an output holding one of the
+  receiver's eos ids (the request ended there)."""
+  prompt = list(range(1, 20))
+  ref = solo(FakeModel, prompt, 6)
+  engine = Engine(FakeModel())
+  for output in ([float(ref[0]) + 0.9], [ref[0], True], [np.float32(ref[0])]):
+    with pytest.raises(ValueError, match="not integer ids"):
+      engine.accept(handoff_lib.Handoff("r", prompt, output, 6))
+  with pytest.raises(ValueError, match="kv_end"):
+    engine.accept(handoff_lib.Handoff("r", prompt, ref[:2], 6, kv_end=8.0))
+  assert not engine.requests
+  eos = ref[1]
+  strict = Engine(FakeModel(), EngineConfig(eos_ids=(eos,)))
+  with pytest.raises(ValueError, match=f"stop id {eos}"):
+    strict.accept(handoff_lib.Handoff("r", prompt, ref[:3], 6))
+  moved = strict.accept(handoff_lib.Handoff("r", prompt, [np.int64(ref[0])], 6))
+  strict.run()
+  assert moved.output == ref[:2] and all(type(t) is int for t in moved.output)
+
+
+def test_export_inside_on_token_sends_what_the_receiver_can_continue():
+  """``export`` called from ``on_token``: the request whose stop id was just sampled
+  is refused (it ends here, as it would have); a peer in the same decode batch, fed
+  this step but not sampled yet, sends K/V up to its newest output only, and the
+  receiver continues it exactly."""
+  prompt = list(range(1, 20))
+  ref = solo(FakeModel, prompt, 10)
+  engine = Engine(FakeModel())
+  refused = []
+  def on_token(req, token):
+    if token == ref[2]:
+      with pytest.raises(ValueError, match="produced its stop id"):
+        engine.export(req.id, kv="none")
+      refused.append(req.id)
+  req = engine.submit(prompt, 10, stop_ids=[ref[2]], on_token=on_token)
+  engine.run()
+  assert refused == [req.id] and req.state is State.FINISHED and req.output == ref[:3]
+
+  peer_prompt = list(range(30, 50))
+  sender, box = Engine(FakeModel()), {}
+  def export_peer(req, token):
+    if len(req.output) == 4 and not box:
+      box["handoff"] = sender.export("B", kv="all")
+  first = sender.submit(prompt, 10, request_id="A", on_token=export_peer)
+  sender.submit(peer_prompt, 10, request_id="B")
+  sender.run()
+  handoff = box["handoff"]
+  assert handoff.kv_end == len(peer_prompt) + len(handoff.output) - 1
+  receiver = Engine(FakeModel())
+  moved = receiver.accept(handoff)
+  receiver.run()
+  assert first.output == ref and moved.output == solo(FakeModel, peer_prompt, 10)
+
+
+def test_a_request_comes_back_to_the_engine_it_left():
+  """A -> B -> A: A's record of the request it handed off gives way to the returning
+  one. An id taken by a request that did not leave is refused with a way out
+  (``accept(..., request_id=)``), nothing queued."""
+  prompt = list(range(1, 20))
+  a, b = Engine(FakeModel()), Engine(FakeModel())
+  req = a.submit(prompt, 10, request_id="r")
+  while len(req.output) < 2:
+    a.step()
+  away = b.accept(a.export("r", kv="all"))
+  while len(away.output) < 5:
+    b.step()
+  back = a.accept(b.export("r", kv="all"))
+  a.run()
+  assert a.requests["r"] is back and back.output == solo(FakeModel, prompt, 10)
+  assert [r.state for r in (req, away, back)] == [State.HANDED_OFF, State.HANDED_OFF,
+                                                  State.FINISHED]
+  sender, receiver = Engine(FakeModel()), Engine(FakeModel())
+  receiver.submit([1, 2, 3], 2)  # receiver's "req-0"
+  receiver.run()
+  moving = sender.submit(prompt, 6)  # sender's "req-0"
+  while len(moving.output) < 2:
+    sender.step()
+  handoff = sender.export(moving.id, kv="none")
+  with pytest.raises(ValueError, match="already exists; accept"):
+    receiver.accept(handoff)
+  assert len(receiver.requests) == 1 and not receiver.has_work
+  renamed = receiver.accept(handoff, request_id="from-sender")
+  receiver.run()
+  assert renamed.id == "from-sender" and renamed.output == solo(FakeModel, prompt, 6)
+
+
+def test_a_handoffs_pages_are_not_booked_as_disk_prefix_recomputed():
+  """A receiver that recomputes disk-tier prefixes ("recompute") and holds the
+  prompt's first 24 positions on disk: a handoff with every position's K/V
+  prefills nothing and recomputes nothing; the same prompt submitted recomputes
+  those 24."""
+  prompt = list(range(1, 34))
+  config = EngineConfig(max_step_tokens=20, prefix_cache=True, disk_pages=20,
+                        disk_policy="recompute")
+  def receiver_with_prefix_on_disk():
+    engine = Engine(FakeModel(num_host_pages=20), config)
+    engine.submit(prompt[:24] + [60, 61], 2)  # caches 3 chunks of the prompt
+    engine.run()
+    engine.submit([50 + i % 10 for i in range(70)], 10)  # pushes them to disk
+    engine.run()
+    assert engine.radix.num_disk_pages == 6 and engine.disk_recomputed_tokens == 0
+    return engine
+  sender = Engine(FakeModel())
+  req = sender.submit(prompt, 8, request_id="moved")
+  while len(req.output) < 2:
+    sender.step()
+  receiver = receiver_with_prefix_on_disk()
+  moved = receiver.accept(sender.export(req.id, kv="all"))
+  prefilled = 0
+  while receiver.has_work:
+    prefilled += receiver.step()["prefill_tokens"]
+  assert moved.output == solo(FakeModel, prompt, 8)
+  assert prefilled == 0 and receiver.imported_tokens == len(prompt) + 1
+  assert receiver.disk_recomputed_tokens == 0
+  alone = receiver_with_prefix_on_disk()
+  again = alone.submit(prompt, 8)
+  alone.run()
+  assert again.output == moved.output and alone.disk_recomputed_tokens == 24
 
 
 def test_a_receiver_that_keeps_the_request_on_the_device_replays_it():

@@ -211,6 +211,13 @@ class Engine:
              on_token: Callable[[Request, int], None] | None = None,
              arrival: float | None = None) -> Request:
     """Queue a request; raises ``ValueError`` (engine untouched) on bad input."""
+    return self._new_request(prompt, max_new_tokens, sampling_params, stop_ids,
+                             request_id, on_token, arrival)
+
+  def _new_request(self, prompt, max_new_tokens, sampling_params, stop_ids, request_id,
+                   on_token, arrival, *, returning: bool = False) -> Request:
+    """``submit``'s checks and queueing. ``returning``: a request this engine
+    handed off may come back under its id (its old record goes)."""
     model = self.model
     ids = check_prompt(prompt, model.vocab_size)
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -234,8 +241,12 @@ class Engine:
     if request_id is None:  # the first free "req-N" (callers and handoffs name theirs)
       request_id = next(f"req-{n}" for n in itertools.count(len(self.requests))
                         if f"req-{n}" not in self.requests)
-    if request_id in self.requests:
-      raise ValueError(f"request id {request_id!r} already exists")
+    old = self.requests.get(request_id)
+    if old is not None and not (returning and old.state is State.HANDED_OFF):
+      raise ValueError(f"request id {request_id!r} already exists"
+                       + ("; accept(..., request_id=) takes it under another id"
+                          if returning else ""))
+    self.requests.pop(request_id, None)
     req = Request(request_id, ids, max_new_tokens, sampling_params, stops,
                   Metrics(self.now() if arrival is None else arrival), on_token)
     self.requests[request_id] = req
@@ -270,11 +281,16 @@ class Engine:
                        "decoding requests move")
     if len(req.output) >= req.max_new_tokens:
       raise ValueError(f"request {request_id!r} has all its tokens")
+    if req.output and req.output[-1] in req.stop_ids:  # sampled, not yet ended (on_token)
+      raise ValueError(f"request {request_id!r} produced its stop id {req.output[-1]}")
     out = handoff_lib.Handoff(request_id, list(req.prompt), list(req.output),
                               req.max_new_tokens, req.sampling, sorted(req.stop_ids))
     if kv != "none":
       size = self.model.page_size
-      end = (req.cached if kv == "all" else
+      # The K/V of every position but the newest output's: that one the receiver
+      # feeds (inside another request's on_token, this step may have computed it).
+      computed = min(req.cached, len(req.prompt) + len(req.output) - 1)
+      end = (computed if kv == "all" else
              min(req.cached, len(req.prompt)) // self.model.chunk_size * self.model.chunk_size)
       if req.state is not State.DECODING or not self._host_pages(req.total_length):
         raise ValueError(f"request {request_id!r} has no host pages to send "
@@ -293,10 +309,13 @@ class Engine:
 
   def accept(self, handoff: handoff_lib.Handoff, *,
              on_token: Callable[[Request, int], None] | None = None,
-             arrival: float | None = None) -> Request:
+             arrival: float | None = None, request_id: str | None = None) -> Request:
     """Queue a request another engine exported; it continues with the tokens an
-    uninterrupted run yields (see handoff.py). ``ValueError`` on bad input."""
-    handoff_lib.check(handoff, self.model.page_size, self.model.vocab_size)
+    uninterrupted run yields (see handoff.py). ``request_id``: its id here (None:
+    the handoff's; a request this engine handed off may come back). ``ValueError``
+    (engine untouched) on bad input."""
+    handoff_lib.check(handoff, self.model.page_size, self.model.vocab_size,
+                      stop_ids=self.config.eos_ids)
     # Here the request may keep every position on the device (no host pages): then
     # the KV has nowhere to go and the prompt and outputs are replayed instead.
     keeps_kv = bool(handoff.kv_end) and bool(
@@ -309,10 +328,10 @@ class Engine:
       keeps_kv = kv_end > handoff.kv_start
     if keeps_kv:
       handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
-    req = self.submit(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
-                      stop_ids=handoff.stop_ids, request_id=handoff.request_id,
-                      on_token=on_token, arrival=arrival)
-    req.output = list(handoff.output)
+    req = self._new_request(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
+                            handoff.stop_ids, request_id or handoff.request_id, on_token,
+                            arrival, returning=True)
+    req.output = [int(t) for t in handoff.output]
     req.relayed = len(handoff.output)
     if keeps_kv:
       size = self.model.page_size
@@ -403,7 +422,7 @@ class Engine:
       if not free or (budget is not None and
                       self._device_in_use + charge + staging > budget):
         return
-      matched = 0
+      matched, on_disk, load = 0, [], False
       host = self._host_pages(req.total_length)
       shared, node = self._match(req) if host else ([], None)
       upto = max(len(req.prompt), req.imported[1] if req.imported else 0)
@@ -430,12 +449,14 @@ class Engine:
         req.radix_node, matched = node, len(shared) * self.model.page_size
         if load:
           matched = self._load(slot, req.prompt, len(shared), on_disk)
-        elif on_disk:
-          self.disk_recomputed_tokens += sum(len(n.key) for n in on_disk)
+        elif on_disk:  # positions [matched, disk_end) are recomputed, unless imported
+          disk_end = matched + sum(len(n.key) for n in on_disk)
       cached = matched
       if req.imported is not None and req.imported[0] <= matched < req.imported[1]:
         matched = self._import_pages(req, slot, matched)
         self.imported_tokens += matched - cached
+      if on_disk and not load:
+        self.disk_recomputed_tokens += max(0, disk_end - matched)
       self._dequeue(req)
       req.slot, req.device_bytes, req.cached, req.staged = slot, charge, matched, 0
       self.prompt_tokens += len(req.prompt)

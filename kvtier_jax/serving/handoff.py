@@ -67,21 +67,38 @@ class Handoff:
 
   @classmethod
   def from_bytes(cls, data: bytes) -> "Handoff":
+    if len(data) < 8:
+      raise ValueError(f"a truncated handoff ({len(data)} bytes, no header length)")
     (size,) = struct.unpack_from("<Q", data)
-    header = json.loads(data[8:8 + size])
+    if 8 + size > len(data):
+      raise ValueError(f"a truncated handoff (a {size}-byte header, "
+                       f"{len(data) - 8} bytes after its length)")
+    try:
+      header = json.loads(data[8:8 + size])
+      specs = header.pop("kv")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+      raise ValueError(f"a malformed handoff header: {err}") from err
     at, kv = 8 + size, []
-    for spec in header.pop("kv"):
-      dtype = _dtype(spec["dtype"])
-      count = int(np.prod(spec["shape"])) * dtype.itemsize
+    for spec in specs:
+      try:
+        dtype, shape = _dtype(spec["dtype"]), list(spec["shape"])
+      except (TypeError, KeyError) as err:
+        raise ValueError(f"a malformed handoff page field {spec}: {err}") from err
+      if dtype.hasobject or not all(_is_id(n) and n >= 0 for n in shape):
+        raise ValueError(f"a malformed handoff page field {spec}")
+      count = int(np.prod(shape)) * dtype.itemsize
       if at + count > len(data):
         raise ValueError("a truncated handoff")
       kv.append(np.frombuffer(data, dtype, count // dtype.itemsize, at).reshape(
-          spec["shape"]).copy())
+          shape).copy())
       at += count
     if at != len(data):
       raise ValueError(f"{len(data) - at} unexpected bytes after the handoff")
-    header["sampling"] = SamplingParams(**header["sampling"])
-    return cls(kv=kv, **header)
+    try:
+      header["sampling"] = SamplingParams(**header["sampling"])
+      return cls(kv=kv, **header)
+    except (TypeError, KeyError) as err:
+      raise ValueError(f"a malformed handoff header: {err}") from err
 
 
 def _dtype(name: str) -> np.dtype:
@@ -127,14 +144,25 @@ def _read(sock: socket.socket, size: int) -> bytes:
   return b"".join(chunks)
 
 
-def check(handoff: Handoff, page_size: int, vocab_size: int) -> None:
-  """Clear errors for a handoff an engine cannot continue."""
+def _is_id(t) -> bool:
+  return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> None:
+  """Clear errors for a handoff an engine cannot continue; ``stop_ids``: the
+  receiver's own (its eos ids), which end a request as the handoff's do."""
   if not handoff.prompt:
     raise ValueError("the handoff's prompt is empty")
+  not_ids = [t for t in handoff.output if not _is_id(t)]
+  if not_ids:
+    raise ValueError(f"relayed tokens {not_ids[:5]} are not integer ids")
+  for name in ("kv_start", "kv_end"):
+    if not _is_id(getattr(handoff, name)):
+      raise ValueError(f"{name}={getattr(handoff, name)!r} must be an int")
   if len(handoff.output) >= handoff.max_new_tokens:
     raise ValueError(f"request {handoff.request_id!r} already has its "
                      f"{handoff.max_new_tokens} tokens: nothing to continue")
-  stops = sorted(set(handoff.output) & set(handoff.stop_ids))
+  stops = sorted(set(handoff.output) & (set(handoff.stop_ids) | set(stop_ids)))
   if stops:
     raise ValueError(f"request {handoff.request_id!r} already produced its stop id "
                      f"{stops[0]}: nothing to continue")
