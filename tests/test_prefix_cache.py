@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.serving import snapshot
 from kvtier_jax.serving.disk import DiskTier
 from kvtier_jax.serving.radix import RadixCache
 from tests.test_serving import POISON, VOCAB, FakeModel, solo
@@ -678,6 +679,36 @@ def test_engine_removes_the_disk_tier_it_created():
   del engine
   gc.collect()
   assert not os.path.exists(path), "the engine's temporary disk tier was left behind"
+
+
+def test_a_disk_directory_serves_one_engine_at_a_time(tmp_path):
+  """A second engine (or a snapshot restored) on a live engine's disk directory
+  is refused: its first write would delete the live engine's pages. The live
+  engine then loads its prefix back intact; once it is gone the directory is free
+  again."""
+  model = lambda: PoisoningModel(num_host_pages=20)
+  config = EngineConfig(max_step_tokens=20, prefix_cache=True, disk_pages=20,
+                        disk_dir=str(tmp_path), disk_policy="load")
+  engine = Engine(model(), config)
+  prefix = list(range(1, 25))  # 3 chunks
+  engine.submit(prefix + [60, 61], 2)
+  engine.run()
+  engine.submit([50 + i % 10 for i in range(70)], 10)  # pushes the prefix to disk
+  engine.run()
+  assert engine.radix.num_disk_pages == 6
+  with pytest.raises(ValueError, match="in use by another engine"):
+    Engine(model(), config)
+  snap = tmp_path.parent / f"{tmp_path.name}-snap"
+  snapshot.save(engine, snap)
+  with pytest.raises(ValueError, match="in use by another engine"):
+    snapshot.restore(snap, model(), config)
+  again = engine.submit(prefix + [1], 3)
+  engine.run()  # PoisoningModel: pages not truly read back change the tokens
+  assert again.metrics.cached_tokens == len(prefix) and engine.disk_loaded_tokens == 24
+  assert again.output == solo(model, prefix + [1], 3)
+  del engine
+  gc.collect()
+  Engine(model(), config)
 
 
 def test_disk_tier_needs_the_prefix_cache():

@@ -15,7 +15,10 @@ recompute on a fast accelerator).
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import os
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -28,17 +31,44 @@ class DiskTier:
   The arrays are created on the first write, shaped from the pages written
   (``[num_pages, *page_shape]``, one chunk per page). Slots are handed out lowest
   id first; ``free`` returns them.
+
+  One tier per directory: the first write deletes what the directory held, so a
+  second tier there (another engine, a snapshot restored into a live engine's
+  directory) would destroy the first one's pages. An exclusive lock on
+  ``path/.lock``, held until ``close`` (or collection, or the process's end),
+  refuses it with a ``ValueError``.
   """
 
   def __init__(self, path: str | os.PathLike, num_pages: int):
     if num_pages <= 0:
       raise ValueError(f"num_pages={num_pages} must be positive")
     self.path, self.num_pages = os.fspath(path), num_pages
+    os.makedirs(self.path, exist_ok=True)
+    self._lock = open(os.path.join(self.path, ".lock"), "a")  # noqa: SIM115
+    if not self._try_lock():
+      gc.collect()  # a tier no one holds, not collected yet, lets go
+      if not self._try_lock():
+        self._lock.close()
+        raise ValueError(f"the disk tier {self.path} is in use by another engine "
+                         "(one directory per engine; DiskTier.close frees it)")
+    weakref.finalize(self, self._lock.close)  # collected: the lock goes, no warning
     self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() = lowest id
     self._stores: list[ts.TensorStore] | None = None
     self.pages_written = self.pages_read = 0
     self.load_seconds = 0.0  # engine-measured: reading pages back into the host pool
     self.pages_loaded = 0
+
+  def _try_lock(self) -> bool:
+    try:
+      fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return True
+    except BlockingIOError:
+      return False
+
+  def close(self) -> None:
+    """Let the directory go (its pages stay on disk, not usable by this tier)."""
+    self._stores = None
+    self._lock.close()
 
   @property
   def num_free(self) -> int:
