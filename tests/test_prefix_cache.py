@@ -708,7 +708,11 @@ def test_a_disk_directory_serves_one_engine_at_a_time(tmp_path):
   assert again.output == solo(model, prefix + [1], 3)
   del engine
   gc.collect()
-  Engine(model(), config)
+  tier = Engine(model(), config).disk
+  tier.close()
+  with pytest.raises(ValueError, match="closed"):  # it no longer holds the directory
+    tier.write([np.zeros((1, 2))])
+  DiskTier(str(tmp_path), 4)
 
 
 def test_disk_tier_needs_the_prefix_cache():

@@ -109,6 +109,8 @@ class DiskTier:
     return ids
 
   def _check(self, fields: Sequence[np.ndarray]) -> None:
+    if self._lock.closed:
+      raise ValueError(f"the disk tier {self.path} is closed")
     if self._stores is None:
       self._open(fields)
     if len(fields) != len(self._stores) or any(
@@ -129,8 +131,9 @@ class DiskTier:
 
   def read(self, ids: Sequence[int]) -> list[np.ndarray]:
     """The pages stored at ``ids``, each field [len(ids), ...]."""
-    if self._stores is None or not ids:
-      raise ValueError("nothing to read")
+    if self._lock.closed or self._stores is None or not ids:
+      raise ValueError("nothing to read" if not self._lock.closed else
+                       f"the disk tier {self.path} is closed")
     free = set(self._free)
     bad = [i for i in ids if not 0 <= i < self.num_pages or i in free]
     if bad:
