@@ -549,3 +549,35 @@ def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
     runs["rank"].decoder.step(runs["rank"].state, q, kn, -kn, sel)
   with pytest.raises(ValueError, match="rank_depth"):
     make_cfg(policy=PolicyConfig(rank_depth=8))
+
+
+def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
+  """The reference checks its input as ``TieredDecoder`` does: prompt lengths past
+  the prompt, a prompt past max_len, wrong shapes, a selector with other units."""
+  from kvtier_jax import full_kv  # noqa: PLC0415
+  from kvtier_jax.config import TierConfig  # noqa: PLC0415
+  cfg = TierConfig(num_layers=1, num_requests=2, max_len=16, num_q_heads=4, num_kv_heads=2,
+                   head_dim=4, hot_slots=4, top_k=4, per_kv_head=True, dtype=jnp.float32)
+  rng = np.random.default_rng()
+  kp = jnp.asarray(rng.standard_normal((1, 2, 8, 2, 4)), jnp.float32)
+  for lens, match in (([9, 3], "prompt_lens"), ([3, -1], "prompt_lens"), ([3], "prompt_lens")):
+    with pytest.raises(ValueError, match=match):
+      full_kv.init_full_kv(cfg, kp, kp, lens)
+  long = jnp.zeros((1, 2, 17, 2, 4), jnp.float32)
+  with pytest.raises(ValueError, match="max_len"):
+    full_kv.init_full_kv(cfg, long, long, [3, 3])
+  with pytest.raises(ValueError, match="expected"):
+    full_kv.init_full_kv(cfg, kp[:, :1], kp[:, :1], [3, 3])
+  state = full_kv.init_full_kv(cfg, kp, kp, [8, 5])
+  q, k_new = jnp.ones((1, 2, 4, 4)), jnp.ones((1, 2, 2, 4))
+  with pytest.raises(ValueError, match="q / k_new / v_new"):
+    full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 2), state, q[:, :, :2],
+                                k_new, k_new, jnp.zeros((1, 2, 2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="picked"):  # one unit where the config has two
+    full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 1), state, q, k_new, k_new,
+                                jnp.zeros((1, 2, 1, 4), jnp.int32))
+  picks = jnp.asarray(np.stack([rng.choice(8, 4, replace=False) for _ in range(4)])
+                      .reshape(1, 2, 2, 4).astype(np.int32))
+  out, after = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 2), state, q,
+                                           k_new, k_new, picks)
+  assert out.shape == (1, 2, 4, 4) and after.seq_len.tolist() == [9, 6]

@@ -197,6 +197,40 @@ def test_sampling_frequencies_follow_the_truncated_softmax():
         temperature, top_k, top_p, counts)
 
 
+def test_the_kept_tokens_are_the_smallest_prefix_reaching_top_p_in_float64():
+  """``sampling.kept`` against float64 brute force on a large vocabulary with a
+  long tail: top_p = 1 keeps every token (an f32 cumsum reaches 1 some 30 tokens
+  before the end of 32000), top_k first, then the smallest prefix whose mass
+  reaches top_p."""
+  rng = np.random.default_rng()
+  vocab = 32000
+  ranked = np.sort(rng.standard_normal(vocab) * 2)[::-1].astype(np.float32)
+  for top_k, top_p in [(0, 1.0), (100, 1.0), (0, 0.9), (0, 0.5), (50, 0.8), (0, 1e-6)]:
+    got = np.asarray(sampling.kept(jnp.asarray(ranked), top_k, np.float32(top_p)))
+    limit = top_k or vocab
+    p = np.exp(ranked[:limit].astype(np.float64) - ranked[0])
+    before = np.cumsum(p / p.sum()) - p / p.sum()  # mass ranked above each token
+    want = np.zeros(vocab, bool)
+    want[:limit] = True if top_p >= 1 else before < top_p
+    if top_p < 1:  # f32 and f64 may disagree on a token at the boundary only
+      edge = np.abs(before - top_p) < 1e-5
+      want[:limit][edge] = got[:limit][edge]
+    np.testing.assert_array_equal(got, want, err_msg=f"{top_k=} {top_p=}")
+    assert got[0]
+
+
+def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
+  for sp in (SamplingParams(top_k=True), SamplingParams(seed=False),
+             SamplingParams(temperature=True), SamplingParams(temperature="0.7"),
+             SamplingParams(top_p=None), SamplingParams(top_k=5.0)):
+    with pytest.raises(ValueError, match="must be"):
+      sp.check()
+  sp = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float64(0.9),
+                      seed=np.int32(3))
+  sp.check()
+  assert [type(v) for v in dataclasses.astuple(sp)] == [float, int, float, int]
+
+
 def test_submit_rejects_bad_input_and_the_engine_carries_on():
   engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
   bad = [(([], 4), "empty"), (([1, 2], 0), "max_new_tokens"),

@@ -7,6 +7,8 @@ import enum
 import math
 from typing import Callable, Sequence
 
+import numpy as np
+
 
 class State(enum.Enum):
   WAITING = "waiting"  # submitted (or preempted), no slot yet
@@ -34,15 +36,29 @@ class SamplingParams:
   top_p: float = 1.0
   seed: int = 0
 
+  def __post_init__(self):
+    # numpy scalars become Python numbers (they travel as JSON in handoffs and
+    # snapshots); anything else is left for ``check`` to refuse.
+    for name, numpy_types, kind in (("temperature", (np.integer, np.floating), float),
+                                    ("top_p", (np.integer, np.floating), float),
+                                    ("top_k", np.integer, int), ("seed", np.integer, int)):
+      if isinstance(getattr(self, name), numpy_types):
+        object.__setattr__(self, name, kind(getattr(self, name)))
+
   def check(self) -> None:
-    if not (math.isfinite(self.temperature) and self.temperature >= 0):
-      raise ValueError(f"temperature={self.temperature} must be finite and >= 0")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be an int >= 0 (0: no limit)")
-    if not (0.0 < self.top_p <= 1.0):
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
-      raise ValueError(f"seed={self.seed} must be an int in [0, 2**31)")
+    def real(x):
+      return isinstance(x, (int, float)) and not isinstance(x, bool)
+    def integer(x):
+      return isinstance(x, int) and not isinstance(x, bool)
+    if not (real(self.temperature) and math.isfinite(self.temperature)
+            and self.temperature >= 0):
+      raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+    if not integer(self.top_k) or self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no limit)")
+    if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+    if not integer(self.seed) or not 0 <= self.seed < 2**31:
+      raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31)")
 
 
 @dataclasses.dataclass

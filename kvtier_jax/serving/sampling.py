@@ -12,6 +12,17 @@ import jax
 import jax.numpy as jnp
 
 
+def kept(ranked, top_k, top_p):
+  """bool[V]: which of the best-first scaled logits ``ranked`` f32[V] may be drawn:
+  the ``top_k`` first (0: all), then the smallest prefix whose mass reaches
+  ``top_p`` (the first token always; top_p = 1 keeps them all, though the f32
+  cumsum can reach 1 before the tail)."""
+  vocab = ranked.shape[0]
+  keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
+  probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
+  return keep & ((top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
+
+
 def _sample_row(logits, temperature, top_k, top_p, seed, position):
   # logits: f32[V]; the rest are scalars. Returns (token i32[], finite bool[]).
   logits = logits.astype(jnp.float32)
@@ -19,12 +30,7 @@ def _sample_row(logits, temperature, top_k, top_p, seed, position):
   greedy = jnp.argmax(logits).astype(jnp.int32)
   order = jnp.argsort(-logits, stable=True)  # best first, ties to the lower id
   ranked = logits[order] / jnp.maximum(temperature, 1e-6)
-  vocab = logits.shape[0]
-  rank = jnp.arange(vocab)
-  keep = rank < jnp.where(top_k > 0, top_k, vocab)
-  probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-  # Keep the smallest prefix whose mass reaches top_p (the first token always).
-  keep &= (jnp.cumsum(probs) - probs) < top_p
+  keep = kept(ranked, top_k, top_p)
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), position)
   pick = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf))
   sampled = order[pick].astype(jnp.int32)
