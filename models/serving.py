@@ -337,8 +337,30 @@ class ServingBackend:
 
   # Prefill -----------------------------------------------------------------------
 
+  # Checks: the engine never sends bad input, but a direct caller gets an error
+  # before any donated call, not a clamped index writing another slot's rows.
+
+  def _check_slot(self, slot) -> None:
+    if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):
+      raise ValueError(f"slot={slot!r} must be an int in [0, {self.num_slots})")
+
+  def _check_length(self, length, low: int = 0) -> None:
+    if not (isinstance(length, (int, np.integer)) and low <= length <= self.max_len):
+      raise ValueError(f"length={length!r} must be an int in [{low}, {self.max_len}]")
+
+  def _check_pages(self, pages) -> np.ndarray:
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    bad = pages[(pages < 0) | (pages >= self.num_host_pages)]
+    if bad.size:
+      raise ValueError(f"host pages {bad[:5].tolist()} are outside [0, "
+                       f"{self.num_host_pages})")
+    return pages
+
   def prefill(self, state: ServingState, slot: int, tokens: np.ndarray, start: int,
               count: int):
+    self._check_slot(slot)
+    if start + count > self.max_len:
+      raise ValueError(f"positions {start}..{start + count - 1} pass max_len={self.max_len}")
     if start % self.chunk_size or not 0 < count <= self.chunk_size:
       # The staging writes and the host write-through are whole chunks: another
       # start would be clamped onto the wrong rows.
@@ -357,6 +379,8 @@ class ServingBackend:
   def load_prefix(self, state: ServingState, slot: int, length: int) -> ServingState:
     if not self.supports_prefix_cache:
       raise ValueError(f"the {self.backend} backend cannot load a cached prefix")
+    self._check_slot(slot)
+    self._check_length(length)
     staging = _load_prefix(self.tier_cfg, state.cache.tier, state.staging,
                            jnp.int32(slot), jnp.int32(length))
     return ServingState(state.cache, staging)
@@ -377,6 +401,7 @@ class ServingBackend:
     [n, L, Pg, U, Hg, D]."""
     if self.backend != "tiered":
       raise ValueError(f"the {self.backend} backend has no host pages")
+    pages = self._check_pages(pages)
     tier = state.cache.tier
     # [0, L, Pg, U, Hg, D] each for no pages, as a mesh returns them.
     ks = [np.zeros((0,) + tier.host_k.shape[:1] + tier.host_k.shape[2:], tier.host_k.dtype)]
@@ -391,7 +416,14 @@ class ServingBackend:
     """Host pages ``pages`` <- contents ``read_pages`` returned (from the disk tier)."""
     if self.backend != "tiered":
       raise ValueError(f"the {self.backend} backend has no host pages")
+    pages = self._check_pages(pages)
     k_all, v_all = fields
+    page = state.cache.tier.host_k.shape[:1] + state.cache.tier.host_k.shape[2:]
+    for name, field in (("K", k_all), ("V", v_all)):
+      if field.shape != (len(pages),) + page or field.dtype != state.cache.tier.host_k.dtype:
+        raise ValueError(f"{name} contents {field.dtype}{list(field.shape)} for "
+                         f"{len(pages)} pages; expected {state.cache.tier.host_k.dtype}"
+                         f"{[len(pages), *page]}")
     cache, at = state.cache, 0
     for group, real in self._page_groups(pages):
       k = np.zeros((group.shape[0],) + k_all.shape[1:], k_all.dtype)
@@ -403,6 +435,8 @@ class ServingBackend:
     return ServingState(cache, state.staging)
 
   def start_decoding(self, state: ServingState, slot: int, length: int) -> ServingState:
+    self._check_slot(slot)
+    self._check_length(length, low=1)
     cache, staging = state.cache, state.staging
     slot_, length_ = jnp.int32(slot), jnp.int32(length)
     if self.backend == "dense":
@@ -420,6 +454,12 @@ class ServingBackend:
   # Decode --------------------------------------------------------------------------
 
   def decode(self, state: ServingState, tokens: np.ndarray, active: np.ndarray):
+    if np.shape(tokens) != (self.num_slots,) or np.shape(active) != (self.num_slots,):
+      raise ValueError(f"tokens {np.shape(tokens)} and active {np.shape(active)} must "
+                       f"be ({self.num_slots},)")
+    live = np.asarray(tokens)[np.asarray(active, bool)]
+    if ((live < 0) | (live >= self.vocab_size)).any():
+      raise ValueError(f"token ids {live.tolist()[:5]} must be in [0, {self.vocab_size})")
     tokens = jnp.asarray(tokens, jnp.int32)
     if self.backend == "dense":
       logits, cache = _dense_step(self.cfg, self.weights, tokens, jnp.asarray(active),

@@ -298,7 +298,11 @@ class MeshServingBackend:
                         lambda b, s: (b.start_decoding(s, local, length), None))[0]
 
   def _by_row(self, pages):
-    pages = np.asarray(pages, np.int64)
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    total = self.rows * self._local_pages
+    bad = pages[(pages < 0) | (pages >= total)]
+    if bad.size:  # no row holds them: they would be dropped (writes) or left empty
+      raise ValueError(f"host pages {bad[:5].tolist()} are outside [0, {total})")
     for row in range(self.rows):
       where = np.flatnonzero(pages // self._local_pages == row)
       if where.size:
@@ -317,6 +321,8 @@ class MeshServingBackend:
     return out
 
   def write_pages(self, state, pages, fields) -> ShardedState:
+    if any(len(f) != len(pages) for f in fields):
+      raise ValueError(f"contents of {[len(f) for f in fields]} pages for {len(pages)}")
     for row, where, local in self._by_row(pages):
       part = [np.asarray(f)[where] for f in fields]
       state, _ = self._on_row(state, row,

@@ -72,6 +72,21 @@ def main():
     np.testing.assert_array_equal(row_k, local[held])
     np.testing.assert_array_equal(
         row_v, model_v[row * PAGES_PER_ROW:(row + 1) * PAGES_PER_ROW][held])
+  # Ids no row holds (a write dropped, a read of uninitialised memory) and contents
+  # of another page count: refused, the tier unchanged.
+  one_page = [f[:1] for f in backend.read_pages(state, [0])]
+  refused = 0
+  for call in (lambda: backend.read_pages(state, [0, -1]),
+               lambda: backend.read_pages(state, [num_pages]),
+               lambda: backend.write_pages(state, [-1], one_page),
+               lambda: backend.write_pages(state, [num_pages + 3], one_page),
+               lambda: backend.write_pages(state, [0, 1], one_page)):
+    try:
+      call()
+    except ValueError:
+      refused += 1
+  assert refused == 5, refused
+  np.testing.assert_array_equal(backend.read_pages(state, [0])[0], one_page[0])
   print(json.dumps({"pages": num_pages, "writes": writes,
                     "empty_shape": list(empty[0].shape)}))
 

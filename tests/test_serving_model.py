@@ -230,6 +230,25 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
       tiered.set_pages(state, wrong)
   with pytest.raises(ValueError, match="page table is int"):
     tiered.set_pages(state, table[:, :-1])
+  # A slot, position, page or content out of range (a clamped index would write
+  # another slot's rows or drop the write): refused before any donated call.
+  for call, match in ((lambda: tiered.prefill(state, 3, tokens, 0, 64), "slot=3"),
+                      (lambda: tiered.prefill(state, 0, tokens, 256, 64), "pass max_len"),
+                      (lambda: tiered.start_decoding(state, -1, 10), "slot=-1"),
+                      (lambda: tiered.start_decoding(state, 0, 257), "length=257"),
+                      (lambda: tiered.load_prefix(state, 0, 300), "length=300"),
+                      (lambda: tiered.read_pages(state, [-1]), "outside"),
+                      (lambda: tiered.read_pages(state, [num_pages]), "outside")):
+    with pytest.raises(ValueError, match=match):
+      call()
+  page = tiered.read_pages(state, [3])
+  with pytest.raises(ValueError, match="contents"):  # one page's contents for two
+    tiered.write_pages(state, [3, 4], page)
+  with pytest.raises(ValueError, match="outside"):
+    tiered.write_pages(state, [num_pages], page)
+  with pytest.raises(ValueError, match="token ids"):
+    tiered.decode(state, np.array([model.cfg.vocab_size, 0, 0]), np.array([1, 0, 0], bool))
+  assert all((a == b).all() for a, b in zip(tiered.read_pages(state, [3]), page))
   selector, _ = setup.build_selector("quest", model.cfg, 32)
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
   assert dense.device_bytes(100) == serving.ServingBackend(model, "dense", 3,
