@@ -418,12 +418,12 @@ class ServingBackend:
       raise ValueError(f"the {self.backend} backend has no host pages")
     pages = self._check_pages(pages)
     k_all, v_all = fields
-    page = state.cache.tier.host_k.shape[:1] + state.cache.tier.host_k.shape[2:]
-    for name, field in (("K", k_all), ("V", v_all)):
-      if field.shape != (len(pages),) + page or field.dtype != state.cache.tier.host_k.dtype:
+    tier = state.cache.tier
+    for name, field, host in (("K", k_all, tier.host_k), ("V", v_all, tier.host_v)):
+      want = (len(pages),) + host.shape[:1] + host.shape[2:]  # [n, L, Pg, U, Hg, D]
+      if field.shape != want or field.dtype != host.dtype:
         raise ValueError(f"{name} contents {field.dtype}{list(field.shape)} for "
-                         f"{len(pages)} pages; expected {state.cache.tier.host_k.dtype}"
-                         f"{[len(pages), *page]}")
+                         f"{len(pages)} pages; expected {host.dtype}{list(want)}")
     cache, at = state.cache, 0
     for group, real in self._page_groups(pages):
       k = np.zeros((group.shape[0],) + k_all.shape[1:], k_all.dtype)
