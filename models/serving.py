@@ -33,6 +33,7 @@ from kvtier_jax import fetch
 from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import prefill_state, state_bytes
+from kvtier_jax.serving.request import is_int
 from models import cache as cache_lib
 from models.backends import (
   SparseCarry,
@@ -341,11 +342,11 @@ class ServingBackend:
   # before any donated call, not a clamped index writing another slot's rows.
 
   def _check_slot(self, slot) -> None:
-    if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):
+    if not (is_int(slot) and 0 <= slot < self.num_slots):
       raise ValueError(f"slot={slot!r} must be an int in [0, {self.num_slots})")
 
   def _check_length(self, length, low: int = 0) -> None:
-    if not (isinstance(length, (int, np.integer)) and low <= length <= self.max_len):
+    if not (is_int(length) and low <= length <= self.max_len):
       raise ValueError(f"length={length!r} must be an int in [{low}, {self.max_len}]")
 
   def _check_pages(self, pages) -> np.ndarray:

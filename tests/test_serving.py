@@ -234,7 +234,8 @@ def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
 def test_submit_rejects_bad_input_and_the_engine_carries_on():
   engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
   bad = [(([], 4), "empty"), (([1, 2], 0), "max_new_tokens"),
-         (([1, VOCAB], 4), "vocabulary"), (([1] * 90, 10), "exceeds the context"),
+         (([1, VOCAB], 4), "vocabulary"), (([1, 61.9], 4), "not integer ids"),
+         (([True, 2], 4), "not integer ids"), (([1] * 90, 10), "exceeds the context"),
          (([1] * 80, 15), "device bytes")]
   for (prompt, new), match in bad:
     with pytest.raises(ValueError, match=match):

@@ -108,9 +108,12 @@ class DiskTier:
     self.write_at(ids, fields)
     return ids
 
-  def _check(self, fields: Sequence[np.ndarray]) -> None:
+  def _check_open(self) -> None:
     if self._lock.closed:
       raise ValueError(f"the disk tier {self.path} is closed")
+
+  def _check(self, fields: Sequence[np.ndarray]) -> None:
+    self._check_open()
     if self._stores is None:
       self._open(fields)
     if len(fields) != len(self._stores) or any(
@@ -131,9 +134,9 @@ class DiskTier:
 
   def read(self, ids: Sequence[int]) -> list[np.ndarray]:
     """The pages stored at ``ids``, each field [len(ids), ...]."""
-    if self._lock.closed or self._stores is None or not ids:
-      raise ValueError("nothing to read" if not self._lock.closed else
-                       f"the disk tier {self.path} is closed")
+    self._check_open()
+    if self._stores is None or not ids:
+      raise ValueError("nothing to read")
     free = set(self._free)
     bad = [i for i in ids if not 0 <= i < self.num_pages or i in free]
     if bad:

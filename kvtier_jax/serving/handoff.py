@@ -31,7 +31,7 @@ import struct
 import time
 import numpy as np
 
-from kvtier_jax.serving.request import SamplingParams
+from kvtier_jax.serving.request import SamplingParams, is_int
 
 KV_MODES = ("all", "prompt", "none")
 
@@ -84,7 +84,7 @@ class Handoff:
         dtype, shape = _dtype(spec["dtype"]), list(spec["shape"])
       except (TypeError, KeyError) as err:
         raise ValueError(f"a malformed handoff page field {spec}: {err}") from err
-      if dtype.hasobject or not all(_is_id(n) and n >= 0 for n in shape):
+      if dtype.hasobject or not all(is_int(n) and n >= 0 for n in shape):
         raise ValueError(f"a malformed handoff page field {spec}")
       count = int(np.prod(shape)) * dtype.itemsize
       if at + count > len(data):
@@ -144,20 +144,16 @@ def _read(sock: socket.socket, size: int) -> bytes:
   return b"".join(chunks)
 
 
-def _is_id(t) -> bool:
-  return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
-
-
 def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> None:
   """Clear errors for a handoff an engine cannot continue; ``stop_ids``: the
   receiver's own (its eos ids), which end a request as the handoff's do."""
   if not handoff.prompt:
     raise ValueError("the handoff's prompt is empty")
-  not_ids = [t for t in handoff.output if not _is_id(t)]
+  not_ids = [t for t in handoff.output if not is_int(t)]
   if not_ids:
     raise ValueError(f"relayed tokens {not_ids[:5]} are not integer ids")
   for name in ("kv_start", "kv_end"):
-    if not _is_id(getattr(handoff, name)):
+    if not is_int(getattr(handoff, name)):
       raise ValueError(f"{name}={getattr(handoff, name)!r} must be an int")
   if len(handoff.output) >= handoff.max_new_tokens:
     raise ValueError(f"request {handoff.request_id!r} already has its "

@@ -48,16 +48,14 @@ class SamplingParams:
   def check(self) -> None:
     def real(x):
       return isinstance(x, (int, float)) and not isinstance(x, bool)
-    def integer(x):
-      return isinstance(x, int) and not isinstance(x, bool)
     if not (real(self.temperature) and math.isfinite(self.temperature)
             and self.temperature >= 0):
       raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-    if not integer(self.top_k) or self.top_k < 0:
+    if not is_int(self.top_k) or self.top_k < 0:
       raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no limit)")
     if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-    if not integer(self.seed) or not 0 <= self.seed < 2**31:
+    if not is_int(self.seed) or not 0 <= self.seed < 2**31:
       raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31)")
 
 
@@ -117,7 +115,16 @@ class Request:
     return len(self.prompt) + self.max_new_tokens
 
 
+def is_int(x) -> bool:
+  """An integer (Python or numpy), not a bool: a token id, a count, a seed."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_prompt(prompt: Sequence[int], vocab_size: int) -> list[int]:
+  prompt = list(prompt)
+  not_ids = [t for t in prompt if not is_int(t)]
+  if not_ids:  # int() would truncate 61.9 into a token silently
+    raise ValueError(f"prompt tokens {not_ids[:5]} are not integer ids")
   ids = [int(t) for t in prompt]
   if not ids:
     raise ValueError("the prompt is empty")
