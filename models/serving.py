@@ -252,6 +252,9 @@ class ServingBackend:
       self.host_page_bytes = self.page_bytes(cfg, page_size)
       self.driver = TieredDriver(self.tier_cfg, functools.partial(
           _tiered_run, cfg, self.tier_cfg, selector, self.weights))
+    # Host mirror of the slots' lengths (dense, sparse; the tiered driver keeps its
+    # own): a step at max_len would drop its K/V write inside jit, silently.
+    self._lens = np.zeros((num_slots,), np.int64)
 
   # Accounting ----------------------------------------------------------------
 
@@ -349,6 +352,30 @@ class ServingBackend:
     if not (is_int(length) and low <= length <= self.max_len):
       raise ValueError(f"length={length!r} must be an int in [{low}, {self.max_len}]")
 
+  def check_room(self, active) -> None:
+    """Refuses a step in which an active slot is at ``max_len``: its K/V write
+    would be dropped and it would attend without its own token."""
+    if self.backend == "tiered":
+      self.driver.check_room(active)
+      return
+    full = (self._lens >= self.max_len) & active
+    if full.any():
+      raise ValueError(f"slots {np.flatnonzero(full).tolist()} reached max_len="
+                       f"{self.max_len}: lengths {self._lens.tolist()}")
+
+  def advance(self, active) -> None:
+    """The length mirror after a step the caller ran itself (the mesh backend)."""
+    mirror = self.driver.seq_len if self.backend == "tiered" else self._lens
+    mirror += np.asarray(active, np.int64)
+
+  def set_lengths(self, lengths) -> None:
+    """The length mirror of a restored state."""
+    lengths = np.asarray(lengths, np.int64).copy()
+    if self.backend == "tiered":
+      self.driver.seq_len = lengths
+    else:
+      self._lens = lengths
+
   def _check_pages(self, pages) -> np.ndarray:
     pages = np.asarray(pages, np.int64).reshape(-1)
     bad = pages[(pages < 0) | (pages >= self.num_host_pages)]
@@ -382,6 +409,11 @@ class ServingBackend:
       raise ValueError(f"the {self.backend} backend cannot load a cached prefix")
     self._check_slot(slot)
     self._check_length(length)
+    pages = np.asarray(state.cache.tier.page_table[slot])
+    need = -(-length // self.page_size)
+    if (pages[:need] < 0).any():  # its staged rows would keep an earlier request's
+      raise ValueError(f"slot {slot} holds pages {pages[:need].tolist()}: a prefix of "
+                       f"{length} positions needs {need} pages (set_pages first)")
     staging = _load_prefix(self.tier_cfg, state.cache.tier, state.staging,
                            jnp.int32(slot), jnp.int32(length))
     return ServingState(state.cache, staging)
@@ -440,6 +472,7 @@ class ServingBackend:
     self._check_length(length, low=1)
     cache, staging = state.cache, state.staging
     slot_, length_ = jnp.int32(slot), jnp.int32(length)
+    self._lens[slot] = length
     if self.backend == "dense":
       return ServingState(_kv_install(cache, staging, slot_, length_), staging)
     sel = _selector_install(self.selector, self.max_len, cache.sel, cache.params, staging,
@@ -461,7 +494,10 @@ class ServingBackend:
     live = np.asarray(tokens)[np.asarray(active, bool)]
     if ((live < 0) | (live >= self.vocab_size)).any():
       raise ValueError(f"token ids {live.tolist()[:5]} must be in [0, {self.vocab_size})")
+    active = np.asarray(active, bool)
     tokens = jnp.asarray(tokens, jnp.int32)
+    if self.backend != "tiered":  # the driver checks and advances the tiered mirror
+      self.check_room(active)
     if self.backend == "dense":
       logits, cache = _dense_step(self.cfg, self.weights, tokens, jnp.asarray(active),
                                   state.cache)
@@ -474,6 +510,8 @@ class ServingBackend:
       except StepRefused as err:  # hand the returned (uncommitted) state back
         err.state = ServingState(err.state, state.staging)
         raise
+    if self.backend != "tiered":
+      self.advance(active)
     return ServingState(cache, state.staging), logits
 
   # Snapshot --------------------------------------------------------------------
@@ -489,8 +527,7 @@ class ServingBackend:
     """The state ``snapshot`` returned, placed as ``init`` places it (the host tier
     in host memory): the compiled steps run on it without recompiling."""
     state, lens = place_snapshot(self.init(), leaves, self.backend == "tiered")
-    if lens is not None:
-      self.driver.seq_len = lens
+    self.set_lengths(dense_lengths(state.cache) if lens is None else lens)
     return state
 
   @staticmethod
@@ -505,6 +542,11 @@ class ServingBackend:
     stats = kv_state.cache_stats(self.tier_cfg, state.cache.tier)
     return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
                                   "host_to_device_bytes")}
+
+
+def dense_lengths(cache) -> jax.Array:
+  """i32[S] lengths of a dense or sparse backend's cache."""
+  return cache.lens if isinstance(cache, cache_lib.DenseKV) else cache.kv.lens
 
 
 def place_snapshot(template, leaves: list[np.ndarray], with_lengths: bool):

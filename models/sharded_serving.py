@@ -36,7 +36,7 @@ from kvtier_jax import sharding
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
-                            check_page_table, place_snapshot)
+                            check_page_table, dense_lengths, place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
 
 # Leaves without a request or head axis that differ per device: concatenated.
@@ -334,9 +334,8 @@ class MeshServingBackend:
   def decode(self, state: ShardedState, tokens, active):
     active = np.asarray(active, bool)
     rows = lambda r: slice(r * self._per, (r + 1) * self._per)
-    if self.backend == "tiered":
-      for r, group in enumerate(self.groups):
-        group.driver.check_room(active[rows(r)])
+    for r, group in enumerate(self.groups):  # this step bypasses the groups' decode
+      group.check_room(active[rows(r)])
     if self._step is None:  # one compiled step for every backend of the same shape
       key = (self.backend, self.device_cfg, self.tier_cfg, self.device_selector,
              self.groups[0].index_share, self.mesh)
@@ -353,8 +352,8 @@ class MeshServingBackend:
       if status:
         raise StepRefused("decode step refused, nothing committed (a retry is exact): "
                           f"{describe_status(status)}", state)
-      for r, group in enumerate(self.groups):
-        group.driver.seq_len += active[rows(r)]
+    for r, group in enumerate(self.groups):
+      group.advance(active[rows(r)])
     return state, logits
 
   # Snapshot and stats ----------------------------------------------------------
@@ -367,9 +366,10 @@ class MeshServingBackend:
 
   def restore_state(self, leaves: list[np.ndarray]) -> ShardedState:
     state, lens = place_snapshot(self.init(), leaves, self.backend == "tiered")
+    if lens is None:
+      lens = np.asarray(dense_lengths(state.cache), np.int64)
     for r, group in enumerate(self.groups):
-      if lens is not None:
-        group.driver.seq_len = lens[r * self._per:(r + 1) * self._per].copy()
+      group.set_lengths(lens[r * self._per:(r + 1) * self._per])
     return state
 
   stats = ServingBackend.stats  # the same counters, summed over every device's cache

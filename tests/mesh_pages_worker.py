@@ -88,7 +88,26 @@ def main():
   assert refused == 5, refused
   np.testing.assert_array_equal(backend.read_pages(state, [0])[0], one_page[0])
   print(json.dumps({"pages": num_pages, "writes": writes,
-                    "empty_shape": list(empty[0].shape)}))
+                    "empty_shape": list(empty[0].shape),
+                    "dense_refused": dense_refuses_past_max_len(model, mesh)}))
+
+
+def dense_refuses_past_max_len(model, mesh) -> int:
+  """The mesh's dense step bypasses its rows' decode: a slot at max_len is still
+  refused (its K/V write would be dropped), also after a snapshot is restored."""
+  dense = sharded_serving.MeshServingBackend(model, "dense", 4, 16, mesh=mesh,
+                                             chunk_size=16, page_size=8)
+  state = dense.start_decoding(dense.init(), 3, 15)  # row 1's second slot
+  tokens, last = np.array([1, 2, 3, 4], np.int32), np.array([0, 0, 0, 1], bool)
+  state, _ = dense.decode(state, tokens, last)
+  refused = 0
+  for backend, state in ((dense, state), (dense, dense.restore_state(dense.snapshot(state)))):
+    try:
+      backend.decode(state, tokens, last)
+    except ValueError as err:
+      assert "reached max_len=16" in str(err), err
+      refused += 1
+  return refused
 
 
 if __name__ == "__main__":

@@ -207,6 +207,8 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
   seq[0] = rng.integers(1, B // 2)  # fits: slot i holds position i, never fetches
   if scenario == "capacity":
     seq[3] = T  # an active request at max_len
+  elif scenario == "unpaged":  # more positions than slots: one is not resident
+    seq[1] = rng.integers(B + 1, T - 1)
   table = np.full((R, pages_per_req), -1, np.int32)
   physical = rng.permutation(num_pages)
   for r in range(R):

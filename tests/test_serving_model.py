@@ -241,6 +241,14 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
                       (lambda: tiered.read_pages(state, [num_pages]), "outside")):
     with pytest.raises(ValueError, match=match):
       call()
+  # A cached prefix longer than the slot's pages: its staged rows would keep the
+  # previous request's K/V.
+  state = tiered.set_pages(state, table)  # slot 0 holds 2 pages: 32 positions
+  with pytest.raises(ValueError, match="needs 3 pages"):
+    tiered.load_prefix(state, 0, 33)
+  with pytest.raises(ValueError, match="needs 1 pages"):
+    tiered.load_prefix(state, 2, 5)
+  state = tiered.load_prefix(state, 0, 32)
   page = tiered.read_pages(state, [3])
   with pytest.raises(ValueError, match="contents"):  # one page's contents for two
     tiered.write_pages(state, [3, 4], page)
@@ -253,6 +261,30 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
   assert dense.device_bytes(100) == serving.ServingBackend(model, "dense", 3,
                                                            256).device_bytes(100)
+
+
+@pytest.mark.parametrize("name", ["dense", "sparse"])
+def test_full_kv_backends_refuse_a_step_past_max_len(model_and_ids, name):
+  """A dense or sparse slot at max_len: inside jit its K/V write would be dropped
+  and it would attend without its own token. Refused before the donated step (the
+  state stays usable), and after a snapshot is restored."""
+  import numpy as np
+  model, ids = model_and_ids
+  full = backend(model, name)
+  state = full.start_decoding(full.init(), 1, 255)
+  tokens = np.array([ids[0], ids[1], 0], np.int32)
+  last = np.array([False, True, False])
+  state, _ = full.decode(state, tokens, last)  # position 255, the last one
+  with pytest.raises(ValueError, match=r"slots \[1\] reached max_len=256"):
+    full.decode(state, tokens, np.array([True, True, False]))
+  state = full.start_decoding(state, 0, 10)
+  state, logits = full.decode(state, tokens, np.array([True, False, False]))
+  assert np.isfinite(np.asarray(logits)[0]).all()
+  again = backend(model, name)
+  restored = again.restore_state(full.snapshot(state))
+  with pytest.raises(ValueError, match="reached max_len"):
+    again.decode(restored, tokens, last)
+  again.decode(restored, tokens, np.array([True, False, False]))  # slot 0: at 11
 
 
 def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):

@@ -37,11 +37,13 @@ def test_mesh_host_pages_read_and_write_like_a_numpy_host_tier():
   """A data:2 x model:2 mesh backend's read_pages / write_pages (a disk tier's and
   the relay's IO): random page subsets of both rows, in random order, read back what
   was written; each global page lands on its row's tier at its local index; no pages
-  read as the one-device backend's empty fields."""
+  read as the one-device backend's empty fields. Its dense step refuses a slot at
+  max_len."""
   out = run("tests.mesh_pages_worker")
   result = json.loads(out.strip().splitlines()[-1])
   assert result["pages"] == 12 and result["writes"] > 0, result
   assert result["empty_shape"][0] == 0, result
+  assert result["dense_refused"] == 2, result  # a dense slot at max_len, twice
 
 
 def test_padded_kv_heads_contribute_exactly_zero():
