@@ -569,6 +569,13 @@ def test_bad_inputs_raise_at_trace_time():
     sel.select(state, 0, bad_q)
   with pytest.raises(ValueError, match="exceeds the state's max_len"):
     sel.prefill(state, 0, PrefillInputs(None, jnp.zeros((2, 40, HKV, D)), newest))
+  # Quest's and NSA's states round max_len up to whole pages / blocks (28 -> 32):
+  # prefill_state checks the prompt against max_len itself.
+  for rounded in (sel, NSASelector(block_size=16, num_blocks=1, num_initial=0,
+                                   num_local=1, window=8, **HEADS)):
+    with pytest.raises(ValueError, match="prompt length 30 exceeds max_len=28"):
+      selectors.prefill_state(rounded, 1, 28, None, None, jnp.zeros((1, 2, 30, HKV, D)),
+                              jnp.array([30, 30]))
   dsa = DSASelector(top_k=8, index_dim=8)
   dsa_state = dsa.init_state(1, 2, 32)
   good = StepInputs(jnp.zeros((2, MODEL_DIM)), jnp.zeros((2, HQ, D)),

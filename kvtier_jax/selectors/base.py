@@ -208,6 +208,8 @@ def prefill_state(selector, num_layers: int, max_len: int, params, x, k, lens):
       that do not read them, ``reads_hidden`` False); k: [L, R, P, Hkv, D]
       post-RoPE keys; lens: i32[R]; params: per-layer selector params or None.
   """
+  if k.shape[2] > max_len:  # the state rounds up (pages, blocks): it would take them
+    raise ValueError(f"prompt length {k.shape[2]} exceeds max_len={max_len}")
   state = selector.init_state(num_layers, k.shape[1], max_len)
 
   def one_layer(layer, state):
