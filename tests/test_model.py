@@ -378,6 +378,45 @@ def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
   assert cached.tokenizer.encode(text).ids == fresh.tokenizer.encode(text).ids
 
 
+def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
+                                                                    monkeypatch):
+  """A GGUF rewritten with its size and mtime kept (``cp -p``, ``rsync -t``, an
+  unpacked archive) loads its new weights, not the cached ones; a writer killed
+  mid-write leaves temporary files the next write removes."""
+  import os
+  import shutil
+
+  from models import gguf_loader
+  try:
+    source = gguf_loader.gguf_path()
+  except gguf_loader.ModelNotInstalledError as e:
+    pytest.skip(str(e))
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
+  path = tmp_path / source.name
+  shutil.copy2(source, path)
+  old = gguf_loader.load_gguf(path).params["final_norm"][0].copy()  # fills the cache
+  tensor = {t.name: t for t in gguf_loader.open_reader(path).tensors}["output_norm.weight"]
+  value = float(np.random.default_rng().uniform(50, 100))
+  stat = path.stat()
+  with open(path, "r+b") as f:
+    f.seek(int(tensor.data_offset))
+    f.write(np.float32(value).tobytes())
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert path.stat().st_size == stat.st_size
+  # A dead writer's leftovers, named as _write_cache names its temporary files.
+  entry = gguf_loader._cache_entry(path)
+  dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+  orphans = [entry.with_name(f"{entry.name}_{dead}_tmp").with_suffix(suffix)
+             for suffix in (".npz", ".json")]
+  for orphan in orphans:
+    orphan.write_bytes(b"half")
+  after = gguf_loader.load_gguf(path)
+  assert after.params["final_norm"][0] == np.float32(value)
+  assert old != np.float32(value)
+  assert not any(orphan.exists() for orphan in orphans)
+  assert gguf_loader.load_gguf(path).params["final_norm"][0] == np.float32(value)
+
+
 def test_a_failed_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):
   """The cache's JSON marker fails to write (a full disk) after the arrays did: the
   load goes on uncached, and no temporary or half-written file stays behind (one a
