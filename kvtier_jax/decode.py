@@ -22,10 +22,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvtier_jax import fetch, layer as layer_lib
+from kvtier_jax import fetch, layer as layer_lib, sharding
 from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
-from kvtier_jax.selectors.base import StepInputs, layer_slice
+from kvtier_jax.resolve import STATUS_CAPACITY
+from kvtier_jax.selectors.base import (StepInputs, check_ranking, check_state_capacity,
+                                       layer_slice)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 
@@ -91,6 +93,8 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
                                             carry.anchor, carry.ok)
       return out, carry.replace(tier=tier)
     tier = carry.tier
+    check_state_capacity(selector, carry.sel, cfg.max_len)
+    check_ranking(selector, cfg.top_k, cfg.select_width)
     params = None if carry.params is None else layer_slice(carry.params, layer)
     # The selector updates its state in place, as in the sparse backend, even for
     # inactive rows and on a layer that refuses: an update is position-idempotent
@@ -124,8 +128,21 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
   return attend
 
 
-def begin_step(carry: TieredCarry) -> TieredCarry:
-  return carry.replace(status=jnp.int32(0))
+def begin_step(cfg: TierConfig, carry: TieredCarry) -> TieredCarry:
+  """A fresh status word, or the capacity bit when a row would be lost: the newest
+  token goes to slot B and its install slot, and its host row to its page. With no
+  page it survives the next step only in an install slot, and only a request with
+  no pages at all (its whole life in B) never evicts: its positions are all
+  resident, so an empty slot is left while ``newest < B``. Otherwise the row would
+  exist nowhere (invariant 1); the engine allocates the page first."""
+  tier = carry.tier
+  newest = tier.seq_len
+  unpaged = ~layer_lib.has_page(cfg, tier.page_table, newest)
+  paged_request = (tier.page_table >= 0).any(-1)
+  lost = (carry.active & (newest < cfg.max_len) & unpaged
+          & (paged_request | (newest >= cfg.hot_slots)))
+  status = jnp.where(lost.any(), STATUS_CAPACITY, 0).astype(jnp.int32)
+  return carry.replace(status=sharding.agree_status(status, cfg.mesh_axes))
 
 
 def commit_step(carry: TieredCarry) -> TieredCarry:
@@ -172,6 +189,12 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
   Returns:
     (out [L, R, Hq, D], carry committed; run ``append_newest`` next).
   """
+  want_q = (cfg.num_layers, cfg.num_requests, cfg.num_q_heads, cfg.head_dim)
+  want_kv = (cfg.num_layers, cfg.num_requests, cfg.num_kv_heads, cfg.head_dim)
+  if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
+    # (another head count would regroup the queries silently)
+    raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
+                     f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
   attend = tiered_attend(cfg, selector)
   share = cfg.index_share
   group = lambda a: None if a is None else a.reshape(
@@ -187,7 +210,7 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
     return carry, jnp.stack(outs)
 
   firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
-  carry, out = jax.lax.scan(body, begin_step(carry),
+  carry, out = jax.lax.scan(body, begin_step(cfg, carry),
                             (firsts, group(q), group(k_new), group(v_new), group(x)))
   return out.reshape((cfg.num_layers,) + out.shape[2:]), commit_step(carry)
 

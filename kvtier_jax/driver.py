@@ -20,6 +20,7 @@ from kvtier_jax import decode
 from kvtier_jax.config import TierConfig
 from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE,
                                 check_selection)
+from kvtier_jax.selectors.base import check_ranking
 from kvtier_jax.selectors.synthetic import GivenSelector
 from kvtier_jax.state import TieredKVState
 
@@ -31,8 +32,8 @@ def describe_status(status: int) -> str:
   if status & STATUS_DUPLICATE:
     reasons.append("a selection repeats a position")
   if status & STATUS_CAPACITY:
-    reasons.append("a request's context exceeds max_len, or a position to fetch has "
-                   "no host page")
+    reasons.append("a request's context exceeds max_len, or a position to fetch (or "
+                   "the newest, with no hot slot to keep it) has no host page")
   return "; ".join(reasons) or "ok"
 
 
@@ -83,9 +84,11 @@ class TieredDriver:
     ``active`` bool[R] (numpy): the requests that decode (the others keep their
     state); default all.
     """
+    if active is not None:  # a copy: the carry is donated, the caller's array kept
+      active = np.asarray(active, bool)
     self.check_room(active)
     if active is not None:
-      carry = carry.replace(active=jnp.asarray(active))
+      carry = carry.replace(active=jnp.array(active))
     # Committed like the carry the step returns: an argument that is committed in
     # one call and not in the next (logits fed back as tokens) compiles twice.
     out, carry = self._step(carry, *decode.committed(args))
@@ -94,7 +97,7 @@ class TieredDriver:
     if status:
       raise StepRefused("decode step refused, nothing committed (a retry is exact): "
                         f"{describe_status(status)}", carry)
-    self.seq_len += 1 if active is None else np.asarray(active, np.int64)
+    self.seq_len += 1 if active is None else active.astype(np.int64)
     return out, carry
 
 
@@ -118,6 +121,15 @@ class TieredDecoder:
   def __init__(self, cfg: TierConfig, selector=None):
     self.cfg = cfg
     self.selector = selector or GivenSelector(cfg.select_width, cfg.num_units)
+    if not isinstance(self.selector, GivenSelector) and jax.eval_shape(
+        lambda: self.selector.init_state(cfg.num_layers, cfg.num_requests,
+                                         cfg.max_len)) is not None:
+      # The carry's selector state is the step's selections: a stateful rule would
+      # never be prefilled. The model backends drive those (models/backends.py).
+      raise ValueError(f"TieredDecoder drives given selections or a stateless "
+                       f"selector, not {type(self.selector).__name__} (it keeps state)")
+    check_ranking(self.selector, cfg.top_k, cfg.select_width)
+    self._traced = set()  # input signatures whose step traced without an error
     self._driver = TieredDriver(cfg, functools.partial(_decode_step, cfg, self.selector))
 
   @property
@@ -133,16 +145,47 @@ class TieredDecoder:
     if (lens > self.cfg.max_len).any() or (lens > k_prompt.shape[2]).any():
       raise ValueError(f"prompt_lens {lens} exceed the prompt ({k_prompt.shape[2]}) "
                        f"or the host tier (max_len={self.cfg.max_len})")
+    self._check_prompt_pages(np.asarray(state.page_table), lens)
     state = _prefill(self.cfg, state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
     self._driver.start(lens)
     return state
+
+  def _check_prompt_pages(self, table, lens) -> None:
+    """A prompt row without a page would go to the scratch page: lost once evicted.
+    A request with no pages at all must fit the hot cache (its whole life)."""
+    size = self.cfg.page_size
+    for r, n in enumerate(lens.tolist()):
+      need = table[r, :-(-n // size)] if n else table[r, :0]
+      if (table[r] >= 0).any() and (need < 0).any():
+        raise ValueError(f"request {r}'s prompt of {n} positions needs pages "
+                         f"{-(-n // size)}: its page table row is {table[r].tolist()}")
+      if not (table[r] >= 0).any() and n > self.cfg.hot_slots:
+        raise ValueError(f"request {r} has no host pages: its {n} prompt positions "
+                         f"exceed B={self.cfg.hot_slots}")
+
+  def _check_traces(self, state, q, k_new, v_new, selections, prefetch) -> None:
+    """Trace the step abstractly once per input signature before any donation: a
+    trace-time error (a shape, a prefetch wider than B, a selector the step cannot
+    use) then leaves the caller's state as it was."""
+    key = tuple(None if x is None else (np.shape(x), str(getattr(x, "dtype", type(x))))
+                for x in (q, k_new, v_new, selections, prefetch))  # the state: cfg's
+    if key in self._traced:
+      return
+    cfg, selector = self.cfg, self.selector
+
+    def whole_step(state, q, k_new, v_new, selections, prefetch):
+      carry = decode.init_carry(cfg, state, selections, None, prefetch)
+      return decode.decode_step(cfg, selector, carry, q, k_new, v_new)
+
+    jax.eval_shape(whole_step, state, q, k_new, v_new, selections, prefetch)
+    self._traced.add(key)
 
   def step(self, state: TieredKVState, q, k_new, v_new, selections=None, prefetch=None):
     """One step; ``prefetch`` i32[L, R, U, kp] optionally names next-step positions.
 
     Returns (out [L, R, Hq, D], state). Raises ``StepRefused`` (with the returned
     state) when a layer refused, ``ValueError`` before any change on malformed or
-    out-of-range ``selections`` and a full host tier.
+    out-of-range ``selections``, inputs of the wrong shape and a full host tier.
     """
     if isinstance(self.selector, GivenSelector):
       sel = np.asarray(selections)
@@ -155,6 +198,7 @@ class TieredDecoder:
       self._driver.check_room()
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
       selections = jnp.asarray(sel, jnp.int32)
+    self._check_traces(state, q, k_new, v_new, selections, prefetch)
     carry = _init_carry(self.cfg, state, selections, None, prefetch)
     try:
       out, carry = self._driver.step(carry, q, k_new, v_new)

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvtier_jax import attention
 from kvtier_jax.config import TierConfig
-from kvtier_jax.selectors.base import StepInputs
+from kvtier_jax.selectors.base import StepInputs, check_state_capacity
 
 
 class FullKVState(NamedTuple):
@@ -59,6 +59,7 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
   if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
     raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
                      f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
+  check_state_capacity(selector, sel, cfg.max_len)
   r = jnp.arange(num_req)
   shape = (num_req, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
 

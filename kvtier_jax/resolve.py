@@ -48,10 +48,7 @@ def _check_shapes(slot_pos, lru, selected, newest):
                      f"dims of slot_pos {slot_pos.shape}")
   if newest.shape != slot_pos.shape[:-1]:
     raise ValueError(f"newest {newest.shape} must have shape {slot_pos.shape[:-1]}")
-  num_slots, num_sel = slot_pos.shape[-1], selected.shape[-1]
-  if num_slots < num_sel:
-    raise ValueError(f"B={num_slots} hot slots cannot serve k={num_sel} selected "
-                     "positions in one step: B must be >= k")
+  common.check_slots(slot_pos.shape[-1], selected.shape[-1])
 
 
 def check_selection(selected, newest) -> None:
@@ -61,6 +58,8 @@ def check_selection(selected, newest) -> None:
   bound where ``newest < 0``), distinct within a row.
   """
   selected = np.asarray(selected)
+  if selected.dtype.kind not in "iu":  # int32() would truncate 1.9 to 1
+    raise ValueError(f"selections must be integers, not {selected.dtype}")
   newest = np.broadcast_to(np.asarray(newest), selected.shape[:-1])[..., None]
   bad = (selected < EMPTY) | ((newest >= 0) & (selected > newest))
   if bad.any():
@@ -87,12 +86,16 @@ def _check_metadata(slot_pos, lru) -> None:
     raise ValueError("a position is held by two slots of the same row")
 
 
-def _validated(slot_pos, lru, selected, newest):
+def _validated(slot_pos, lru, selected, newest, num_positions=None):
   slot_pos, lru, selected, newest = map(jnp.asarray, (slot_pos, lru, selected, newest))
   _check_shapes(slot_pos, lru, selected, newest)
   if _is_concrete(slot_pos, lru, selected, newest):
     check_selection(selected, newest)
     _check_metadata(slot_pos, lru)
+    # The map lookup drops positions past its table: a held one would read as a miss.
+    top = max(int(np.max(x, initial=-1)) for x in (slot_pos, selected, newest))
+    if num_positions is not None and top >= num_positions:
+      raise ValueError(f"position {top} is outside num_positions={num_positions}")
   return tuple(x.astype(jnp.int32) for x in (slot_pos, lru, selected, newest))
 
 
@@ -136,7 +139,7 @@ def resolve(slot_pos: SlotPos, lru: LruOrder, selected: Selected, newest: Newest
       inputs are concrete, on out-of-range or duplicate selections and invalid
       metadata.
   """
-  args = _validated(slot_pos, lru, selected, newest)
+  args = _validated(slot_pos, lru, selected, newest, num_positions)
   if common.use_kernel(impl, "resolve"):
     from pallas_kernels.cache_resolve import cache_resolve
     interp = common.interpret_mode() if interpret is None else interpret
@@ -175,7 +178,7 @@ def resolve_with_policy(policy: PolicyConfig, slot_pos: SlotPos, lru: LruOrder, 
   if not policy.keyed:
     return resolve(slot_pos, lru, selected, newest, impl=impl, interpret=interpret,
                    lookup_method=lookup_method, num_positions=num_positions), score
-  args = _validated(slot_pos, lru, selected, newest)
+  args = _validated(slot_pos, lru, selected, newest, num_positions)
   score = jnp.asarray(score)
   if score.shape != args[0].shape:
     raise ValueError(f"score {score.shape} must match slot_pos {args[0].shape}")

@@ -18,6 +18,7 @@ decode steps with donated state.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import flax.struct
@@ -30,12 +31,32 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
 from kvtier_jax.driver import StepRefused, TieredDriver
-from kvtier_jax.selectors.base import StepInputs, layer_slice, prefill_state
+from kvtier_jax.selectors.base import (StepInputs, check_state_capacity, layer_slice,
+                                       prefill_state)
 from models import cache as cache_lib
 from models.config import ModelConfig
 from models.transformer import Transformer, apply_decode, apply_prefill_with_inputs
 
 BACKENDS = ("dense", "sparse", "tiered")
+
+
+def warn_past_context(cfg: ModelConfig, max_len: int) -> None:
+  """RoPE past the trained context extrapolates: allowed (performance runs on
+  random weights), but said."""
+  if cfg.max_context is not None and max_len > cfg.max_context:
+    warnings.warn(f"max_len={max_len} exceeds {cfg.name}'s trained context of "
+                  f"{cfg.max_context} tokens: positions past it extrapolate RoPE",
+                  stacklevel=3)
+
+
+def check_tokens(tokens, vocab_size: int) -> None:
+  """Token ids outside the vocabulary would be clamped by the embedding gather."""
+  tokens = np.asarray(tokens)
+  if tokens.dtype.kind not in "iu":
+    raise ValueError(f"token ids must be integers, not {tokens.dtype}")
+  bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+  if bad.size:
+    raise ValueError(f"token ids {bad[:5].tolist()} must be in [0, {vocab_size})")
 
 
 def check_backend(backend: str, selector, hot_slots: int | None) -> None:
@@ -68,6 +89,7 @@ def sparse_attend(selector, index_share: int = 1):
 
   def attend(layer, q, k_new, v_new, carry: SparseCarry, x, member: int = 0):
     kv = carry.kv
+    check_state_capacity(selector, carry.sel, kv.max_len)
     k, v = cache_lib.write_newest(kv, layer, k_new, v_new)
     if member == 0:
       params = None if carry.params is None else layer_slice(carry.params, layer)
@@ -120,7 +142,7 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens,
 def tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, tokens,
                 carry: kv_decode.TieredCarry):
   """One model decode step through the tiered cache: (logits f32[R, V], carry)."""
-  carry = kv_decode.begin_step(carry)
+  carry = kv_decode.begin_step(tier_cfg, carry)
   logits, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
                                kv_decode.tiered_attend(tier_cfg, selector))
   return logits, kv_decode.commit_step(carry)
@@ -132,7 +154,7 @@ def _tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights
                        tokens, carry: kv_decode.TieredCarry):
   """Look-ahead (OasisKV): run a draft token at the next position without
   committing it; its capped misses are the prefetch (``decode.finish_draft``)."""
-  before = kv_decode.begin_step(carry)
+  before = kv_decode.begin_step(tier_cfg, carry)
   _, after = apply_decode(cfg, weights, tokens, carry.tier.seq_len, before,
                           kv_decode.tiered_attend(tier_cfg, selector, draft=True))
   return kv_decode.finish_draft(before, after)
@@ -191,6 +213,7 @@ class Runner:
                selector_params=None, hot_slots: int | None = None,
                index_share: int = 1, lookahead: str = "none", **tier_overrides):
     check_backend(backend, selector, hot_slots)
+    warn_past_context(model.cfg, max_len)
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
     self.model, self.backend, self.max_len = model, backend, max_len
@@ -209,10 +232,21 @@ class Runner:
   def prefill(self, tokens, lens):
     """Runs the prompts; returns logits f32[R, V] at ``lens - 1``."""
     cfg = self.model.cfg
+    check_tokens(tokens, cfg.vocab_size)
     tokens = jnp.asarray(tokens, jnp.int32)
-    lens_np = np.asarray(lens, np.int64)
+    lens_np = np.asarray(lens)
+    if (tokens.ndim != 2 or lens_np.shape != tokens.shape[:1]
+        or lens_np.dtype.kind not in "iu"):
+      raise ValueError(f"tokens {tokens.shape} and lens {lens_np.dtype}{list(lens_np.shape)}"
+                       " must be [R, P] and R integers")
+    lens_np = lens_np.astype(np.int64)
     if (lens_np > self.max_len).any():
       raise ValueError(f"prompt lengths {lens_np} exceed max_len={self.max_len}")
+    if ((lens_np < 1) | (lens_np > tokens.shape[1])).any():
+      # 0 reads the logits of a padding position; past P the cache would claim
+      # positions whose keys are zeros.
+      raise ValueError(f"prompt lengths {lens_np.tolist()} must be in [1, "
+                       f"{tokens.shape[1]}] (the tokens given)")
     lens = jnp.asarray(lens_np, jnp.int32)
     logits, k, v, h = apply_prefill_with_inputs(cfg, self.weights, tokens, lens)
     if self.backend == "dense":
@@ -245,6 +279,9 @@ class Runner:
     if (self.seq_len >= self.max_len).any():
       raise ValueError(f"context {self.seq_len.tolist()} reached max_len={self.max_len}")
     cfg = self.model.cfg
+    if np.shape(tokens) != (len(self.seq_len),):
+      raise ValueError(f"tokens {np.shape(tokens)} must be ({len(self.seq_len)},)")
+    check_tokens(tokens, cfg.vocab_size)
     tokens = jnp.asarray(tokens, jnp.int32)
     if self.backend == "dense":
       logits, self.carry = _dense_step(cfg, self.weights, tokens, self.carry)

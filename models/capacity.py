@@ -1,10 +1,14 @@
 """Per-request memory of full-KV vs tiered decoding, and what fits a device budget.
 
-Counts exactly what this project allocates (kvtier_jax.state): a hot cache of
-``B + 1`` rows per layer (slot B holds the newest token), int32 ``slot_pos`` and
-``lru`` and a float32 ``slot_score`` per slot, and the selector's resident state, which grows with the context
-and is never offloaded (docs/DESIGN.md, "Invariants"). The host tier holds every
-position, in whole pages (the pool's one scratch page is not per request).
+The tier's arrays are counted as this project allocates them (kvtier_jax.state):
+a hot cache of ``B + 1`` rows per layer (slot B holds the newest token), int32
+``slot_pos`` and ``lru`` and a float32 ``slot_score`` per slot and selection unit.
+The host tier holds every position, in whole pages (the pool's one scratch page is
+not per request). The selector's resident state, which grows with the context and
+is never offloaded (docs/DESIGN.md, "Invariants"), is the preset's as its paper
+keeps it (``ModelConfig.selector_bytes_per_token_per_layer``: model dtype, no
+rings); this project's selectors keep f32 state and say what they hold with
+``kvtier_jax.selectors.state_bytes``, which the serving engine's admission charges.
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ class RequestBytes:
 
 
 def request_bytes(cfg: ModelConfig, context: int, hot_slots: int,
-                  page_size: int = 64) -> RequestBytes:
+                  page_size: int = 64, units: int = 1) -> RequestBytes:
+  """``units``: selections per request and layer, 1 (DSA, SGLang's Quest) or the KV
+  heads (original Quest, NSA): each unit has its own B slots of metadata; the hot
+  rows are the same bytes, split by head."""
   row = cfg.kv_bytes_per_token_per_layer
   layers = cfg.num_layers
-  units = 1  # one selection per request per layer (DSA, SGLang-Quest)
   return RequestBytes(
       context=context,
       full_kv=layers * context * row,
       selector_state=math.ceil(layers * context * cfg.selector_bytes_per_token_per_layer),
-      hot_kv=layers * units * (hot_slots + 1) * row,
+      hot_kv=layers * (hot_slots + 1) * row,
       metadata=layers * units * hot_slots * 3 * 4,
       host=layers * -(-context // page_size) * page_size * row,  # whole pages
   )

@@ -38,9 +38,11 @@ from models import cache as cache_lib
 from models.backends import (
   SparseCarry,
   check_backend,
+  check_tokens,
   sparse_attend,
   tier_config,
   tiered_step,
+  warn_past_context,
 )
 from models.config import ModelConfig
 from models.transformer import Transformer, apply_decode, apply_prefill_chunk
@@ -224,6 +226,7 @@ class ServingBackend:
                index_share: int = 1, device: jax.Device | None = None,
                **tier_overrides):
     check_backend(backend, selector, hot_slots)
+    warn_past_context(model.cfg, max_len)
     if chunk_size % page_size:
       raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="
                        f"{page_size} (a chunk writes whole host pages)")
@@ -491,9 +494,7 @@ class ServingBackend:
     if np.shape(tokens) != (self.num_slots,) or np.shape(active) != (self.num_slots,):
       raise ValueError(f"tokens {np.shape(tokens)} and active {np.shape(active)} must "
                        f"be ({self.num_slots},)")
-    live = np.asarray(tokens)[np.asarray(active, bool)]
-    if ((live < 0) | (live >= self.vocab_size)).any():
-      raise ValueError(f"token ids {live.tolist()[:5]} must be in [0, {self.vocab_size})")
+    check_tokens(np.asarray(tokens)[np.asarray(active, bool)], self.vocab_size)
     active = np.asarray(active, bool)
     tokens = jnp.asarray(tokens, jnp.int32)
     if self.backend != "tiered":  # the driver checks and advances the tiered mirror

@@ -58,6 +58,14 @@ def triton_params(num_warps: int = 4, num_stages: int = 1):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def check_slots(num_slots: int, num_sel: int) -> None:
+  """B >= k: with fewer slots two selected positions would share one (the kernels
+  would also read scratch lanes they never wrote)."""
+  if num_slots < num_sel:
+    raise ValueError(f"B={num_slots} hot slots cannot serve k={num_sel} selected "
+                     "positions in one step: B must be >= k")
+
+
 def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

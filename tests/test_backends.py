@@ -75,6 +75,22 @@ def test_runner_rejects_bad_use(model_and_prompt):
   runner = backends.Runner(model, "sparse", 100, selector=selector)
   with pytest.raises(ValueError, match="exceed max_len"):
     runner.prefill(ids[None], [len(ids)])
+  # Lengths past the tokens given, or 0 (a padding position's logits), and token
+  # ids the embedding gather would clamp: refused before any call.
+  short = np.asarray(ids[:40])[None]
+  for tokens, lens, match in ((short, [41], r"in \[1, 40\]"), (short, [0], r"in \[1, 40\]"),
+                              (short, [20.0], "integers"),
+                              (np.where(short == short[0, 3], -1, short), [40], "token ids"),
+                              (short.astype(np.float32), [40], "integers")):
+    with pytest.raises(ValueError, match=match):
+      runner.prefill(tokens, lens)
+  runner.prefill(short, [40])
+  for token, match in (([model.cfg.vocab_size], "token ids"), ([3, 4], r"must be \(1,\)"),
+                       ([2.0], "integers")):
+    with pytest.raises(ValueError, match=match):
+      runner.step(np.asarray(token))
+  with pytest.warns(UserWarning, match="trained context of 8192"):
+    backends.Runner(model, "dense", model.cfg.max_context + 1)
 
 
 def test_parity_cli_prints_the_contract_line():
@@ -245,7 +261,7 @@ def test_model_step_is_the_library_step(model_and_prompt, name):
   cfg, tier_cfg = model.cfg, runner.tier_cfg
   copy = lambda: jax.tree.map(jnp.copy, runner.carry)
   token = jnp.asarray([11, 22], jnp.int32)
-  start = kv_decode.begin_step(copy())
+  start = kv_decode.begin_step(tier_cfg, copy())
   _, model_carry, trace = transformer.apply_decode(
       cfg, runner.weights, token, start.tier.seq_len, start,
       kv_decode.tiered_attend(tier_cfg, selector), return_trace=True)

@@ -10,13 +10,16 @@ from models import capacity
 from models.config import ModelConfig
 
 
-def test_formula_matches_allocated_arrays():
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_formula_matches_allocated_arrays(per_kv_head):
+  """One selection per request, or one per KV head (3 units: 3x the metadata)."""
   cfg = ModelConfig.smollm2_135m().replace(selector="quest", top_k=64, quest_page_size=16)
   tier = TierConfig(num_layers=cfg.num_layers, num_requests=2, max_len=300,
                     num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim, hot_slots=128, top_k=64, dtype=jnp.float32)
+                    head_dim=cfg.head_dim, hot_slots=128, top_k=64, dtype=jnp.float32,
+                    per_kv_head=per_kv_head)
   state = kv_state.init_state(tier)
-  want = capacity.request_bytes(cfg, 300, 128)
+  want = capacity.request_bytes(cfg, 300, 128, units=tier.num_units)
   assert (state.hot_k.nbytes + state.hot_v.nbytes) // 2 == want.hot_kv
   assert (state.slot_pos.nbytes + state.lru.nbytes + state.slot_score.nbytes) // 2 == \
       want.metadata

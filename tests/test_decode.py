@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvtier_jax import decode, driver, selectors
+from kvtier_jax import decode, driver, full_kv, selectors
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
@@ -138,6 +138,39 @@ def test_bad_selection_is_refused_before_any_change(bad, match):
   assert_same(before, snapshot(h.state))
 
 
+def test_a_trace_time_error_leaves_the_callers_state():
+  """Errors found while tracing the step (a prefetch wider than B, a query of
+  another head count, float selections) are raised before the state is donated:
+  it stays usable, and the next step is exact. A jax ``active`` mask given to the
+  driver is copied into the donated carry, not consumed."""
+  cfg = make_cfg()
+  h = Harness(cfg, [40, 50, 60])
+  h.step()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  q, kn, vn = step_inputs(h.rng, cfg)
+  wide = jnp.zeros((cfg.num_layers, cfg.num_requests, 1, cfg.hot_slots + 1), jnp.int32)
+  before = snapshot(h.state)
+  for call, match in (
+      (lambda: h.decoder.step(h.state, q, kn, vn, sel, prefetch=wide), "exceed B"),
+      (lambda: h.decoder.step(h.state, jnp.zeros((4, 3, 8, 16)), kn, vn, sel),
+       "q / k_new / v_new have shapes"),
+      (lambda: h.decoder.step(h.state, q, kn, vn, sel + 0.5), "integers")):
+    with pytest.raises(ValueError, match=match):
+      call()
+    assert_same(before, snapshot(h.state))
+  out, ref = h.step(sel, (q, kn, vn))
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  # The driver underneath, with a jax mask.
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel), None)
+  active = jnp.asarray([True, False, True])
+  step = driver._decode_step
+  drv = driver.TieredDriver(cfg, lambda c, *a: step(cfg, h.decoder.selector, c, *a))
+  drv.start(h.decoder.seq_len)
+  _, carry = drv.step(carry, q, kn, vn, active=active)
+  np.testing.assert_array_equal(np.asarray(active), [True, False, True])
+  np.testing.assert_array_equal(drv.seq_len, h.decoder.seq_len + [1, 0, 1])
+
+
 def test_capacity_exceeded_is_refused():
   cfg = make_cfg(max_len=64)
   h = Harness(cfg, [60, 63, 10])
@@ -174,6 +207,56 @@ def test_a_miss_without_a_host_page_is_refused_not_read(impl):
   after = snapshot(err.value.state)
   np.testing.assert_array_equal(after.seq_len, before.seq_len)
   np.testing.assert_array_equal(after.misses, before.misses)
+
+
+@pytest.mark.parametrize("impl", ["auto", FUSED])
+def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
+  """The newest token's row goes to slot B, its install slot and its host page.
+  Without a page it survives only in an install slot, safe only for a request
+  with no pages at all (its positions all resident): a paged request whose newest
+  page is missing, or an unpaged one whose B slots are full, refuses before any
+  change; with the page given, the retried step is exact. A prompt position
+  without a page is refused at prefill."""
+  cfg = make_cfg(impl=impl, host_pages=24, page_size=16, max_len=200)
+  rng = np.random.default_rng()
+  kp, vp = random_kv(rng, cfg, 40)
+  table = np.full((cfg.num_requests, cfg.pages_per_request), -1, np.int32)
+  table[0, :2] = [5, 9]  # positions 0..31: the newest (32) has no page
+  table[2, :3] = [1, 2, 3]
+  decoder = driver.TieredDecoder(cfg)
+  base = kv_state.init_state(cfg, fill=np.nan)
+  lens = [32, cfg.hot_slots, 40]  # request 1: no pages, its 32 slots full
+  with pytest.raises(ValueError, match="needs pages 3"):
+    decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [40, 8, 40])
+  with pytest.raises(ValueError, match="no host pages"):
+    decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [32, 33, 40])
+  full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
+  state = decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, lens)
+  sel = np.full((cfg.num_layers, cfg.num_requests, 1, cfg.top_k), -1, np.int32)
+  sel[..., 0, :3] = [[0, 7, 32], [1, 5, 32], [39, 3, 40]]
+  inputs = step_inputs(rng, cfg)
+  for request, pages in ((0, [5, 9, 11]), (1, [12, 13, 14])):  # each refuses in turn
+    before = snapshot(state)
+    with pytest.raises(driver.StepRefused, match="the newest") as err:
+      decoder.step(state, *inputs, sel)
+    state = err.value.state
+    after = snapshot(state)
+    rows = ("host_k", "host_v", "hot_k", "hot_v")
+    assert_same(before, after, [f for f in before.__dataclass_fields__ if f not in rows])
+    for name in rows:  # but the scratch page and reserved slot B, which a step writes
+      keep = np.s_[:, :24] if name.startswith("host") else np.s_[..., :cfg.hot_slots, :, :]
+      np.testing.assert_array_equal(getattr(after, name)[keep],
+                                    getattr(before, name)[keep], err_msg=name)
+    table[request, :3] = pages
+    state = state.replace(page_table=jnp.asarray(table))
+  out, state = decoder.step(state, *inputs, sel)
+  ref, _ = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(cfg.top_k), full,
+                                       *inputs, jnp.asarray(sel))
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(state.seq_len), [33, 33, 41])
+  host_k, _ = kv_state.host_rows(cfg, state, 0, 33)  # the newest reached its page
+  np.testing.assert_array_equal(host_k[:, 32], np.asarray(inputs[1][:, 0]).reshape(
+      host_k[:, 32].shape))
 
 
 @pytest.mark.parametrize("impl", ["auto", FUSED])

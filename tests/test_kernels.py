@@ -52,13 +52,19 @@ def test_attention_kernel_matches_oracle(on_gpu, dtype, units, heads, group, num
                                         blocks):
   rng = np.random.default_rng(num_sel)
   L, R, S, D = 2, 3, 80, 64
-  poison = (77, 78, 79)  # never selected: reading them would leak NaN
   shape = (L, R, units, S, heads, D)
-  k_cache, v_cache = make_cache(rng, shape, dtype, poison), make_cache(rng, shape, dtype, poison)
-  q = jnp.asarray(rng.standard_normal((R, units * heads * group, D)), dtype)
   slot = np.stack([[rng.permutation(77)[:num_sel] for _ in range(units)]
                    for _ in range(R)]).astype(np.int32)
   slot[..., -3:] = -1  # padding
+  # Every slot a row does not select is NaN (slot 0 too, which padding lanes may
+  # load): reading one would leak into the output.
+  unread = np.ones((R, units, S), bool)
+  for r, u in np.ndindex(R, units):
+    unread[r, u, slot[r, u][slot[r, u] >= 0]] = False
+  k_cache, v_cache = make_cache(rng, shape, dtype), make_cache(rng, shape, dtype)
+  k_cache = k_cache.at[1].set(jnp.where(unread[..., None, None], jnp.nan, k_cache[1]))
+  v_cache = v_cache.at[1].set(jnp.where(unread[..., None, None], jnp.nan, v_cache[1]))
+  q = jnp.asarray(rng.standard_normal((R, units * heads * group, D)), dtype)
   slot = jnp.asarray(slot)
   want = oracle_out(q, k_cache, v_cache, 1, slot)
   got, lse = sparse_decode_attention(q, k_cache, v_cache, 1, slot, block_sizes=blocks,
@@ -284,10 +290,15 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} {seed=}")
   # A row with a duplicate has unspecified slots (the step refuses; what its
   # attention returns is discarded).
-  for name in ("slot", "is_miss", "status") if scenario != "duplicate" else (
+  for name in ("slot", "is_miss", "status", "target") if scenario != "duplicate" else (
       "is_miss", "status"):
     np.testing.assert_array_equal(getattr(got, name), getattr(want, name),
                                   err_msg=f"{name} {seed=}")
+  if scenario == "duplicate":  # the install slot of every row but the duplicated one
+    keep = np.ones(np.shape(want.target), bool)
+    keep[1, 0] = False
+    np.testing.assert_array_equal(np.asarray(got.target)[keep],
+                                  np.asarray(want.target)[keep], err_msg=f"target {seed=}")
   assert int(got.status) == status, seed
   before, after = args["cache"], got.cache
   hot_k, host_k = np.asarray(after.hot_k), np.asarray(args["host_k"])

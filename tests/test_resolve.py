@@ -103,6 +103,51 @@ def test_map_lookup_needs_a_position_bound():
     resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup_method="hash")
 
 
+def test_map_lookup_refuses_positions_past_its_bound():
+  """The map drops positions past ``num_positions``: a held one would read as a
+  miss and be fetched into a second slot. Concrete inputs are checked."""
+  args = (np.array([[100, 5, -1]]), np.array([[0, 1, 2]]), np.array([[100, 5]]),
+          np.array([200]))
+  for method in ("map", "auto", "search"):
+    with pytest.raises(ValueError, match="outside num_positions=64"):
+      resolve(*args, lookup_method=method, num_positions=64)
+  out = resolve(*args, lookup_method="map", num_positions=201)
+  np.testing.assert_array_equal(out.is_miss, [[False, False]])
+
+
+def test_a_non_finite_key_never_evicts_a_hit():
+  """Keyed RESOLVE ranks the evictables by key with the hits at +inf: an evictable
+  keyed +inf or NaN used to tie with the hits and take a hit's slot. Against the
+  kernel and the oracle, random positions of the non-finite keys."""
+  from pallas_kernels.cache_resolve import cache_resolve_reference
+  rng = np.random.default_rng()
+  for _ in range(20):
+    held = rng.permutation(50)[:6]
+    hits = rng.permutation(6)[:rng.integers(1, 4)]  # slots of the wanted positions
+    key = rng.choice(np.array([np.inf, np.nan], np.float32), 6)  # every evictable
+    key[hits] = rng.random(len(hits))
+    lru = np.concatenate([hits[:1], rng.permutation(np.setdiff1d(np.arange(6), hits[:1]))])
+    want = held[hits].tolist()  # a hit is least recently used: first in a tie
+    selected = np.array(want + [60, 61], np.int32)
+    out = cache_resolve_reference(jnp.asarray(held, jnp.int32), jnp.asarray(lru, jnp.int32),
+                                  jnp.asarray(selected), jnp.int32(70), key=jnp.asarray(key))
+    slot_pos = np.asarray(out.slot_pos)
+    slots = np.asarray(out.slot)
+    assert sorted(slots.tolist()) == sorted(set(slots.tolist())), (key, slots)
+    for lane, pos in enumerate(want):  # each hit keeps its slot and its row
+      assert slots[lane] == held.tolist().index(pos) and slot_pos[slots[lane]] == pos
+    assert set(slot_pos.tolist()) >= set(selected.tolist())
+
+
+def test_exported_kernels_refuse_fewer_slots_than_selections():
+  from pallas_kernels.cache_resolve import cache_resolve, cache_resolve_reference
+  args = (jnp.array([[1, 2]]), jnp.array([[0, 1]]), jnp.array([[1, 9, 3]]),
+          jnp.array([10]))
+  for fn in (cache_resolve_reference, lambda *a: cache_resolve(*a, interpret=True)):
+    with pytest.raises(ValueError, match="B must be >= k"):
+      fn(*args)
+
+
 @given(st.sampled_from([1, 5, 12]), st.sampled_from([0, 3, 20]),
        st.integers(0, 2**31 - 1), st.sampled_from(["search", "map"]))
 def test_resolve_property(num_sel, extra_slots, seed, lookup):

@@ -299,11 +299,15 @@ def test_dsa_index_scores_are_the_selection_scores():
 
 NSA_CONFIGS = {
     "paper": dict(block_size=8, num_blocks=4, num_initial=1, num_local=2, window=8,
-                  cmp_block=4, cmp_stride=2),
+                  cmp_block=4, cmp_stride=2, importance="paper"),
     "overlap": dict(block_size=8, num_blocks=4, num_initial=1, num_local=2, window=8,
                     cmp_block=4, cmp_stride=2, importance="overlap"),
     "fla_no_window": dict(block_size=8, num_blocks=3, num_initial=0, num_local=1,
                           window=0, cmp_block=8, cmp_stride=8),
+    # l/d = 3: a block sums three stride chunks (ring sums once differed from
+    # prefill's in the last bits at l/d > 2).
+    "ratio_3": dict(block_size=8, num_blocks=4, num_initial=1, num_local=1, window=4,
+                    cmp_block=6, cmp_stride=2, importance="paper"),
 }
 
 
@@ -346,8 +350,9 @@ def test_nsa_matches_brute_force(name):
                                              np.where(win >= 0, win, -1)]))
 
   state, longer = run_selector(sel, 2, step_fn, check_step)
-  np.testing.assert_allclose(np.asarray(state.cmp_key_sum),
-                             np.asarray(longer.cmp_key_sum), rtol=1e-5, atol=1e-5)
+  # Step by step as prefilled, bit for bit (a handoff rebuilds it by prefill).
+  np.testing.assert_array_equal(np.asarray(state.cmp_key_sum),
+                                np.asarray(longer.cmp_key_sum))
   np.testing.assert_array_equal(np.asarray(state.recent), np.asarray(longer.recent))
 
 
@@ -641,3 +646,67 @@ def test_state_bytes_match_init_state(sel):
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     assert all(leaf.shape[0] == num_layers for leaf in jax.tree.leaves(state))
     assert total == num_layers * num_req * selectors.base.state_bytes(sel, max_len)
+
+
+def test_the_tiered_step_refuses_a_ranking_or_a_state_it_cannot_use():
+  """Trace-time refusals of what would attend or select wrongly with status 0:
+  the "rank" policy attends a row's first top_k, which must be the rule's own
+  selection (NSA's rows end with its window, the newest token included; a Quest
+  prefix of a partial page is no Quest selection); a selector state shorter than
+  the cache's max_len drops the later positions' state writes; a stateful rule
+  in TieredDecoder would never be prefilled; a prompt batch of another size than
+  the state's would rewrite the other requests' rows."""
+  from kvtier_jax import decode
+  from kvtier_jax.policies import PolicyConfig
+
+  def trace(sel, top_k, depth, state_len=MAX_LEN):
+    policy = PolicyConfig("rank", rank_depth=depth) if depth > top_k else PolicyConfig()
+    cfg = TierConfig(num_layers=NUM_LAYERS, num_requests=2, max_len=MAX_LEN,
+                     num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, hot_slots=48,
+                     top_k=top_k, per_kv_head=sel.num_units == HKV, dtype=jnp.float32,
+                     policy=policy)
+    carry = decode.init_carry(cfg, jax.eval_shape(lambda: kv_state.init_state(cfg)),
+                              jax.eval_shape(lambda: sel.init_state(NUM_LAYERS, 2,
+                                                                    state_len)))
+    q = jnp.zeros((NUM_LAYERS, 2, HQ, D))
+    k = jnp.zeros((NUM_LAYERS, 2, HKV, D))
+    return jax.eval_shape(lambda c: decode.decode_step(cfg, sel, c, q, k, k), carry)
+
+  nsa = NSASelector(block_size=8, num_blocks=4, num_initial=1, num_local=1, window=8,
+                    cmp_block=8, cmp_stride=8, num_kv_heads=HKV, q_per_kv=G,
+                    head_dim=D)  # rows of 40 = 4 blocks of 8 + a window of 8
+  with pytest.raises(ValueError, match="not ranked best first"):
+    trace(nsa, 32, 40)
+  trace(nsa, 40, 40)  # no deeper ranking: attended as selected
+  quest = functools.partial(QuestSelector, page_size=8, num_kv_heads=HKV, q_per_kv=G,
+                            head_dim=D)
+  with pytest.raises(ValueError, match="not ranked best first"):
+    trace(quest(token_budget=48), 36, 48)
+  trace(quest(token_budget=48), 32, 48)  # whole pages: the budget-32 selection
+  trace(OracleSelector(top_k=48, granularity="kv_head", num_kv_heads=HKV, q_per_kv=G,
+                       head_dim=D), 20, 48)
+  with pytest.raises(ValueError, match="holds 64 positions, the cache max_len=128"):
+    trace(quest(token_budget=32), 32, 32, state_len=64)
+  with pytest.raises(ValueError, match="holds 64 positions"):
+    trace(OracleSelector(top_k=32, num_kv_heads=HKV, q_per_kv=G, head_dim=D), 32, 32,
+          state_len=64)
+  cfg = TierConfig(num_layers=NUM_LAYERS, num_requests=2, max_len=MAX_LEN,
+                   num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, hot_slots=48, top_k=32,
+                   dtype=jnp.float32)
+  with pytest.raises(ValueError, match="not QuestSelector"):
+    driver.TieredDecoder(cfg, quest(token_budget=32))
+  one = PrefillInputs(jnp.zeros((1, 10, MODEL_DIM)), jnp.zeros((1, 10, HKV, D)),
+                      jnp.array([10]))
+  for sel, params in ((quest(token_budget=32), None), (nsa, None),
+                      (OracleSelector(top_k=32, num_kv_heads=HKV, q_per_kv=G,
+                                      head_dim=D), None),
+                      (DSASelector(top_k=32, index_dim=8), random_indexer_params(0))):
+    with pytest.raises(ValueError, match="prompts for 1 requests; the state holds 3"):
+      sel.prefill(sel.init_state(1, 3, MAX_LEN), 0, one,
+                  None if params is None else selectors.layer_slice(params, 0))
+  dsa = DSASelector(top_k=32, index_dim=8)
+  with pytest.raises(ValueError, match="hidden inputs x"):
+    dsa.select(dsa.init_state(1, 2, MAX_LEN), 0,
+               StepInputs(None, jnp.zeros((2, HQ, D)), jnp.zeros((2, HKV, D)),
+                          jnp.array([3, 4])),
+               selectors.layer_slice(random_indexer_params(0), 0))

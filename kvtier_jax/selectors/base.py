@@ -79,10 +79,10 @@ class Selector(Protocol):
     """Absorb the newest token into the state, then choose positions.
 
     Returns (positions i32[R, U, k], new state). ``params`` holds learned selector
-    weights for this layer where the rule has any (the DSA indexer). ``layer``
-    indexes ``state`` only: the tiered step passes a one-layer view of a non-empty
-    state (leaves [1, ...], ``layer`` 0), and a stateless rule (state None) the
-    true index; a rule that depends on the layer itself reads ``inputs.layer``.
+    weights for this layer where the rule has any (the DSA indexer). ``state`` is
+    the whole layer-stacked state and ``layer`` indexes it (the tiered step and
+    the sparse backend update it in place); a rule that depends on the layer
+    itself reads ``inputs.layer``.
     """
 
   def state_bytes_per_token(self) -> int | float:
@@ -94,12 +94,42 @@ class Selector(Protocol):
   # Optional: ``state_bytes_per_request() -> int``, resident bytes per layer per
   # request that do not grow with the context (the rings of ``write_recent``);
   # ``state_bytes`` reads 0 where a selector has none.
+  #
+  # Optional: ``state_capacity(state) -> int``, the positions a state holds (its
+  # writes past them are dropped inside jit); ``check_state_capacity`` compares it
+  # with the cache's max_len.
+  #
+  # Optional: ``ranks_best_first(top_k) -> bool``, whether the first ``top_k`` of
+  # a row are the rule's own selection at budget ``top_k``. The "rank" policy
+  # attends them and steers victims by the rest (``check_ranking``); a rule
+  # without it cannot rank deeper than it attends.
 
 
 def state_bytes(selector, length: int) -> int:
   """Resident bytes of one layer's state for a request of ``length`` tokens."""
   fixed = getattr(selector, "state_bytes_per_request", None)
   return math.ceil(selector.state_bytes_per_token() * length) + (fixed() if fixed else 0)
+
+
+def check_state_capacity(selector, state, max_len: int) -> None:
+  """Trace-time: a state too short for ``max_len`` would drop the state writes of
+  later positions inside jit and select from stale state, silently."""
+  capacity = getattr(selector, "state_capacity", None)
+  if state is not None and capacity is not None and capacity(state) < max_len:
+    raise ValueError(f"the selector state holds {capacity(state)} positions, the "
+                     f"cache max_len={max_len} (build it with init_state(..., max_len))")
+
+
+def check_ranking(selector, top_k: int, width: int) -> None:
+  """Trace-time: the "rank" policy attends the first ``top_k`` of a row of
+  ``width``; that prefix must be the selector's own top-``top_k`` selection."""
+  if width == top_k:
+    return
+  best_first = getattr(selector, "ranks_best_first", None)
+  if best_first is None or not best_first(top_k):
+    raise ValueError(f"{type(selector).__name__} rows of {width} are not ranked best "
+                     f"first with its top-{top_k} selection as their prefix: the "
+                     f"\"rank\" policy would attend positions the rule does not select")
 
 
 def layer_slice(state: Any, layer) -> Any:
@@ -187,9 +217,12 @@ def check_step_shapes(inputs: StepInputs, num_kv_heads: int, q_per_kv: int,
 
 
 def check_prefill_shapes(inputs: PrefillInputs, num_kv_heads: int, head_dim: int,
-                         max_len: int) -> None:
-  """Trace-time check of a prompt's keys against the state's capacity."""
+                         max_len: int, num_requests: int) -> None:
+  """Trace-time check of a prompt's keys against the state's capacity and
+  requests (a prompt batch of another size would rewrite other requests' rows)."""
   num_req, plen = inputs.k.shape[:2]
+  if num_req != num_requests:
+    raise ValueError(f"prompts for {num_req} requests; the state holds {num_requests}")
   if inputs.k.shape[2:] != (num_kv_heads, head_dim):
     raise ValueError(f"prompt keys have shape {inputs.k.shape}, expected "
                      f"(R, P, {num_kv_heads}, {head_dim})")

@@ -220,11 +220,15 @@ class DSASelector:
               params: IndexerParams | None = None) -> DSAState:
     """Writes the prompt's index keys (``inputs.x``); the rest of the row is zeroed."""
     self._check_params(params)
+    self._check_hidden(inputs.x)
     num_req, plen = inputs.x.shape[:2]
     max_len = state.keys.shape[2]
     if inputs.x.ndim != 3 or inputs.lens.shape != (num_req,):
       raise ValueError(f"prompt x {inputs.x.shape} / lens {inputs.lens.shape} must be "
                        "(R, P, Dm) / (R,)")
+    if num_req != state.keys.shape[1]:
+      raise ValueError(f"prompts for {num_req} requests; the state holds "
+                       f"{state.keys.shape[1]}")
     if plen > max_len:
       raise ValueError(f"prompt length {plen} exceeds the state's max_len={max_len}")
     positions = jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (num_req, plen))
@@ -242,6 +246,7 @@ class DSASelector:
     position competes like any other (it is not forced in).
     """
     self._check_params(params)
+    self._check_hidden(inputs.x)
     newest = inputs.newest.astype(jnp.int32)
     num_req = newest.shape[0]
     if inputs.x.shape[:1] != (num_req,) or inputs.x.ndim != 2:
@@ -254,6 +259,18 @@ class DSASelector:
                           causal[:, None])[:, 0]  # [R, T]
     positions = masked_top_k(scores, causal, self.top_k)  # [R, k]
     return positions[:, None, :], DSAState(keys)
+
+  @staticmethod
+  def _check_hidden(x) -> None:
+    if x is None:
+      raise ValueError("DSASelector reads the layer's hidden inputs x (reads_hidden): "
+                       "pass them in StepInputs / PrefillInputs")
+
+  def state_capacity(self, state: DSAState) -> int:
+    return state.keys.shape[2]
+
+  def ranks_best_first(self, top_k: int) -> bool:
+    return True  # masked_top_k: the top-m's first k are the top-k
 
   def state_bytes_per_token(self) -> int:
     """One f32 index key per position (FP8 + scale would be d_I + 4 bytes)."""

@@ -156,7 +156,8 @@ class NSASelector:
     del params
     stride, ratio = self.cmp_stride, self.cmp_block // self.cmp_stride
     num_cmp = state.cmp_key_sum.shape[2]
-    check_prefill_shapes(inputs, self.num_kv_heads, self.head_dim, num_cmp * stride)
+    check_prefill_shapes(inputs, self.num_kv_heads, self.head_dim, num_cmp * stride,
+                         state.cmp_key_sum.shape[1])
     num_req, plen = inputs.k.shape[:2]
     num_chunks = -(-plen // stride)
     keys = jnp.pad(inputs.k.astype(jnp.float32),
@@ -182,11 +183,20 @@ class NSASelector:
     one does) gets the ring's sum, the keys of its ``cmp_block`` positions."""
     num_cmp = state.cmp_key_sum.shape[2]
     recent, rows = write_recent(state.recent, layer, k_new, newest)
+    stride, ratio = self.cmp_stride, self.cmp_block // self.cmp_stride
+    num_req = newest.shape[0]
     start = newest + 1 - self.cmp_block  # [R] of the block ending at newest
-    ends = (start >= 0) & (start % self.cmp_stride == 0)
-    block = jnp.where(ends, start // self.cmp_stride, num_cmp)  # num_cmp: dropped
-    cmp_key_sum = state.cmp_key_sum.at[layer, jnp.arange(newest.shape[0]), block].set(
-        rows.sum(1), mode="drop")
+    ends = (start >= 0) & (start % stride == 0)
+    block = jnp.where(ends, start // stride, num_cmp)  # num_cmp: dropped
+    # Summed as prefill sums (stride chunks, then the chunks in position order), so
+    # a state built step by step is the prefilled one bit for bit. The ring's
+    # chunks are contiguous; the block's first sits at ring chunk start/d mod l/d.
+    chunks = rows.reshape(num_req, ratio, stride, *rows.shape[2:]).sum(2)
+    first = (jnp.maximum(start, 0) // stride) % ratio  # [R]
+    at = lambda m: jnp.take_along_axis(
+        chunks, ((first + m) % ratio)[:, None, None, None], 1)[:, 0]
+    cmp_key_sum = state.cmp_key_sum.at[layer, jnp.arange(num_req), block].set(
+        sum(at(m) for m in range(ratio)), mode="drop")
     return NSAState(cmp_key_sum, recent)
 
   def block_importance(self, state: NSAState, layer, q, newest):
@@ -231,6 +241,10 @@ class NSASelector:
     blocks, state = self.select_blocks(state, layer, inputs)
     newest = inputs.newest.astype(jnp.int32)
     return window_union(blocks, self.block_size, self.window, newest), state
+
+  def state_capacity(self, state: NSAState) -> int:
+    # Rows are [chosen blocks..., window]: not ranked (no ``ranks_best_first``).
+    return state.cmp_key_sum.shape[2] * self.cmp_stride
 
   def state_bytes_per_token(self) -> int | float:
     """One f32 key sum per KV head per compression block, a block every d tokens."""

@@ -67,7 +67,8 @@ class OracleSelector:
               params=None) -> OracleState:
     """Copies the prompt keys (zero at positions >= lens and past the prompt)."""
     del params
-    check_prefill_shapes(inputs, self.num_kv_heads, self.head_dim, state.keys.shape[2])
+    check_prefill_shapes(inputs, self.num_kv_heads, self.head_dim, state.keys.shape[2],
+                         state.keys.shape[1])
     plen = inputs.k.shape[1]
     valid = (jnp.arange(plen) < inputs.lens[:, None])[..., None, None]
     keys = jnp.where(valid, inputs.k.astype(jnp.float32), 0.0)
@@ -99,6 +100,12 @@ class OracleSelector:
         inputs.k_new.astype(jnp.float32))
     scores, causal = self.attention_scores(keys[layer], inputs.q, newest)
     return masked_top_k(scores, causal[:, None], self.top_k), OracleState(keys)
+
+  def state_capacity(self, state: OracleState) -> int:
+    return state.keys.shape[2]
+
+  def ranks_best_first(self, top_k: int) -> bool:
+    return True  # masked_top_k: the top-m's first k are the top-k
 
   def state_bytes_per_token(self) -> int:
     """A full f32 copy of the keys."""

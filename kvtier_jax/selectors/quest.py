@@ -136,7 +136,7 @@ class QuestSelector:
     size = self.page_size
     num_pages_all = state.page_max.shape[2]
     check_prefill_shapes(inputs, self.num_kv_heads, self.head_dim,
-                         num_pages_all * size)
+                         num_pages_all * size, state.page_max.shape[1])
     num_req, plen = inputs.k.shape[:2]
     prompt_pages = -(-plen // size)
     keys = jnp.pad(inputs.k.astype(jnp.float32),
@@ -197,6 +197,14 @@ class QuestSelector:
       rest = masked_top_k(scores, others[:, None], self.num_pages - 1)
       blocks = jnp.concatenate([blocks, rest], axis=-1)  # [R, U, num_pages]
     return blocks_to_positions(blocks, self.page_size, newest), state
+
+  def state_capacity(self, state: QuestState) -> int:
+    return state.page_max.shape[2] * self.page_size
+
+  def ranks_best_first(self, top_k: int) -> bool:
+    """The current page, then pages best first: whole pages of a deeper row are
+    the selection at their budget."""
+    return top_k % self.page_size == 0
 
   def state_bytes_per_token(self) -> int | float:
     """Max and min f32 keys per KV head, once per page."""

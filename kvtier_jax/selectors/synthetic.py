@@ -39,8 +39,15 @@ class GivenSelector:
     del inputs, params
     return state[layer], state
 
+  def ranks_best_first(self, top_k: int) -> bool:
+    return True  # the caller's rows, ranked as the "rank" policy documents
+
   def state_bytes_per_token(self) -> int:
     return 0
+
+  def state_bytes_per_request(self) -> int:
+    """One step's selections, per layer (``top_k`` is the row width)."""
+    return self.num_units * self.top_k * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +60,9 @@ class ChurnSelector:
   LRU cache of B >= k slots misses about ``churn`` of the selection each step (the
   HiSparse paper measured 13.4% with LRU at B=2k). Positions are distinct by
   construction; with ``include_newest`` the last entry is the newest position.
-  Stateless: the step counter is the position being decoded.
+  Stateless: the step counter is the position being decoded. Positions are prompt
+  positions, so they are valid from ``newest >= prompt_len - 1`` on (decoding
+  after the prompt); earlier, some lie past ``newest`` and the step refuses.
   """
 
   prompt_len: int

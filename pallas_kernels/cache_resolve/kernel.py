@@ -120,6 +120,7 @@ def cache_resolve(slot_pos, lru, selected, newest, *,
   """Same contract as ``cache_resolve_reference`` (any leading batch dims)."""
   batch = slot_pos.shape[:-1]
   num_slots, num_sel = slot_pos.shape[-1], selected.shape[-1]
+  common.check_slots(num_slots, num_sel)
   slots_pad = max(common.next_power_of_2(num_slots), block_sizes.block_slots)
   sel_pad = max(common.next_power_of_2(num_sel), block_sizes.block_sel)
   rows = 1

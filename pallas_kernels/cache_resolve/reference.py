@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
+
 
 class ResolveOutputs(NamedTuple):
   slot_pos: jax.Array  # i32[..., B]  position held by each regular slot, -1 empty
@@ -77,7 +79,12 @@ def _resolve_row(slot_pos, lru, selected, newest, held, key):
   else:
     # Keyed: victims are the evictables with the lowest key (empty slots first),
     # ties in LRU order; the LRU list keeps its rule.
-    key = jnp.where(slot_pos < 0, -jnp.inf, key)
+    # Hits sort last at +inf: an evictable's key is clamped below it (+inf, NaN),
+    # so no hit is ever taken (a tie with the hits would be ordered among them).
+    key = key.astype(jnp.promote_types(key.dtype, jnp.float32))
+    top = jnp.finfo(key.dtype).max
+    key = jnp.where(slot_pos < 0, -jnp.inf, jnp.where(jnp.isnan(key), top,
+                                                      jnp.minimum(key, top)))
     key_lru = jnp.where(hit_lru, jnp.inf, key[lru])
     order = jnp.argsort(key_lru, stable=True)  # evictables by (key, LRU)
     rank = jnp.zeros_like(lru).at[order].set(slot_ids)
@@ -109,6 +116,7 @@ def cache_resolve_reference(slot_pos, lru, selected, newest, held=None,
       from the caller's membership lookup; read only where an entry is wanted.
     key: optional f[..., B] per-slot retention key (victims: lowest first).
   """
+  common.check_slots(slot_pos.shape[-1], selected.shape[-1])
   batch = slot_pos.shape[:-1]
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[len(batch):])
   out = jax.vmap(_resolve_row)(flat(slot_pos), flat(lru), flat(selected), flat(newest),

@@ -428,9 +428,7 @@ def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheAr
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
   num_sel = selected.shape[-1]
-  if num_slots < num_sel:
-    raise ValueError(f"B={num_slots} hot slots cannot serve k={num_sel} selected "
-                     "positions in one step: B must be >= k")
+  common.check_slots(num_slots, num_sel)
   if head_dim & (head_dim - 1):
     raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
   if key is not None and order is not None:
