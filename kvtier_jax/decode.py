@@ -117,6 +117,10 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     if draft:
       selected = layer_lib.cap_misses(cfg, tier, layer, selected,
                                       cfg.lookahead_cap or 0)
+    if carry.prefetch is not None and carry.prefetch.shape[:3] != (
+        cfg.num_layers, cfg.num_requests, cfg.num_units):  # [layer] would clamp
+      raise ValueError(f"prefetch {carry.prefetch.shape} must be [L={cfg.num_layers}, "
+                       f"R={cfg.num_requests}, U={cfg.num_units}, kp]")
     prefetch = None if carry.prefetch is None else carry.prefetch[layer]
     out, _, tier, status, anchor = layer_lib.anchor_layer(
         cfg, tier, layer, q, k_new, v_new, selected, carry.status, carry.active,

@@ -152,6 +152,8 @@ def test_a_trace_time_error_leaves_the_callers_state():
   before = snapshot(h.state)
   for call, match in (
       (lambda: h.decoder.step(h.state, q, kn, vn, sel, prefetch=wide), "exceed B"),
+      (lambda: h.decoder.step(h.state, q, kn, vn, sel, prefetch=wide[:2, ..., :4]),
+       "prefetch"),
       (lambda: h.decoder.step(h.state, jnp.zeros((4, 3, 8, 16)), kn, vn, sel),
        "q / k_new / v_new have shapes"),
       (lambda: h.decoder.step(h.state, q, kn, vn, sel + 0.5), "integers")):
