@@ -153,13 +153,13 @@ class TieredDecoder:
   def _check_prompt_pages(self, table, lens) -> None:
     """A prompt row without a page would go to the scratch page: lost once evicted.
     A request with no pages at all must fit the hot cache (its whole life)."""
-    size = self.cfg.page_size
     for r, n in enumerate(lens.tolist()):
-      need = table[r, :-(-n // size)] if n else table[r, :0]
-      if (table[r] >= 0).any() and (need < 0).any():
-        raise ValueError(f"request {r}'s prompt of {n} positions needs pages "
-                         f"{-(-n // size)}: its page table row is {table[r].tolist()}")
-      if not (table[r] >= 0).any() and n > self.cfg.hot_slots:
+      pages = -(-n // self.cfg.page_size)
+      paged = (table[r] >= 0).any()
+      if paged and (table[r, :pages] < 0).any():
+        raise ValueError(f"request {r}'s prompt of {n} positions needs {pages} pages: "
+                         f"its page table row is {table[r].tolist()}")
+      if not paged and n > self.cfg.hot_slots:
         raise ValueError(f"request {r} has no host pages: its {n} prompt positions "
                          f"exceed B={self.cfg.hot_slots}")
 

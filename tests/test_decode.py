@@ -228,7 +228,7 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
   decoder = driver.TieredDecoder(cfg)
   base = kv_state.init_state(cfg, fill=np.nan)
   lens = [32, cfg.hot_slots, 40]  # request 1: no pages, its 32 slots full
-  with pytest.raises(ValueError, match="needs pages 3"):
+  with pytest.raises(ValueError, match="needs 3 pages"):
     decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [40, 8, 40])
   with pytest.raises(ValueError, match="no host pages"):
     decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [32, 33, 40])
