@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvtier_jax import fetch, layer as layer_lib, sharding
+from kvtier_jax import fetch, layer as layer_lib
 from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
 from kvtier_jax.resolve import STATUS_CAPACITY
@@ -138,15 +138,15 @@ def begin_step(cfg: TierConfig, carry: TieredCarry) -> TieredCarry:
   page it survives the next step only in an install slot, and only a request with
   no pages at all (its whole life in B) never evicts: its positions are all
   resident, so an empty slot is left while ``newest < B``. Otherwise the row would
-  exist nowhere (invariant 1); the engine allocates the page first."""
+  exist nowhere (invariant 1); the engine allocates the page first. On a mesh the
+  first layer agrees on it with the other devices (no collective of its own)."""
   tier = carry.tier
   newest = tier.seq_len
   unpaged = ~layer_lib.has_page(cfg, tier.page_table, newest)
   paged_request = (tier.page_table >= 0).any(-1)
   lost = (carry.active & (newest < cfg.max_len) & unpaged
           & (paged_request | (newest >= cfg.hot_slots)))
-  status = jnp.where(lost.any(), STATUS_CAPACITY, 0).astype(jnp.int32)
-  return carry.replace(status=sharding.agree_status(status, cfg.mesh_axes))
+  return carry.replace(status=jnp.where(lost.any(), STATUS_CAPACITY, 0).astype(jnp.int32))
 
 
 def commit_step(carry: TieredCarry) -> TieredCarry:

@@ -163,8 +163,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # the fused kernel).
   unpaged = res.is_miss & ~has_page(cfg, pages, selected) & (row_errors == 0)[..., None]
   status |= jnp.where(unpaged.any(), STATUS_CAPACITY, 0)
-  # On a mesh every device refuses the layer with the others, before any write.
-  status = sharding.agree_status(status, cfg.mesh_axes)
+  # On a mesh every device refuses the layer with the others, before any write
+  # (the earlier word included: begin_step's is the device's own).
+  status = sharding.agree_status(status | prior_status, cfg.mesh_axes)
   ok = ok & (status == 0)
   row_ok = ok & active  # [R]: rows whose metadata this step changes
   is_miss = res.is_miss & ok

@@ -55,6 +55,17 @@ def to_local(tier_np, device):
   return out
 
 
+def with_table(carry, sharded_carry, table):
+  """Both carries with the global page table ``table`` (-1: no page); each device
+  holds its requests' rows in its own page ids."""
+  owner = np.repeat(np.arange(DEVICES), PER_DEVICE)[:, None]
+  local = np.where(table >= 0, table - owner * LOCAL.num_host_pages, -1).astype(np.int32)
+  old = sharded_carry.tier.page_table
+  return (carry.replace(tier=carry.tier.replace(page_table=jnp.asarray(table))),
+          sharded_carry.replace(tier=sharded_carry.tier.replace(
+              page_table=jax.device_put(local, old.sharding))))
+
+
 def main():
   rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else None)
   mesh = sharding.make_mesh({sharding.DATA: DEVICES})
@@ -110,8 +121,16 @@ def main():
     carry = carry.replace(sel=jnp.asarray(sel))
     sharded_carry = sharded_carry.replace(sel=jax.device_put(
         sel, jax.sharding.NamedSharding(mesh, P(None, sharding.DATA))))
+    table = np.asarray(carry.tier.page_table)
+    if step == 7:  # one request's newest position has no page: every device refuses
+      gap = table.copy()
+      r = int(rng.integers(R))
+      gap[r, seq[r] // CFG.page_size] = -1
+      carry, sharded_carry = with_table(carry, sharded_carry, gap)
     want, carry = one_step(carry, q, k, v)
     got, sharded_carry = sharded_step(sharded_carry, q, k, v)
+    if step == 7:
+      carry, sharded_carry = with_table(carry, sharded_carry, table)
     status, got_status = int(carry.status), int(sharded_carry.status)
     if status != got_status:
       raise AssertionError(f"step {step}: status {got_status} != one device's {status}")
