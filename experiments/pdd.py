@@ -128,10 +128,11 @@ def wan_capacity_gbps() -> float:
   return min(FLAGS.wan_gbps, FLAGS.wan_connections * FLAGS.wan_flow_gbps)
 
 
-def offered_load(requests) -> float:
-  """Bytes the trace offers the WAN per second, over what it can carry."""
+def offered_load(requests, seconds: float | None = None) -> float:
+  """Bytes the trace offers the WAN per second (over ``seconds`` of arrivals,
+  default --duration), over what it can carry."""
   sent = sum(r.increment for r in requests) * FLAGS.kv_bytes_per_token
-  return sent / FLAGS.duration / (wan_capacity_gbps() * pdd_sim.GBPS)
+  return sent / (seconds or FLAGS.duration) / (wan_capacity_gbps() * pdd_sim.GBPS)
 
 
 def ttft_study() -> list[dict]:
@@ -143,6 +144,12 @@ def ttft_study() -> list[dict]:
     requests = trace("skewed", FLAGS.ttft_input, rate)
     rate *= FLAGS.ttft_load / offered_load(requests)
   requests = trace("skewed", FLAGS.ttft_input, rate)
+  # A new rate draws another trace (a 64K new session more or less), so the loop
+  # need not settle on a short run: this trace's arrivals are rescaled instead, to
+  # offer exactly the load asked (a Poisson process at the rate that does).
+  scale = offered_load(requests) / FLAGS.ttft_load
+  requests = [dataclasses.replace(r, arrival=r.arrival * scale) for r in requests]
+  rate, seconds = rate / scale, FLAGS.duration * scale
   rows = []
   for name, relay in (("cross-DC PD", False), ("PDD", True)):
     outcomes, stats = pdd_sim.simulate(requests, system(relay=relay))
@@ -151,7 +158,7 @@ def ttft_study() -> list[dict]:
     # Handoffs only: a request that finished on RLD had none (its handoff_s is 0).
     handoffs = [o.handoff_s for o in relayed if o.mode != "finished on RLD"]
     rows.append(dict(study="ttft", system=name, rate=rate, requests=len(requests),
-                     wan_load=offered_load(requests),
+                     wan_load=offered_load(requests, seconds),
                      mean_input=FLAGS.ttft_input,
                      mean_hit=float(np.mean([r.cached_tokens / r.input_tokens
                                              for r in requests])),
@@ -233,7 +240,9 @@ def main(argv):
           f"slot; Catch-Up below {FLAGS.catch_up_below:.0%} RLD use, else One-Shot",
           "- trace: steady-state agentic sessions (each context cached before the window), "
           "a turn's prompt = its session's context + an append, increments matched by "
-          "RadixCache at 1/256 of the mean input; outputs log-normal (30% < 100 tokens)"]
+          "RadixCache at 1/256 of the mean input; outputs log-normal (30% < 100 "
+          "tokens, 70% < 500); skewed: 3% of turns restart, 15% add a large tool "
+          "result"]
   (out / "table.md").write_text("\n".join(text) + "\n")
   plot(out / "plot.png", micro_input, ttft_rows)
   print("\n".join(text))

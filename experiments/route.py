@@ -137,7 +137,8 @@ def drive(conns, sessions, policy: str, chunk_size: int, gap_s: float) -> dict:
       outstanding -= 1
       session, turn = rec.pop("session"), rec["turn"]
       history = rec.pop("history")
-      if turn + 1 < len(session.max_new_tokens):
+      if state == "finished" and turn + 1 < len(session.max_new_tokens):
+        # (a turn that failed ends its session, as bench.drive ends a rollout)
         nxt = history + output + list(session.env_tokens[turn])
         due.append((now() + session.env_seconds, session, turn + 1, nxt))
   return dict(records=records, seconds=now(), routed_by_prefix=router.routed_by_prefix)

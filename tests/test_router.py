@@ -53,6 +53,63 @@ def test_a_replica_refuses_a_bad_request_and_serves_on():
   assert done["fine"][:2] == ["finished", solo(FakeModel, [3, 4, 5], 4)]
 
 
+def _replicas(count, factory):
+  import multiprocessing
+  import threading
+
+  from kvtier_jax.serving import replica
+  pipes = [multiprocessing.Pipe() for _ in range(count)]
+  for _, theirs in pipes:
+    threading.Thread(target=replica.serve, args=(factory, theirs), daemon=True).start()
+  conns = [ours for ours, _ in pipes]
+  for conn in conns:
+    assert conn.poll(30) and conn.recv() == ("ready",)
+  return conns
+
+
+def test_replica_stats_count_each_prompt_once_under_preemption():
+  """Three distinct prompts in a small host pool preempt each other: the replica's
+  prompt and cached tokens (route.py's prefix hit) count each request at its first
+  admission (they counted every admission: 330 prompt tokens for 90, and a 44%
+  "hit" on prompts that share nothing)."""
+  from kvtier_jax.serving import Engine, EngineConfig
+  from tests.test_serving import FakeModel
+  (conn,) = _replicas(1, lambda: Engine(FakeModel(num_host_pages=24),
+                                        EngineConfig(prefix_cache=True, max_step_tokens=16)))
+  rng = np.random.default_rng()
+  # Distinct first tokens: no two prompts share a chunk.
+  prompts = {f"r{i}": [i] + rng.integers(4, 62, 29).tolist() for i in range(3)}
+  for rid, prompt in prompts.items():
+    conn.send(("submit", dict(id=rid, prompt=prompt, max_new_tokens=50)))
+  done = {}
+  while len(done) < len(prompts):
+    assert conn.poll(60), done
+    kind, rid, *rest = conn.recv()
+    if kind == "done":
+      done[rid] = rest
+  conn.send(("stop",))
+  kind, stats = conn.recv()
+  assert all(state == "finished" for state, *_ in done.values()), done
+  assert stats["replicas"][0]["prompt_tokens"] == 90
+  assert stats["replicas"][0]["cached_tokens"] == 0
+  assert stats["replicas"][0]["prefill_tokens"] > 90  # the preemptions recomputed
+
+
+def test_a_failed_turn_ends_its_session():
+  """route.py's driver: a turn the replica refuses (90 + 10 > 96 positions) is
+  reported failed and ends the session; its next turn (history + no output + the
+  environment's tokens) is not sent."""
+  from experiments import route
+  from kvtier_jax.serving import Engine, bench
+  from tests.test_serving import FakeModel
+  conns = _replicas(2, lambda: Engine(FakeModel()))
+  session = bench.Rollout("s", tuple(i % 60 + 1 for i in range(90)), (10, 2), ((5,),))
+  run = route.drive(conns, [session], "prefix", 8, 0.0)
+  for conn in conns:
+    conn.send(("stop",))
+  assert {rid: rec["state"] for rid, rec in run["records"].items()} == {"s/t0": "failed"}
+
+
 def test_prefix_router_matches_brute_force_and_respects_load():
   rng = np.random.default_rng()
   prefixes = [rng.integers(0, 50, int(rng.integers(4, 20))).tolist() for _ in range(4)]

@@ -130,6 +130,45 @@ def test_a_rollout_turn_that_outgrows_the_engine_ends_its_rollout_only():
     bench.drive(engine_with_clock()[0], [bench.RequestSpec("big", draw(100), 4)])
 
 
+def test_a_refused_turn_in_a_closed_loop_gives_its_slot_back():
+  """Closed loop of 1: a rollout's refused turn took the free slot's time and never
+  gave it back, so the next request found no slot (an IndexError ended the run)."""
+  rng = np.random.default_rng()
+  engine, clock = engine_with_clock()
+  draw = lambda n: tuple(rng.integers(0, VOCAB - 1, n).tolist())
+  work = [bench.Rollout("r", draw(40), (10, 4), (draw(60),)),  # turn 1: 110 > 96
+          bench.RequestSpec("q", draw(10), 4, arrival_s=100.0)]
+  served = bench.drive(engine, work, max_concurrency=1, sleep=clock.sleep)
+  assert [(r.id, r.state) for r in served.requests] == [("r/t0", State.FINISHED),
+                                                         ("q", State.FINISHED)]
+  assert [rid for rid, _ in served.refused] == ["r/t1"]
+  assert served.requests[1].metrics.arrival == 100.0
+
+
+def test_a_resumed_closed_loop_sends_when_the_uninterrupted_one_does(tmp_path):
+  """Closed loop of 2, stopped when the first request ends and restored: the
+  restored request in flight holds its slot, so the rest arrive (and time their
+  TTFT from) when the uninterrupted run sent them, not at time 0."""
+  from kvtier_jax.serving import snapshot
+  rng = np.random.default_rng()
+  work = [bench.RequestSpec(f"q{i}", tuple(rng.integers(0, VOCAB - 1, 20).tolist()),
+                            3 if i == 0 else int(rng.integers(6, 10))) for i in range(5)]
+  engine, clock = engine_with_clock()
+  whole = bench.drive(engine, work, max_concurrency=2, sleep=clock.sleep)
+  want = {r.id: r.metrics.arrival for r in whole.requests}
+  engine, clock = engine_with_clock()
+  bench.drive(engine, work, max_concurrency=2, sleep=clock.sleep,
+              until=lambda: engine.requests["q0"].state.done)
+  assert {r.state.done for r in engine.requests.values()} == {True, False}
+  snapshot.save(engine, tmp_path / "snap")
+  clock = StepClock()
+  back = snapshot.restore(tmp_path / "snap", FakeModel(), EngineConfig(), clock=clock,
+                          on_step=clock.on_step)
+  served = bench.drive(back, work, max_concurrency=2, sleep=clock.sleep, resume=True)
+  assert {r.id: r.metrics.arrival for r in served.requests} == want
+  assert max(s["running"] + s["waiting"] for s in served.steps) <= 2
+
+
 def hand_request(rid, prompt_len, arrival, token_times, state=State.FINISHED):
   req = Request(rid, [1] * prompt_len, len(token_times), SamplingParams(), frozenset(),
                 Metrics(arrival))

@@ -175,15 +175,21 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
   start = 0.0 if resume else engine.now()
   # When each closed-loop slot last freed (a request sent to it arrives no earlier).
   freed = [start] * (max_concurrency or 0)
+  if resume and max_concurrency:
+    # Sends took the earliest times: the free slots hold the latest ones (the
+    # restored requests still in flight hold theirs).
+    times = sorted(freed + [r.metrics.finished for r in sent if r.state.done])
+    freed = times[len(times) - max(0, max_concurrency - len(outstanding)):]
   while pending or outstanding:
     pending.sort(key=lambda p: (p[0], p[1]))
     now = engine.now()
     while pending and pending[0][0] <= now - start and (
         max_concurrency is None or len(outstanding) < max_concurrency):
       send, _, item, rollout, turn = pending.pop(0)
-      arrival = start + send
+      arrival = slot_free = start + send
       if max_concurrency is not None:
-        arrival = max(arrival, heapq.heappop(freed))
+        slot_free = heapq.heappop(freed)
+        arrival = max(arrival, slot_free)
       if isinstance(item, Rollout):
         rollout, spec = item, item.turn(0, item.prompt, send)
       else:
@@ -195,6 +201,8 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
         if not turn:
           raise
         refused.append((spec.id, str(err)))
+        if max_concurrency is not None:  # nothing took the slot
+          heapq.heappush(freed, slot_free)
         continue
       outstanding[req.id] = (req, rollout, turn)
       sent.append(req)

@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvtier_jax.serving.bench import first_admission_tokens
+
 _STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
 
 
@@ -34,8 +36,10 @@ def serve(engine_factory: Callable[[], object], conn, *,
       conn.send(("first", req.id))
 
   def stats() -> dict:
-    row = np.array([engine.prompt_tokens, engine.cached_tokens, computed[0],
-                    engine.steps], np.int64)
+    # Each request at its first admission: a preempted one admitted again would
+    # count its prompt twice and hit its own cached prompt.
+    prompt, cached = first_admission_tokens(list(engine.requests.values()))
+    row = np.array([prompt, cached, computed[0], engine.steps], np.int64)
     rows = row[None] if gather is None else np.asarray(gather(row)).reshape(-1, row.size)
     return dict(replicas=[dict(zip(_STATS, map(int, r))) for r in rows])
 
