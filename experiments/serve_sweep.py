@@ -44,6 +44,7 @@ from experiments import common, model_setup, workloads  # noqa: F401 (model_setu
 from kvtier_jax.serving import State, bench
 from models import setup, text
 
+_START = time.perf_counter()  # --deadline_s counts from here (imports, model load)
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2", "smollm2 (real weights) or a runnable preset "
                     "with dummy weights for performance runs (qwen3_8b_like, "
@@ -77,6 +78,9 @@ flags.DEFINE_float("slo_ttft_s", None, "Goodput: TTFT SLO (seconds).")
 flags.DEFINE_float("slo_tpot_ms", None, "Goodput: TPOT SLO (ms).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_float("budget_s", None, "Start no new point after this many seconds.")
+flags.DEFINE_float("deadline_s", None, "Stop the running point this many seconds after "
+                   "the process started (its row says cut: requests in flight are left "
+                   "unfinished); a caller's kill would lose the point.")
 flags.DEFINE_string("out_root", None, "Results root.")
 flags.DEFINE_bool("smoke", False, "Tiny sweep (tests).")
 
@@ -179,15 +183,18 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
   engine = make(FLAGS.kv_budget_mib)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
+  past_deadline = lambda: (FLAGS.deadline_s is not None
+                           and time.perf_counter() - _START > FLAGS.deadline_s)
   with tqdm(total=total, desc=tag, unit="req", leave=False) as bar:
     served = bench.drive(engine, workload, max_concurrency=concurrency,
-                         on_finish=lambda req: bar.update())
+                         on_finish=lambda req: bar.update(), until=past_deadline)
   slo_tpot = None if FLAGS.slo_tpot_ms is None else FLAGS.slo_tpot_ms / 1e3
   row = dict(context=context, concurrency=concurrency, cache=cache, prefill_policy=policy,
              slots=slots, **dict(zip(("admissible", "bound_by"), workloads.admissible(
                  backend(), FLAGS.kv_budget_mib, context))),
              **bench.summarize(served, host_page_bytes=engine.model.host_page_bytes,
-                               slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=slo_tpot))
+                               slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=slo_tpot),
+             cut=past_deadline())
   for req in served.requests:
     summary = req.metrics.summary()
     summary.pop("itl_s")
@@ -292,6 +299,9 @@ def main(argv):
           tag = f"{cache}/{policy}@{context}/c{concurrency}"
           if FLAGS.budget_s is not None and time.perf_counter() - t0 > FLAGS.budget_s:
             print(f"{tag}: skipped (past --budget_s={FLAGS.budget_s:g})", flush=True)
+            continue
+          if FLAGS.deadline_s is not None and time.perf_counter() - _START > FLAGS.deadline_s:
+            print(f"{tag}: skipped (past --deadline_s={FLAGS.deadline_s:g})", flush=True)
             continue
           row, outs = serve_point(model, selector, params, workload, context, concurrency,
                                   cache, policy, max_len, out, tag)

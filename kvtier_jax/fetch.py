@@ -27,6 +27,12 @@ try:  # jax <= 0.10: the function transform is compute_on2
 except ImportError:  # jax >= 0.11: compute_on itself takes (f, compute_type, out_memory_spaces)
   from jax.experimental.compute_on import compute_on as host_compute
 
+# The miss gather on its own CUDA stream (``ImplConfig.fetch_stream``) uses
+# compute_on's context form, which jax 0.11.1 removed. Its function form compiles
+# (deviceless, H200) but the scheduler hint is lost and nothing runs between the
+# call's start and done: no overlap. Not ported until a device shows one that does.
+STREAM_SUPPORTED = host_compute is not compute_on
+
 from kvtier_jax.config import TierConfig
 from kvtier_jax.state import is_host_array
 from pallas_kernels import common
@@ -194,6 +200,10 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
   if cfg.impl.fetch_stream is None or interpret:
     rows_k, rows_v = gather(plan.src, plan.count, host_k, host_v)
   else:
+    if not STREAM_SUPPORTED:
+      raise NotImplementedError(
+          f"impl.fetch_stream needs jax.experimental.compute_on's context form, which "
+          f"jax {jax.__version__} no longer has (see kvtier_jax/fetch.py)")
     # The kernel must sit directly in the streamed jit: a nested jit (the public
     # gather_rows) loses the stream ("No ExecutionStreamId found").
     streamed = compute_on(f"gpu_stream:{cfg.impl.fetch_stream}")(jax.jit(gather))

@@ -87,7 +87,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
-  cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+  # In x's dtype, as HF casts cos/sin (a bf16 model keeps bf16 keys: its prefill
+  # scan's carry would otherwise turn f32).
+  cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 

@@ -112,6 +112,14 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
           "tiered_overlap"} <= built
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
+  # Past --deadline_s the subprocess sections are skipped, not started (the device
+  # tool kills a command at 600 s).
+  late = tmp_path / "late"
+  run("experiments.gpu_check", "--smoke", f"--out_dir={late}", "--deadline_s=1",
+      "--sections=serve,graphs")
+  rows = [json.loads(l) for l in (late / "gpu_check.jsonl").read_text().splitlines()]
+  assert {r["section"] for r in rows if "skipped" in r} == {"serve", "graphs"}, rows
+  assert not [r for r in rows if "error" in r]
 
 
 def test_trace_smoke_records_rankings(tmp_path):

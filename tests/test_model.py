@@ -230,6 +230,35 @@ def test_tiny_random_model_cached_decode_matches_forward():
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sparse", "tiered"])
+def test_a_bf16_model_serves(backend):
+  """A bf16 model (the GPU serve section's Qwen3-8B-like one) through the serving
+  backend: chunked prefill, then decode, with finite logits. RoPE once returned f32
+  keys for bf16 inputs, so the prefill scan's carry changed dtype (a TypeError
+  before any point ran)."""
+  from models import serving, setup
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny_bf16", dtype="bfloat16")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  selector, params = setup.build_selector("quest", cfg, 16)
+  extra = dict(hot_slots=32) if backend == "tiered" else {}
+  served = serving.ServingBackend(model, backend, 2, 64, selector=selector,
+                                  selector_params=params, chunk_size=16, page_size=8,
+                                  **extra)
+  state = served.init()
+  table = np.full((2, 8), -1, np.int32)
+  table[0] = np.arange(8)  # slot 0's pages, as the engine allocates them
+  state = served.set_pages(state, table)
+  tokens = np.random.default_rng().integers(0, 64, 32).astype(np.int32)
+  for start in (0, 16):
+    state, logits = served.prefill(state, 0, tokens[start:start + 16], start, 16)
+  state = served.start_decoding(state, 0, 32)
+  state, out = served.decode(state, np.array([5, 0], np.int32), np.array([True, False]))
+  assert np.isfinite(np.asarray(logits, np.float32)).all()
+  assert np.isfinite(np.asarray(out, np.float32)[0]).all()
+
+
 def test_first_layers_is_the_full_model_with_its_later_layers_silenced():
   """The cut model (``first_layers``) equals the full one whose later layers add
   nothing to the residual stream (their output projections zeroed): the first
