@@ -3,6 +3,7 @@ nothing lost in the host tier, no fetch while short, refused input leaves the ca
 unchanged, donation and no retracing."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,8 @@ def test_prefill_warm_start(warm, expected):
   pos = np.asarray(decode.warm_positions(cfg, jnp.array([20, 5])))
   np.testing.assert_array_equal(pos[0], expected)
   np.testing.assert_array_equal(pos[1], [0, 1, 2, 3, 4, -1, -1, -1])  # fits: resident
+  exact = np.asarray(decode.warm_positions(cfg, jnp.array([8, 9])))  # B = 8 fits too
+  np.testing.assert_array_equal(exact[0], np.arange(8))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -183,6 +186,15 @@ def test_capacity_exceeded_is_refused():
   assert_same(before, snapshot(h.state))
   with pytest.raises(ValueError, match="exceed"):
     h.decoder.prefill(h.state, *random_kv(h.rng, cfg, 80), [70, 5, 5])
+  # Inside jit too (the driver's host check aside): a request at max_len refuses
+  # with the capacity bit and commits nothing.
+  sel = np.full((cfg.num_layers, cfg.num_requests, 1, cfg.top_k), -1, np.int32)
+  sel[..., 0] = 0
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel))
+  _, carry = jax.jit(functools.partial(decode.decode_step, cfg, h.decoder.selector))(
+      carry, *step_inputs(h.rng, cfg))
+  assert int(carry.status) & decode.STATUS_CAPACITY
+  np.testing.assert_array_equal(np.asarray(carry.tier.seq_len), before.seq_len)
 
 
 FUSED = ImplConfig(attention="xla", fused=True)
@@ -223,21 +235,21 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
   rng = np.random.default_rng()
   kp, vp = random_kv(rng, cfg, 40)
   table = np.full((cfg.num_requests, cfg.pages_per_request), -1, np.int32)
-  table[0, :2] = [5, 9]  # positions 0..31: the newest (32) has no page
+  table[0, :1] = [5]  # positions 0..15: the newest (16 < B) has no page
   table[2, :3] = [1, 2, 3]
   decoder = driver.TieredDecoder(cfg)
   base = kv_state.init_state(cfg, fill=np.nan)
-  lens = [32, cfg.hot_slots, 40]  # request 1: no pages, its 32 slots full
+  lens = [16, cfg.hot_slots, 40]  # request 1: no pages, its 32 slots full
   with pytest.raises(ValueError, match="needs 3 pages"):
     decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [40, 8, 40])
   with pytest.raises(ValueError, match="no host pages"):
-    decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [32, 33, 40])
+    decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [16, 33, 40])
   full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
   state = decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, lens)
   sel = np.full((cfg.num_layers, cfg.num_requests, 1, cfg.top_k), -1, np.int32)
-  sel[..., 0, :3] = [[0, 7, 32], [1, 5, 32], [39, 3, 40]]
+  sel[..., 0, :3] = [[0, 7, 16], [1, 5, 32], [39, 3, 40]]
   inputs = step_inputs(rng, cfg)
-  for request, pages in ((0, [5, 9, 11]), (1, [12, 13, 14])):  # each refuses in turn
+  for request, pages in ((0, [5, 9]), (1, [12, 13, 14])):  # each refuses in turn
     before = snapshot(state)
     with pytest.raises(driver.StepRefused, match="the newest") as err:
       decoder.step(state, *inputs, sel)
@@ -249,16 +261,16 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
       keep = np.s_[:, :24] if name.startswith("host") else np.s_[..., :cfg.hot_slots, :, :]
       np.testing.assert_array_equal(getattr(after, name)[keep],
                                     getattr(before, name)[keep], err_msg=name)
-    table[request, :3] = pages
+    table[request, :len(pages)] = pages
     state = state.replace(page_table=jnp.asarray(table))
   out, state = decoder.step(state, *inputs, sel)
   ref, _ = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(cfg.top_k), full,
                                        *inputs, jnp.asarray(sel))
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
-  np.testing.assert_array_equal(np.asarray(state.seq_len), [33, 33, 41])
-  host_k, _ = kv_state.host_rows(cfg, state, 0, 33)  # the newest reached its page
-  np.testing.assert_array_equal(host_k[:, 32], np.asarray(inputs[1][:, 0]).reshape(
-      host_k[:, 32].shape))
+  np.testing.assert_array_equal(np.asarray(state.seq_len), [17, 33, 41])
+  host_k, _ = kv_state.host_rows(cfg, state, 0, 17)  # the newest reached its page
+  np.testing.assert_array_equal(host_k[:, 16], np.asarray(inputs[1][:, 0]).reshape(
+      host_k[:, 16].shape))
 
 
 @pytest.mark.parametrize("impl", ["auto", FUSED])
@@ -576,6 +588,9 @@ def test_config_rejects_bad_shapes():
     make_cfg(impl=ImplConfig(fetch="cuda"))
   with pytest.raises(ValueError, match="index_share"):
     make_cfg(index_share=3)
+  for alpha in (0.0, 1.0):  # an EMA that never decays, or forgets at once
+    with pytest.raises(ValueError, match="freq_alpha"):
+      PolicyConfig("freq", freq_alpha=alpha)
 
 
 @pytest.mark.parametrize("policy", ["lru", "freq"])
@@ -666,3 +681,40 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
   out, after = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 2), state, q,
                                            k_new, k_new, picks)
   assert out.shape == (1, 2, 4, 4) and after.seq_len.tolist() == [9, 6]
+
+
+def test_counters_and_the_prefetch_cap_from_hand_worked_values():
+  """Values both sides of a comparison would share, checked from their definitions:
+  a chunked fetch counts whole chunks (padding crosses the link too), the bytes
+  are K and V rows, the lookahead fetches exactly ``lookahead_cap`` of more
+  predicted rows, and a keyed policy restarts a refilled slot's score at 1."""
+  from kvtier_jax import layer as layer_lib
+  cfg = make_cfg(impl="xla", fetch_chunk=8)
+  h = Harness(cfg, [200, 260, 300], seed=1)
+  want = np.zeros(cfg.num_layers, np.int64)
+  for _ in range(4):
+    before = np.asarray(h.state.misses).sum((1, 2))
+    h.step()
+    misses = np.asarray(h.state.misses).sum((1, 2)) - before  # per layer, this step
+    want += -(-misses // 8) * 8
+  stats = kv_state.cache_stats(cfg, h.state)
+  assert stats["misses"] > 0 and stats["misses"] % 8  # some padding crossed
+  np.testing.assert_array_equal(np.asarray(h.state.fetched_rows), want)
+  assert stats["host_to_device_bytes"] == 2 * int(want.sum()) * cfg.row_bytes
+  for policy in ("lru", "freq"):
+    keyed = make_cfg(lookahead_cap=4, policy=PolicyConfig(policy))
+    kp, vp = random_kv(np.random.default_rng(), keyed, 200)
+    st = decode.prefill(keyed, kv_state.init_state(keyed), kp, vp, jnp.array([200] * 3))
+    held = np.asarray(st.slot_pos[0])
+    pred = np.full((keyed.num_requests, keyed.num_units, 8), -1, np.int32)
+    for r, u in np.ndindex(pred.shape[:2]):  # 8 positions, 6 of them not resident
+      out = [p for p in range(200) if p not in held[r, u]][:6]
+      pred[r, u] = out[:3] + [held[r, u, 0], held[r, u, 1]] + out[3:]
+    res, score = layer_lib.prefetch_resolve(
+        keyed, st.slot_pos[0], st.lru[0], st.slot_score[0] + 0.25, jnp.asarray(pred),
+        jnp.broadcast_to(st.seq_len[:, None], pred.shape[:2]))
+    is_miss, slot = np.asarray(res.is_miss), np.asarray(res.slot)
+    np.testing.assert_array_equal(is_miss.sum(-1), 4)  # the cap, not 3 or 6
+    np.testing.assert_array_equal(is_miss[..., :6], [[[1, 1, 1, 0, 0, 1]]] * 3)
+    refilled = np.take_along_axis(np.asarray(score), np.where(is_miss, slot, 0), -1)
+    np.testing.assert_array_equal(refilled[is_miss], 1.0 if policy == "freq" else 0.25)
