@@ -249,7 +249,11 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
   sel = np.full((cfg.num_layers, cfg.num_requests, 1, cfg.top_k), -1, np.int32)
   sel[..., 0, :3] = [[0, 7, 16], [1, 5, 32], [39, 3, 40]]
   inputs = step_inputs(rng, cfg)
-  for request, pages in ((0, [5, 9]), (1, [12, 13, 14])):  # each refuses in turn
+  only_1, only_0 = table.copy(), table.copy()
+  only_1[0, :2] = [5, 9]  # request 0 paged: request 1 alone has no slot left
+  only_0[1, :3] = [12, 13, 14]  # request 1 paged: request 0 alone lacks its page
+  for gaps in (only_1, only_0):
+    state = state.replace(page_table=jnp.asarray(gaps))
     before = snapshot(state)
     with pytest.raises(driver.StepRefused, match="the newest") as err:
       decoder.step(state, *inputs, sel)
@@ -261,8 +265,8 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
       keep = np.s_[:, :24] if name.startswith("host") else np.s_[..., :cfg.hot_slots, :, :]
       np.testing.assert_array_equal(getattr(after, name)[keep],
                                     getattr(before, name)[keep], err_msg=name)
-    table[request, :len(pages)] = pages
-    state = state.replace(page_table=jnp.asarray(table))
+  table[0, :2], table[1, :3] = [5, 9], [12, 13, 14]
+  state = state.replace(page_table=jnp.asarray(table))
   out, state = decoder.step(state, *inputs, sel)
   ref, _ = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(cfg.top_k), full,
                                        *inputs, jnp.asarray(sel))
