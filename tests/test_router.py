@@ -96,15 +96,14 @@ def test_replica_stats_count_each_prompt_once_under_preemption():
 
 
 def test_a_failed_turn_ends_its_session():
-  """route.py's driver: a turn the replica refuses (90 + 10 > 96 positions) is
-  reported failed and ends the session; its next turn (history + no output + the
-  environment's tokens) is not sent."""
-  from experiments import route
-  from kvtier_jax.serving import Engine, bench
+  """The sessions' client (route.py's): a turn the replica refuses (90 + 10 > 96
+  positions) is reported failed and ends the session; its next turn (history + no
+  output + the environment's tokens) is not sent."""
+  from kvtier_jax.serving import Engine, bench, replica
   from tests.test_serving import FakeModel
   conns = _replicas(2, lambda: Engine(FakeModel()))
   session = bench.Rollout("s", tuple(i % 60 + 1 for i in range(90)), (10, 2), ((5,),))
-  run = route.drive(conns, [session], "prefix", 8, 0.0)
+  run = replica.drive_sessions(conns, [session], "prefix", 8, 0.0)
   for conn in conns:
     conn.send(("stop",))
   assert {rid: rec["state"] for rid, rec in run["records"].items()} == {"s/t0": "failed"}

@@ -68,3 +68,49 @@ def serve(engine_factory: Callable[[], object], conn, *,
           reported.add(req.id)
           conn.send(("done", req.id, req.state.value, list(req.output),
                      req.metrics.cached_tokens))
+
+
+def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float) -> dict:
+  """The client side: every session's turns (``bench.Rollout``s) through a
+  ``Router`` to the replicas on ``conns``, session i starting at ``i * gap_s``; a
+  turn's successor is sent ``env_seconds`` after it finished (a turn that failed
+  ends its session, as ``bench.drive`` ends a rollout). Returns per-request
+  records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E)."""
+  import multiprocessing.connection
+  import time
+
+  from kvtier_jax.serving.router import Router
+  router = Router(len(conns), chunk_size, policy)
+  start = time.perf_counter()
+  now = lambda: time.perf_counter() - start
+  due = [(i * gap_s, s, 0, list(s.prompt)) for i, s in enumerate(sessions)]
+  where, sent, records, outstanding = {}, {}, {}, 0
+  while due or outstanding:
+    due.sort(key=lambda d: d[0])
+    while due and due[0][0] <= now():
+      _, session, turn, history = due.pop(0)
+      spec = session.turn(turn, history, 0.0)
+      replica = router.route(spec.prompt)
+      conns[replica].send(("submit", dict(id=spec.id, prompt=list(spec.prompt),
+                                          max_new_tokens=spec.max_new_tokens)))
+      where[spec.id], sent[spec.id] = replica, now()
+      records[spec.id] = dict(id=spec.id, replica=replica, prompt_tokens=len(history),
+                              session=session, turn=turn, history=history)
+      outstanding += 1
+    timeout = max(0.0, due[0][0] - now()) if due else None
+    for conn in multiprocessing.connection.wait(conns, timeout):
+      kind, rid, *rest = conn.recv()
+      rec = records[rid]
+      if kind == "first":
+        rec["ttft_s"] = now() - sent[rid]
+        continue
+      state, output, cached = rest
+      rec.update(state=state, output=output, cached_tokens=cached, e2e_s=now() - sent[rid])
+      router.done(where[rid])
+      outstanding -= 1
+      session, turn = rec.pop("session"), rec["turn"]
+      history = rec.pop("history")
+      if state == "finished" and turn + 1 < len(session.max_new_tokens):
+        nxt = history + output + list(session.env_tokens[turn])
+        due.append((now() + session.env_seconds, session, turn + 1, nxt))
+  return dict(records=records, seconds=now(), routed_by_prefix=router.routed_by_prefix)
