@@ -370,3 +370,23 @@ def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
   sent = next(r for r in rows if r["handoff"] == "send KV")
   assert sent["socket_s"] >= sent["frame_kib"] * 1024 / 50e6  # the cap held
   assert out.strip().splitlines()[-1].endswith("exact=4/4")
+
+
+def test_handoff_books_at_their_boundaries():
+  """An export from its last computed position sends no K/V: refused. Positions a
+  handoff brought are imported, not cache hits (engine.cached_tokens counts the
+  prefix cache only)."""
+  from tests.test_serving import FakeModel
+  prompt = [3 + i % 40 for i in range(30)]
+  sender = Engine(FakeModel())
+  req = sender.submit(prompt, 8, request_id="moved")
+  computed = lambda: min(req.cached, len(req.prompt) + len(req.output) - 1)
+  while not req.output or computed() % 4:  # the last computed position on a page edge
+    sender.step()
+  with pytest.raises(ValueError, match="below"):
+    sender.export("moved", kv="all", start=computed())
+  receiver = Engine(FakeModel())
+  moved = receiver.accept(sender.export("moved", kv="all"))
+  receiver.run()
+  assert moved.state is State.FINISHED
+  assert receiver.imported_tokens > 0 and receiver.cached_tokens == 0

@@ -668,6 +668,29 @@ def test_disk_tier_under_page_pressure_keeps_every_token(policy, tmp_path):
   if policy == "load":
     assert engine.disk_recomputed_tokens == 0
   assert engine.cached_tokens >= engine.disk_loaded_tokens
+  if engine.disk_loaded_tokens:  # each load is measured ("auto" weighs it)
+    assert engine.disk.pages_loaded > 0 and engine.disk.seconds_per_page is not None
+
+
+def test_a_requests_cached_tokens_are_its_first_admissions():
+  """Under page pressure requests are preempted and admitted again: the metric
+  keeps what the first admission found cached (observed the step it was set), not
+  what a re-admission finds (its own prompt, cached meanwhile)."""
+  rng = np.random.default_rng()
+  engine = Engine(FakeModel(num_host_pages=20),
+                  EngineConfig(max_step_tokens=20, prefix_cache=True, max_overtakes=3))
+  pending, reqs, first = shared_prefix_workload(rng, 120), [], {}
+  while pending or engine.has_work:
+    for _ in range(min(len(pending), int(rng.integers(0, 3)))):
+      prompt, new, sp = pending.pop()
+      reqs.append(engine.submit(prompt, new, sp))
+    engine.step()
+    for req in reqs:
+      if req.metrics.cached_tokens is not None:
+        first.setdefault(req.id, req.metrics.cached_tokens)
+  preempted = [r for r in reqs if r.metrics.preemptions]
+  assert preempted
+  assert all(r.metrics.cached_tokens == first[r.id] for r in reqs if r.id in first)
 
 
 def test_engine_removes_the_disk_tier_it_created():

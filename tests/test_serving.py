@@ -396,3 +396,44 @@ def test_random_schedules_equal_solo_runs(seed):
     assert req.state is State.FINISHED
     assert req.output == solo(lambda: FakeModel(num_host_pages=40), req.prompt,
                               req.max_new_tokens, req.sampling)
+
+
+def test_engine_books_at_their_boundaries():
+  """Values at the edges of the engine's rules, each a mutant a wider test passed:
+  a request charging exactly the device budget runs; one whose whole life is B
+  positions holds no host page; a refused decode step frees its requests' slots
+  and pages; the first token's time is the first token's; a stop id past the
+  vocabulary is refused; the page pool hands out its lowest free page."""
+  from kvtier_jax.driver import StepRefused
+  engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
+  exact = engine.submit([1] * 45, 5)  # 50 positions x 10 bytes: the whole budget
+  engine.run()
+  assert exact.state is State.FINISHED and len(exact.output) == 5
+  engine = Engine(FakeModel())
+  fits = engine.submit([1] * 8, 4)  # 12 positions = B: never leaves the hot cache
+  engine.step()
+  assert engine.pool.in_use == 0 and not fits.state.done
+
+  class Refusing(FakeModel):
+    def decode(self, state, tokens, active):
+      raise StepRefused("refused", state)
+
+  engine = Engine(Refusing())
+  failed = engine.submit([1] * 16, 4)
+  for _ in range(4):
+    engine.step()
+  assert failed.state is State.FAILED
+  assert all(slot is None for slot in engine.slots) and engine.pool.in_use == 0
+  times = iter(range(10**6))
+  engine = Engine(FakeModel(), clock=lambda: float(next(times)))
+  timed = engine.submit([1, 2, 3], 5)
+  engine.run()
+  assert timed.metrics.first_token == timed.metrics.token_times[0] < timed.metrics.token_times[-1]
+  with pytest.raises(ValueError, match="stop"):
+    Engine(FakeModel()).submit([1, 2], 2, stop_ids=[VOCAB])
+  pool = PagePool(8, 2, 4)
+  pool.grow(0, 3)
+  pool.grow(1, 2)  # slot 0: pages 0, 1, 2; slot 1: 3, 4
+  pool.release(0)
+  pool.grow(1, 3)
+  assert pool.table[1, :3].tolist() == [3, 4, 0]
