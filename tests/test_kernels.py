@@ -213,7 +213,7 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
   seq[0] = rng.integers(1, B // 2)  # fits: slot i holds position i, never fetches
   if scenario == "capacity":
     seq[3] = T  # an active request at max_len
-  elif scenario == "unpaged":  # more positions than slots: one is not resident
+  elif scenario in ("unpaged", "valid"):  # more positions than slots: one is not resident
     seq[1] = rng.integers(B + 1, T - 1)
   table = np.full((R, pages_per_req), -1, np.int32)
   physical = rng.permutation(num_pages)
@@ -240,11 +240,12 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
     sel[1, 0, lanes[0]] = sel[1, 0, lanes[1]]
   elif scenario == "out_of_range":
     sel[3, 1, 0] = seq[3] + 2
-  elif scenario == "unpaged":  # a position that must be fetched has no page
+  elif scenario in ("unpaged", "valid"):  # a position no slot holds: a miss, certain
     missing = next(p for p in range(seq[1]) if p not in slot_pos[layer, 1, 0])
     sel[1, 0, 0] = missing
     sel[1, 0, 1:][sel[1, 0, 1:] == missing] = -1
-    table[1, missing // Pg] = -1
+    if scenario == "unpaged":  # and it has no page
+      table[1, missing // Pg] = -1
   host = rng.standard_normal((L, num_pages + 1, Pg, U, Hg, D)).astype(np.float32)
   hot = np.full((L, R, U, B + 1, Hg, D), np.nan, np.float32)
   cache = fused_resolve.CacheArrays(
