@@ -722,3 +722,10 @@ def test_counters_and_the_prefetch_cap_from_hand_worked_values():
     np.testing.assert_array_equal(is_miss[..., :6], [[[1, 1, 1, 0, 0, 1]]] * 3)
     refilled = np.take_along_axis(np.asarray(score), np.where(is_miss, slot, 0), -1)
     np.testing.assert_array_equal(refilled[is_miss], 1.0 if policy == "freq" else 0.25)
+    # The draft pass's cap: the resident ones and the newest kept, then the first
+    # 4 of the 6 others; the last 2 dropped.
+    draft = np.concatenate([pred, np.broadcast_to(np.asarray(st.seq_len)[:, None, None],
+                                                  pred.shape[:2] + (1,))], -1)
+    capped = np.asarray(layer_lib.cap_misses(keyed, st, 0, jnp.asarray(draft), 4))
+    np.testing.assert_array_equal(capped[..., :8] >= 0, [[[1, 1, 1, 1, 1, 1, 0, 0]]] * 3)
+    np.testing.assert_array_equal(capped[..., 8], np.asarray(st.seq_len)[:, None])
