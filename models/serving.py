@@ -494,8 +494,8 @@ class ServingBackend:
     if np.shape(tokens) != (self.num_slots,) or np.shape(active) != (self.num_slots,):
       raise ValueError(f"tokens {np.shape(tokens)} and active {np.shape(active)} must "
                        f"be ({self.num_slots},)")
-    check_tokens(np.asarray(tokens)[np.asarray(active, bool)], self.vocab_size)
     active = np.asarray(active, bool)
+    check_tokens(np.asarray(tokens)[active], self.vocab_size)
     tokens = jnp.asarray(tokens, jnp.int32)
     if self.backend != "tiered":  # the driver checks and advances the tiered mirror
       self.check_room(active)

@@ -15,11 +15,14 @@ replica reports all replicas' stats, gathered by a collective, not by the router
 
 from __future__ import annotations
 
+import multiprocessing.connection
+import time
 from typing import Callable
 
 import numpy as np
 
 from kvtier_jax.serving.bench import first_admission_tokens
+from kvtier_jax.serving.router import Router
 
 _STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
 
@@ -76,10 +79,6 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float) 
   turn's successor is sent ``env_seconds`` after it finished (a turn that failed
   ends its session, as ``bench.drive`` ends a rollout). Returns per-request
   records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E)."""
-  import multiprocessing.connection
-  import time
-
-  from kvtier_jax.serving.router import Router
   router = Router(len(conns), chunk_size, policy)
   start = time.perf_counter()
   now = lambda: time.perf_counter() - start
