@@ -613,6 +613,50 @@ def test_replacement_policy_changes_victims_not_outputs(policy):
   assert misses > 0
 
 
+@pytest.mark.parametrize("warm_start,length", [("head_tail", 150), ("first", 150),
+                                               ("head_tail", 20)])
+def test_install_request_restarts_one_slot_and_leaves_the_rest(warm_start, length):
+  """The serving backend's admission into a used slot under a keyed policy: the
+  slot's positions, LRU order (slot order) and scores (0) restart, its hot rows are
+  the prompt's at those positions; every other slot, and the slot's rows a short
+  prompt leaves empty, are kept bit for bit."""
+  cfg = make_cfg(policy="freq", hot_slots=24, top_k=16, warm_start=warm_start)
+  h = Harness(cfg, [200, 260, 300], seed=13)
+  for _ in range(6):
+    h.step()
+  before = snapshot(h.state)
+  assert (before.slot_score[:, 1] > 0).any()
+  rng = np.random.default_rng()
+  L, U, B = cfg.num_layers, cfg.num_units, cfg.hot_slots
+  shape = (L, length + 5, cfg.num_kv_heads, cfg.head_dim)
+  k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+  after = snapshot(decode.install_request(cfg, h.state, 1, jnp.asarray(k), jnp.asarray(v),
+                                          length))
+  slots = np.arange(B)
+  if length <= B:
+    pos = np.where(slots < length, slots, -1)
+  elif warm_start == "first":
+    pos = slots
+  else:
+    pos = np.where(slots < B // 2, slots, length - B + slots)
+  others = np.arange(cfg.num_requests) != 1
+  for name in ("slot_pos", "lru", "slot_score", "hot_k", "hot_v"):
+    np.testing.assert_array_equal(getattr(after, name)[:, others],
+                                  getattr(before, name)[:, others], err_msg=name)
+  np.testing.assert_array_equal(after.slot_pos[:, 1], np.broadcast_to(pos, (L, U, B)))
+  np.testing.assert_array_equal(after.lru[:, 1], np.broadcast_to(slots, (L, U, B)))
+  np.testing.assert_array_equal(after.slot_score[:, 1], 0.0)
+  assert after.seq_len.tolist() == [int(before.seq_len[0]), length, int(before.seq_len[2])]
+  for hot, rows in ((after.hot_k, k), (after.hot_v, v)):
+    units = rows.reshape(L, length + 5, U, -1, cfg.head_dim)
+    got = hot[:, 1, :, :B]  # [L, U, B, Hg, D]
+    for b in slots:
+      want = (units[:, pos[b]] if pos[b] >= 0 else
+              getattr(before, "hot_k" if hot is after.hot_k else "hot_v")[:, 1, :, b])
+      np.testing.assert_array_equal(got[:, :, b], want)
+  np.testing.assert_array_equal(after.hot_k[:, 1, :, B:], before.hot_k[:, 1, :, B:])
+
+
 def test_rank_policy_reads_the_selector_ranking_and_keeps_outputs_exact():
   """policy="rank": the selector returns rank_depth best-first positions; the first
   top_k are attended, the rest only steer victims. Outputs equal full KV."""

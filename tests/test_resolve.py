@@ -96,6 +96,35 @@ def test_resolve_lookups_match_oracle(lookup):
   assert (slot_pos >= 0).any()
 
 
+def test_position_table_and_its_lookup_match_numpy():
+  """The map's two halves against dicts: keys past either end of the table
+  (padding -1, or past ``P``) are dropped, queries past either end read ``fill``,
+  and ``index_in``'s two methods agree with the brute-force index on queries in
+  and out of range."""
+  from kvtier_jax import lookup
+  rng = np.random.default_rng()
+  rows, width, num_positions, fill = (2, 3), 12, 20, -7
+  keys = np.stack([rng.permutation(num_positions + 8)[:width] - 4
+                   for _ in range(np.prod(rows))]).reshape(rows + (width,)).astype(np.int32)
+  values = rng.integers(0, 100, size=keys.shape).astype(np.int32)
+  queries = rng.integers(-3, num_positions + 4, size=rows + (15,)).astype(np.int32)
+  table = np.asarray(lookup.position_table(jnp.asarray(keys), jnp.asarray(values),
+                                           num_positions, fill))
+  got = np.asarray(lookup.table_lookup(jnp.asarray(table), jnp.asarray(queries), fill))
+  for r in np.ndindex(*rows):
+    held = {int(p): int(x) for p, x in zip(keys[r], values[r]) if 0 <= p < num_positions}
+    np.testing.assert_array_equal(
+        table[r], [held.get(p, fill) for p in range(num_positions)])
+    np.testing.assert_array_equal(got[r], [held.get(int(q), fill) for q in queries[r]])
+  in_range = np.where((keys >= 0) & (keys < num_positions), keys, -1)
+  want = np.array([[list(in_range[r]).index(q) if 0 <= q and q in in_range[r] else -1
+                    for q in queries[r]] for r in np.ndindex(*rows)]).reshape(queries.shape)
+  for method in ("map", "search"):
+    np.testing.assert_array_equal(
+        lookup.index_in(jnp.asarray(in_range), jnp.asarray(queries), method=method,
+                        num_positions=num_positions), want, err_msg=method)
+
+
 def test_map_lookup_needs_a_position_bound():
   with pytest.raises(ValueError, match="num_positions"):
     resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup_method="map")

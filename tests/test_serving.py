@@ -402,7 +402,8 @@ def test_engine_books_at_their_boundaries():
   """Values at the edges of the engine's rules, each a mutant a wider test passed:
   a request charging exactly the device budget runs; one whose whole life is B
   positions holds no host page; a refused decode step frees its requests' slots
-  and pages; the first token's time is the first token's; a stop id past the
+  and pages; a request that takes a page and finishes in one step peaks with it;
+  the first token's time is the first token's; a stop id past the
   vocabulary is refused; the page pool hands out its lowest free page."""
   from kvtier_jax.driver import StepRefused
   engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
@@ -415,6 +416,14 @@ def test_engine_books_at_their_boundaries():
   fits = engine.submit([1] * 8, 4)  # 12 positions = B: never leaves the hot cache
   engine.step()
   assert engine.pool.in_use == 0 and not fits.state.done
+  engine = Engine(FakeModel())
+  grows = engine.submit([1] * 16, 2)  # the decode step writes position 16: a fifth page
+  rows = []
+  while engine.has_work:
+    rows.append(engine.step())
+  assert grows.state is State.FINISHED and engine.pool.in_use == 0
+  assert rows[-1]["decode_batch"] == 1 and rows[-1]["host_pages_in_use"] == 0
+  assert rows[-1]["peak_host_pages"] == 5  # held while it decoded, then let go
 
   class Refusing(FakeModel):
     def decode(self, state, tokens, active):
