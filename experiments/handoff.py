@@ -69,15 +69,16 @@ def relay(engine, prompt, relayed, total, sp, rid):
   return req
 
 
-def receive(engine, handoff) -> tuple[float, object]:
-  """Accept a handoff; returns (seconds to the first new token, the request)."""
-  start = time.perf_counter()
+def receive(engine, handoff) -> tuple[float, object, int]:
+  """Accept a handoff; returns (seconds to the first new token, the request, the
+  positions whose K/V it imported: 0 when the receiver recomputed them)."""
+  start, imported = time.perf_counter(), engine.imported_tokens
   req = engine.accept(handoff)
   known = len(handoff.output)
   until(engine, lambda: len(req.output) > known or req.state.done)
   seconds = time.perf_counter() - start
   until(engine, lambda: req.state.done)
-  return seconds, req
+  return seconds, req, engine.imported_tokens - imported
 
 
 def serve_receiver(port: int) -> None:
@@ -91,8 +92,9 @@ def serve_receiver(port: int) -> None:
       except ConnectionError:
         return
       handoff = handoff_lib.Handoff.from_bytes(frame)
-      seconds, req = receive(engine, handoff)
-      reply = dict(id=req.id, output=req.output, seconds=seconds, state=req.state.value)
+      seconds, req, imported = receive(engine, handoff)
+      reply = dict(id=req.id, output=req.output, seconds=seconds, state=req.state.value,
+                   imported=imported)
       handoff_lib.send(sock, json.dumps(reply).encode())
 
 
@@ -102,9 +104,9 @@ def main(argv):
     serve_receiver(int(FLAGS.serve_port))
     return
   if FLAGS["prompt_tokens"].using_default_value:
-    FLAGS.prompt_tokens = 600
+    FLAGS.prompt_tokens = 200 if FLAGS.smoke else 600
   if FLAGS.smoke:
-    FLAGS.relayed, FLAGS.prompt_tokens, FLAGS.max_len = ["3"], 200, 256
+    FLAGS.relayed, FLAGS.max_len = ["3"], 256
   out = common.start_run("handoff", FLAGS.flag_values_dict(), FLAGS.out_root)
   peer = listener = receiver = None
   if FLAGS.two_process:  # start the receiver first: it loads and compiles meanwhile
@@ -125,7 +127,8 @@ def main(argv):
   # The receiver already holds the prompt (P sent it MD's increment, PDD): the
   # handoff moves only what RelayDecode generated. The uninterrupted runs on the
   # receiver cache the prompt and are the reference.
-  cached = len(prompt) // CHUNK * CHUNK
+  # As the receiver's prefix cache shares it: whole chunks, one token left to prefill.
+  cached = (len(prompt) - 1) // CHUNK * CHUNK
   sender = build(model)
   relay(sender, prompt, 1, 2, SamplingParams(), "warm-up")  # the sender's jits
   if FLAGS.two_process:
@@ -135,14 +138,15 @@ def main(argv):
     receiver = build(model)
 
   def send(handoff):
-    """(seconds on the socket or None, receiver seconds to a new token, outputs)."""
+    """(seconds on the socket or None, receiver seconds to a new token, outputs,
+    frame bytes, positions imported)."""
     frame = handoff.to_bytes()
     if not FLAGS.two_process:
-      seconds, got = receive(receiver, handoff_lib.Handoff.from_bytes(frame))
-      return None, seconds, got.output, len(frame)
+      seconds, got, imported = receive(receiver, handoff_lib.Handoff.from_bytes(frame))
+      return None, seconds, got.output, len(frame), imported
     sent_s = handoff_lib.send(conn, frame, FLAGS.link_mbps * 1e6)
     reply = json.loads(handoff_lib.recv(conn))
-    return sent_s, reply["seconds"], reply["output"], len(frame)
+    return sent_s, reply["seconds"], reply["output"], len(frame), reply["imported"]
 
   reference = {}
   for name, sp in cases:  # uninterrupted, on the receiver (warms its cache and jits)
@@ -155,13 +159,14 @@ def main(argv):
         rid = f"{name}-{m}-{mode}"
         relay(sender, prompt, m, total, sp, rid)
         handoff = sender.export(rid, kv=mode, start=cached if mode == "all" else 0)
-        sent_s, seconds, output, frame_bytes = send(handoff)
+        sent_s, seconds, output, frame_bytes, imported = send(handoff)
         same = output == reference[name]
         exact += same
         wire = frame_bytes / (FLAGS.wan_gbps * 1e9 / 8)
         rows.append(dict(relayed=m, handoff="send KV" if mode == "all" else "extend",
                          sampling=name, kv_mib=handoff.kv_bytes / 2**20,
-                         frame_kib=frame_bytes / 2**10, wire_s=wire, socket_s=sent_s,
+                         frame_kib=frame_bytes / 2**10, imported_tokens=imported,
+                         wire_s=wire, socket_s=sent_s,
                          receiver_s=seconds, total_s=seconds + wire, exact=same))
         common.append_row(out, rows[-1])
   if FLAGS.two_process:
@@ -169,7 +174,8 @@ def main(argv):
     peer.wait(timeout=120)
     listener.close()
   table = common.markdown_table(rows, ["relayed", "handoff", "sampling", "kv_mib",
-                                       "frame_kib", "wire_s", "socket_s", "receiver_s",
+                                       "frame_kib", "imported_tokens", "wire_s",
+                                       "socket_s", "receiver_s",
                                        "total_s", "exact"])
   (out / "table.md").write_text(table + "\n")
   greedy = [r for r in rows if r["sampling"] == "greedy"]

@@ -220,7 +220,7 @@ def test_warm_up_loads_a_cached_prefix_when_the_engine_caches_prefixes(prefix_ca
 def test_pdd_smoke(tmp_path):
   out = run("experiments.pdd", "--smoke", f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "pdd")
-  assert {r["study"] for r in rows} == {"microbenchmark", "ttft", "bandwidth"}
+  assert {r["study"] for r in rows} == {"fit", "microbenchmark", "ttft", "bandwidth"}
   # The TTFT study's rate offers the load asked (0.85 of what the WAN carries),
   # measured on the trace that runs; handoff times average real handoffs only.
   for row in (r for r in rows if r["study"] == "ttft"):
@@ -230,6 +230,12 @@ def test_pdd_smoke(tmp_path):
   assert (run_dir / "plot.png").stat().st_size > 0
   last = out.strip().splitlines()[-1]
   assert last.startswith("pdd: skewed_p50=") and "ttft_p90_cut=" in last
+  # The fitted input is the probe nearest the paper's P50, and was measured.
+  probes = [r for r in rows if r["study"] == "fit"]
+  skewed = next(r for r in rows if r.get("distribution") == "skewed")
+  nearest = min(probes, key=lambda r: abs(r["transfer_p50_s"] - 0.248))
+  assert skewed["mean_input"] == nearest["mean_input"]
+  assert skewed["transfer_p50_s"] == nearest["transfer_p50_s"]
 
 
 def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):

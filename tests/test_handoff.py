@@ -327,6 +327,22 @@ def test_send_and_recv_frames_at_a_capped_rate():
     handoff_lib.recv(b)
 
 
+@pytest.mark.parametrize("size", [1000, 70_000, 3 << 16])
+def test_a_capped_send_takes_its_bytes_over_the_rate(monkeypatch, size):
+  """On a clock that only sleeps move: a frame of n bytes (8 of length + payload)
+  takes n / rate, its last block included (it waited as if that block were full:
+  65 ms for a 1 KB frame at 1 MB/s)."""
+  import types
+  clock = [0.0]
+  monkeypatch.setattr(handoff_lib, "time", types.SimpleNamespace(
+      perf_counter=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
+  sent = []
+  sock = types.SimpleNamespace(sendall=sent.append)
+  seconds = handoff_lib.send(sock, bytes(size), bytes_per_s=1e6)
+  assert b"".join(sent)[8:] == bytes(size)
+  assert seconds == pytest.approx((size + 8) / 1e6, rel=1e-9)
+
+
 def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
   from kvtier_jax.serving import bench, snapshot
   rng = np.random.default_rng()
@@ -360,13 +376,18 @@ def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
 def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
   """P / D demonstration on SmolLM2: a second process (the main decode) receives
   handoffs over a local socket capped at 50 MB/s (pages, or relayed ids to replay)
-  and its tokens equal its own uninterrupted runs, greedy and seeded sampling."""
+  and its tokens equal its own uninterrupted runs, greedy and seeded sampling. The
+  prompt is one whole chunk, so the receiver's cache shares none of it, and a
+  "send KV" handoff is imported, every position of it (it started at the chunk
+  end, past the receiver's match: the K/V was sent, dropped and recomputed)."""
   from tests.test_experiments import only_run, run
   out = run("experiments.handoff", "--two_process", "--smoke", "--link_mbps=50",
-            f"--model_layers={SMOKE_LAYERS}",
+            f"--model_layers={SMOKE_LAYERS}", "--prompt_tokens=128",
             f"--out_root={tmp_path}")
   _, rows = only_run(tmp_path, "handoff")
   assert {r["handoff"] for r in rows} == {"send KV", "extend"} and all(r["exact"] for r in rows)
+  for row in rows:  # 128 prompt + 3 relayed positions, the newest computed there
+    assert row["imported_tokens"] == (130 if row["handoff"] == "send KV" else 0), row
   sent = next(r for r in rows if r["handoff"] == "send KV")
   assert sent["socket_s"] >= sent["frame_kib"] * 1024 / 50e6  # the cap held
   assert out.strip().splitlines()[-1].endswith("exact=4/4")

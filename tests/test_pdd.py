@@ -53,8 +53,8 @@ def test_trace_increments_are_what_a_prefix_match_finds(monkeypatch):
   monkeypatch.setattr(pdd_sim.RadixCache, "insert", insert)
   seed = int(np.random.default_rng().integers(1000))
   trace = pdd_sim.generate_trace(pdd_sim.TraceConfig(rate=20, duration=3, sessions=12,
-                                                     mean_input=2048, seed=seed))
-  chunk = 2048 // 256
+                                                     mean_input=4096, seed=seed))
+  chunk = 4096 // 256
   assert sum(p is not None for p, _ in seen) == len(trace)
   inserted, requests = [], iter(trace)
   for prompt, after in seen:  # brute force: the longest common prefix with any earlier
@@ -79,6 +79,15 @@ def test_trace_hit_distributions_have_the_papers_shape(distribution):
   # Outputs: 30% under 100 tokens, 40% more under 500 (PDD's production trace).
   outputs = np.array([r.output_tokens for r in trace])
   assert abs((outputs < 100).mean() - 0.3) < 0.04 and abs((outputs < 500).mean() - 0.7) < 0.04
+
+
+def test_a_mean_input_the_system_prompt_fills_is_refused():
+  """At a mean input of 1024 tokens every context was the 2048-token system prompt
+  alone: increments 0, every request a full hit, zero transfer (no error)."""
+  with pytest.raises(ValueError, match="system prompt"):
+    pdd_sim.generate_trace(pdd_sim.TraceConfig(mean_input=1024, duration=2))
+  trace = pdd_sim.generate_trace(pdd_sim.TraceConfig(mean_input=3072, duration=2))
+  assert np.mean([r.cached_tokens < r.input_tokens for r in trace]) > 0.5
 
 
 def test_system_accounting():

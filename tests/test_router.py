@@ -109,6 +109,33 @@ def test_a_failed_turn_ends_its_session():
   assert {rid: rec["state"] for rid, rec in run["records"].items()} == {"s/t0": "failed"}
 
 
+def test_sessions_keep_their_sampling_through_the_replicas():
+  """A sampled session's turns decode with its own ``SamplingParams`` on the
+  replica (they were sent without them and decoded greedily), and a submitted
+  request's stop ids are the replica's engine's."""
+  from kvtier_jax.serving import Engine, SamplingParams, bench, replica
+  from tests.test_serving import FakeModel, solo
+  sampled = SamplingParams(temperature=1.0, seed=7)
+  prompt = tuple(i % 50 + 3 for i in range(20))
+  conns = _replicas(2, lambda: Engine(FakeModel()))
+  session = bench.Rollout("s", prompt, (8,), (), sampling=sampled)
+  run = replica.drive_sessions(conns, [session], "prefix", 8, 0.0)
+  want = solo(FakeModel, list(prompt), 8, sampled)
+  assert want != solo(FakeModel, list(prompt), 8)  # the draw differs from greedy
+  assert run["records"]["s/t0"]["output"] == want
+  stop = want[2]
+  conns[0].send(("submit", dict(id="stops", prompt=list(prompt), max_new_tokens=8,
+                                sampling=dict(temperature=1.0, seed=7), stop_ids=[stop])))
+  while True:
+    assert conns[0].poll(30)
+    kind, rid, *rest = conns[0].recv()
+    if kind == "done":
+      break
+  for conn in conns:
+    conn.send(("stop",))
+  assert rid == "stops" and rest[1] == want[:want.index(stop) + 1]
+
+
 def test_prefix_router_matches_brute_force_and_respects_load():
   rng = np.random.default_rng()
   prefixes = [rng.integers(0, 50, int(rng.integers(4, 20))).tolist() for _ in range(4)]
@@ -143,8 +170,21 @@ def test_baselines_and_bad_input():
   with pytest.raises(ValueError, match="policy"):
     Router(2, CHUNK, "random")
   forgetful = Router(1, CHUNK, "prefix", max_chunks=2)
-  forgetful.route(list(range(12)))  # three chunks: the first is forgotten
-  assert forgetful.match(0, list(range(12))) == 0
+  forgetful.route(list(range(12)))  # three chunks: the last is forgotten
+  assert forgetful.match(0, list(range(12))) == 8
+
+
+def test_the_router_forgets_a_prompts_last_chunks_first():
+  """Past ``max_chunks`` the index drops a prompt's deepest chunks, never its first:
+  a match stops at the first missing chunk, so forgetting A's first chunk lost all
+  of A while its unreachable later chunks kept their room (match 0 here)."""
+  router = Router(1, CHUNK, "prefix", max_chunks=4)
+  a, b = list(range(12)), list(range(100, 108))  # three chunks, then two others
+  router.route(a)
+  router.route(b)
+  assert router.match(0, a) == 8 and router.match(0, b) == 8
+  router.route(a)  # A routed again: its chunks are the most recent, B's go
+  assert router.match(0, a) == 12 and router.match(0, b) == 4
 
 
 def test_route_smoke_two_processes(tmp_path):

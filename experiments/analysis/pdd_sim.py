@@ -98,6 +98,10 @@ def generate_trace(cfg: TraceConfig) -> list[TraceRequest]:
   fresh = iter(range(1 << 62))  # chunk ids
   system = [next(fresh) for _ in range(cfg.system_prompt // chunk)]
   lo, hi = int(cfg.mean_input * 0.75) // chunk, int(cfg.mean_input * 1.25) // chunk
+  if lo <= len(system):
+    raise ValueError(f"mean_input={cfg.mean_input}: new contexts (0.75-1.0x of it) "
+                     f"would hold only the {cfg.system_prompt}-token system prompt; "
+                     f"use a mean input above {cfg.system_prompt / 0.75:.0f} tokens")
 
   def new_context() -> list[int]:
     size = int(rng.integers(lo, (lo + hi) // 2))

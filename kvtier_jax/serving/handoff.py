@@ -120,7 +120,7 @@ def send(sock: socket.socket, payload: bytes, bytes_per_s: float | None = None,
   for at in range(0, len(frame), block):
     sock.sendall(frame[at:at + block])
     if bytes_per_s:
-      due = start + (at + block) / bytes_per_s
+      due = start + min(at + block, len(frame)) / bytes_per_s  # bytes sent so far
       pause = due - time.perf_counter()
       if pause > 0:
         time.sleep(pause)

@@ -2,7 +2,8 @@
 router in front of several of them: router.py).
 
 Messages to the replica: ``("submit", request dict)`` (``id``, ``prompt``,
-``max_new_tokens``), ``("reset",)`` (report and start a fresh engine: a new
+``max_new_tokens``; optional ``sampling``, a ``SamplingParams`` as a dict, and
+``stop_ids``), ``("reset",)`` (report and start a fresh engine: a new
 measurement on the same compiled model) and ``("stop",)``. From it: ``("ready",)``
 once its engine is built, ``("first", id)`` at a request's first token, ``("done",
 id, state, output, cached_tokens)`` when it ends (``"failed"`` with no output for a
@@ -15,6 +16,7 @@ replica reports all replicas' stats, gathered by a collective, not by the router
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing.connection
 import time
 from typing import Callable
@@ -22,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from kvtier_jax.serving.bench import first_admission_tokens
+from kvtier_jax.serving.request import SamplingParams
 from kvtier_jax.serving.router import Router
 
 _STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
@@ -52,9 +55,12 @@ def serve(engine_factory: Callable[[], object], conn, *,
       if kind == "submit":
         spec = args[0]
         try:
-          engine.submit(spec["prompt"], spec["max_new_tokens"], request_id=spec["id"],
+          engine.submit(spec["prompt"], spec["max_new_tokens"],
+                        SamplingParams(**spec.get("sampling", {})),
+                        stop_ids=spec.get("stop_ids", ()), request_id=spec["id"],
                         on_token=first_token)
-        except ValueError:  # refused (too long, a taken id): the replica goes on
+        except (TypeError, ValueError):  # refused (too long, a taken id, bad sampling):
+          # the replica goes on
           conn.send(("done", spec["id"], "failed", [], None))
       elif kind in ("reset", "stop"):
         conn.send(("stats", stats()))
@@ -90,8 +96,9 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float) 
       _, session, turn, history = due.pop(0)
       spec = session.turn(turn, history, 0.0)
       replica = router.route(spec.prompt)
-      conns[replica].send(("submit", dict(id=spec.id, prompt=list(spec.prompt),
-                                          max_new_tokens=spec.max_new_tokens)))
+      conns[replica].send(("submit", dict(
+          id=spec.id, prompt=list(spec.prompt), max_new_tokens=spec.max_new_tokens,
+          sampling=dataclasses.asdict(spec.sampling), stop_ids=list(spec.stop_ids))))
       where[spec.id], sent[spec.id] = replica, now()
       records[spec.id] = dict(id=spec.id, replica=replica, prompt_tokens=len(history),
                               session=session, turn=turn, history=history)

@@ -4,7 +4,9 @@ prefix, else the least loaded (SGLang's cache-aware router, KV-aware routers).
 The router never asks a replica what it caches: like SGLang's router it keeps, per
 replica, an approximate index of the prompts it sent there, at the replicas' prefix
 granularity (whole chunks of ``chunk_size`` tokens, what a replica's radix cache
-can share), forgetting the least recently routed chunks past ``max_chunks``.
+can share), forgetting the least recently routed chunks past ``max_chunks``, a
+prompt's last chunks before its first (a match stops at the first missing chunk, so
+a forgotten first chunk would make the rest unreachable).
 A request goes to the replica with the longest match when that replica is not
 overloaded (at most ``balance_abs`` more outstanding requests than the least loaded
 one), else to the least loaded replica (ties: the lowest index). ``round_robin`` and
@@ -74,7 +76,7 @@ class Router:
 
   def _remember(self, replica: int, prompt: Sequence[int]) -> None:
     chunks = self._chunks[replica]
-    for key in self._keys(prompt):
+    for key in reversed(self._keys(prompt)):  # the first chunk ends most recent
       chunks[key] = None
       chunks.move_to_end(key)
     while len(chunks) > self.max_chunks:
