@@ -109,8 +109,9 @@ def main(argv):
   rows = [dict(draft=name, acceptance_vs_text=float((d == label).mean()),
                acceptance_vs_greedy=float((d == own).mean()), positions=int(label.size))
           for name, d in drafts.items()]
-  rows[0].update(train_loss_first=float(history[:10, 1].mean()),
-                 train_loss_last=float(history[-10:, 1].mean()))
+  ends = max(1, min(10, len(history) // 2))  # disjoint ends, even for a short run
+  rows[0].update(train_loss_first=float(history[:ends, 1].mean()),
+                 train_loss_last=float(history[-ends:, 1].mean()))
   for row in rows:
     common.append_row(out, row)
   table = common.markdown_table(rows, ["draft", "acceptance_vs_text",

@@ -12,7 +12,8 @@ On SmolLM2-135M over pydoc text (dense attention, teacher-forced), per step:
   position ahead without committing (no draft model); with ``--draft_ckpt``
   also (c) a trained draft head's token (``experiments.draft_head``: from the
   previous step's features and the current token, known when the step starts)
-  and (d) the model's own next token (known only after the step: the ceiling);
+  and (d) the model's own next token (known only after the step: the ceiling of a
+  draft); the offline ceiling of prefetch itself, (e) the next step's selection;
 * critical-path misses of an LRU hot cache (B = 2k) without prefetch and with
   each predictor's positions prefetched after the step (at most ``--cap`` rows per
   layer), replayed with the library's own jitted RESOLVE; prefetched rows split
@@ -33,6 +34,7 @@ Command (~10 min on a 2-core CPU when first written; 3.2 min with a draft head o
 from __future__ import annotations
 
 import functools
+import math
 
 from absl import app, flags
 import jax
@@ -158,6 +160,13 @@ def main(argv):
           for s in selectors]
   draft_kinds = ["draft token"]
   if FLAGS.draft_ckpt:
+    trained = draft_head.metadata(FLAGS.draft_ckpt)
+    train_end = trained.get("windows", math.inf) * trained.get("window", math.inf)
+    if (FLAGS.prompt_file is None and trained.get("trained_on") == "pydoc_data.topics"
+        and FLAGS.offset < train_end):
+      raise ValueError(f"{FLAGS.draft_ckpt} was trained on the pydoc text's first "
+                       f"{train_end} tokens, which this run reads: pass "
+                       "--prompt_file=<held-out text> (or an --offset past them)")
     # Teacher-forced features of the whole span (the dense forward: what each
     # decode step computes, up to float rounding).
     head = draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers)
@@ -195,8 +204,14 @@ def main(argv):
     agreement = {"prefetch: current query": overlap(shifted(real)[1:], real[1:])}
     sel_streams = jnp.asarray(streams(real))
     none = jnp.full_like(sel_streams, -1)
+    # The offline ceiling: the next step's selection itself (every prefetched row
+    # is useful; what stays critical is past the cap).
+    upcoming = np.concatenate([real[1:], np.full_like(real[:1], -1)])
+    agreement["prefetch: next selection (offline)"] = overlap(shifted(upcoming)[1:],
+                                                               real[1:])
     variants = {"sync (no prefetch)": none,
-                "prefetch: current query": jnp.asarray(streams(real))}
+                "prefetch: current query": jnp.asarray(streams(real)),
+                "prefetch: next selection (offline)": jnp.asarray(streams(upcoming))}
     for kind in draft_kinds:
       guess = drafted[kind][i]
       agreement[f"prefetch: {kind}"] = overlap(shifted(guess)[1:], real[1:])
@@ -207,6 +222,9 @@ def main(argv):
       # From step 1: step 0 fills the replay's empty cache, which the engine's warm
       # start does at prefill (miss_rate.py's warm rate leaves it out too).
       miss = miss[1:]
+      # Rows prefetched after the last step serve no step of the trace: the
+      # prefetches judged are those after steps 0..T-2, for the steps 1..T-1 counted.
+      pref, useful = pref[:-1], useful[:-1]
       rate = miss.sum() / max(1, int((real[1:] >= 0).sum()))
       rows.append(dict(selector=name, variant=variant, critical_miss_rate=rate,
                        prefetched_per_miss=pref.sum() / max(1, miss.sum()),

@@ -172,8 +172,9 @@ def main(argv):
   _await(conns, "stats")
   for proc in procs:
     proc.join(timeout=60)
-  same = sum(runs["prefix"][rid]["output"] == runs["round_robin"][rid]["output"]
-             for rid in runs["prefix"])
+  other = runs["round_robin"]  # a session that failed at another turn there: not same
+  same = sum(rid in other and rec["output"] == other[rid]["output"]
+             for rid, rec in runs["prefix"].items())
   columns = ["policy", "replicas", "requests", "finished", "prefix_hit", "prefill_tokens",
              "prompt_tokens", "ttft_p50_s", "ttft_p99_s", "makespan_s", "routed_by_prefix",
              "per_replica_requests"]

@@ -129,6 +129,11 @@ def save(path, head: DraftHead, metadata: dict | None = None) -> pathlib.Path:
   return path
 
 
+def metadata(path) -> dict:
+  """What ``save`` was given as ``metadata`` (e.g. the text and span it trained on)."""
+  return json.loads((pathlib.Path(path) / "draft_head.json").read_text())["metadata"]
+
+
 def load(path, num_layers: int | None = None) -> DraftHead:
   """The head ``save`` wrote, exactly. ``num_layers``: the layers of the model it
   will read; a head whose metadata says it was trained on another cut of the model

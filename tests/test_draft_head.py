@@ -118,6 +118,8 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   by = {r["draft"]: r for r in rows_of(tmp_path, "draft_head")}
   assert set(by) == {"draft head", "prompt lookup", "model's next token (after the step)"}
   assert by["model's next token (after the step)"]["acceptance_vs_greedy"] == 1.0
+  # Its first and last losses average disjoint steps (6 smoke steps: 3 and 3).
+  assert by["draft head"]["train_loss_first"] != by["draft head"]["train_loss_last"]
   run_dir = next(tmp_path.glob("draft_head/*"))
   prefetch = ("experiments.prefetch", "--smoke", "--selectors=quest",
               f"--out_root={tmp_path}", f"--prompt_file={run_dir / 'heldout.txt'}",
@@ -127,3 +129,15 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   for kind in ("draft token", "draft head", "model's next token"):
     assert 0.0 < rows[f"prefetch: {kind}"]["agreement"] <= 1.0
     assert rows[f"prefetch: {kind}"]["critical_miss_rate"] >= 0.0
+  # A perfect predictor: every row it prefetched is used, and fewer misses stay.
+  ceiling = rows["prefetch: next selection (offline)"]
+  assert ceiling["agreement"] == 1.0 and ceiling["useful_share"] == 1.0
+  assert ceiling["critical_miss_rate"] < rows["sync (no prefetch)"]["critical_miss_rate"]
+  # The head is refused on the text it was trained on (the pydoc default).
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, "-m", "experiments.prefetch", "--smoke",
+                         "--selectors=quest", f"--out_root={tmp_path / 'leak'}",
+                         f"--draft_ckpt={run_dir / 'draft_head'}", layers],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0 and "was trained on the pydoc text" in proc.stderr
