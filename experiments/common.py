@@ -29,10 +29,20 @@ def git_sha() -> str:
 
 
 def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -> pathlib.Path:
-  """Create the run folder and write config.json."""
+  """Create the run folder and write config.json. Runs started in the same second
+  get ``-1``, ``-2``... (one folder each: never rows appended to another run's)."""
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  out = pathlib.Path(out_root or RESULTS) / experiment / stamp
-  out.mkdir(parents=True, exist_ok=True)
+  root = pathlib.Path(out_root or RESULTS) / experiment
+  root.mkdir(parents=True, exist_ok=True)
+  for n in range(1000):
+    out = root / (stamp if n == 0 else f"{stamp}-{n}")
+    try:
+      out.mkdir()
+      break
+    except FileExistsError:
+      continue
+  else:
+    raise FileExistsError(f"{root}: 1000 runs started at {stamp}")
   dev = jax.devices()[0]
   config = {"experiment": experiment, "flags": flag_values, "jax": jax.__version__,
             "device_kind": dev.device_kind, "platform": dev.platform,

@@ -88,6 +88,25 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   assert "Table 2" in report and "| toy |" in report
 
 
+def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch):
+  """Two runs of one experiment in the same second shared a folder (``exist_ok``):
+  the second's rows were appended to the first's."""
+  import datetime
+
+  from experiments import common
+
+  class Frozen(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+      return cls(2026, 12, 3, 21, 0, 0)
+
+  monkeypatch.setattr(common.datetime, "datetime", Frozen)
+  runs = [common.start_run("twice", dict(run=i), str(tmp_path)) for i in range(3)]
+  assert [r.name for r in runs] == ["20261203-210000", "20261203-210000-1",
+                                    "20261203-210000-2"]
+  assert [json.loads((r / "config.json").read_text())["flags"]["run"] for r in runs] == [0, 1, 2]
+
+
 def test_gpu_check_smoke_runs_clean(tmp_path):
   """The device script's smoke path (kernels interpreted): every check passes and no
   section errors, so a rare GPU loan is not spent on a harness bug. Left out to keep
