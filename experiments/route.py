@@ -138,7 +138,7 @@ def main(argv):
   rows, runs = [], {}
   for policy in POLICIES:
     run = replica.drive_sessions(conns, sessions, policy, FLAGS.chunk_size,
-                                 FLAGS.session_gap_s)
+                                 FLAGS.session_gap_s, reply_timeout_s=600)  # a hang
     for conn in conns:
       conn.send(("reset",))
     stats = _await(conns, "stats")

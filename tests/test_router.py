@@ -67,6 +67,15 @@ def _replicas(count, factory):
   return conns
 
 
+def _stop(conns):
+  """Stop the replicas and take their last stats (a pipe closed first breaks the
+  replica thread's reply)."""
+  for conn in conns:
+    conn.send(("stop",))
+  for conn in conns:
+    assert conn.poll(30) and conn.recv()[0] == "stats"
+
+
 def test_replica_stats_count_each_prompt_once_under_preemption():
   """Three distinct prompts in a small host pool preempt each other: the replica's
   prompt and cached tokens (route.py's prefix hit) count each request at its first
@@ -104,9 +113,24 @@ def test_a_failed_turn_ends_its_session():
   conns = _replicas(2, lambda: Engine(FakeModel()))
   session = bench.Rollout("s", tuple(i % 60 + 1 for i in range(90)), (10, 2), ((5,),))
   run = replica.drive_sessions(conns, [session], "prefix", 8, 0.0)
-  for conn in conns:
-    conn.send(("stop",))
+  _stop(conns)
   assert {rid: rec["state"] for rid, rec in run["records"].items()} == {"s/t0": "failed"}
+
+
+def test_a_replica_that_hangs_alive_times_the_client_out():
+  """A replica that takes requests and never answers (alive, so no ``EOFError``):
+  the client raises after ``reply_timeout_s`` of silence, naming what is
+  outstanding (it waited for good)."""
+  import multiprocessing
+  import time
+
+  from kvtier_jax.serving import bench, replica
+  ours, _theirs = multiprocessing.Pipe()  # nobody serves the other end
+  session = bench.Rollout("s", (1, 2, 3), (4,), ())
+  start = time.perf_counter()
+  with pytest.raises(TimeoutError, match=r"s/t0"):
+    replica.drive_sessions([ours], [session], "prefix", 8, 0.0, reply_timeout_s=0.3)
+  assert 0.3 <= time.perf_counter() - start < 10
 
 
 def test_sessions_keep_their_sampling_through_the_replicas():
@@ -131,8 +155,7 @@ def test_sessions_keep_their_sampling_through_the_replicas():
     kind, rid, *rest = conns[0].recv()
     if kind == "done":
       break
-  for conn in conns:
-    conn.send(("stop",))
+  _stop(conns)
   assert rid == "stops" and rest[1] == want[:want.index(stop) + 1]
 
 

@@ -79,17 +79,22 @@ def serve(engine_factory: Callable[[], object], conn, *,
                      req.metrics.cached_tokens))
 
 
-def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float) -> dict:
+def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, *,
+                   reply_timeout_s: float | None = None) -> dict:
   """The client side: every session's turns (``bench.Rollout``s) through a
   ``Router`` to the replicas on ``conns``, session i starting at ``i * gap_s``; a
   turn's successor is sent ``env_seconds`` after it finished (a turn that failed
   ends its session, as ``bench.drive`` ends a rollout). Returns per-request
-  records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E)."""
+  records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E).
+  ``reply_timeout_s``: raise ``TimeoutError`` when requests are outstanding and no
+  replica has said anything for that long (a replica that hangs but lives; one
+  that exits raises ``EOFError``)."""
   router = Router(len(conns), chunk_size, policy)
   start = time.perf_counter()
   now = lambda: time.perf_counter() - start
   due = [(i * gap_s, s, 0, list(s.prompt)) for i, s in enumerate(sessions)]
   where, sent, records, outstanding = {}, {}, {}, 0
+  heard = now()  # the last message from any replica (or the last submit)
   while due or outstanding:
     due.sort(key=lambda d: d[0])
     while due and due[0][0] <= now():
@@ -103,8 +108,18 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float) 
       records[spec.id] = dict(id=spec.id, replica=replica, prompt_tokens=len(history),
                               session=session, turn=turn, history=history)
       outstanding += 1
+      heard = now()
     timeout = max(0.0, due[0][0] - now()) if due else None
+    if outstanding and reply_timeout_s is not None:
+      silent_until = heard + reply_timeout_s
+      if now() >= silent_until:
+        waiting = sorted(rid for rid, rec in records.items() if "state" not in rec)
+        raise TimeoutError(f"no replica answered for {reply_timeout_s} s; "
+                           f"outstanding: {waiting}")
+      timeout = silent_until - now() if timeout is None else min(timeout,
+                                                                 silent_until - now())
     for conn in multiprocessing.connection.wait(conns, timeout):
+      heard = now()
       kind, rid, *rest = conn.recv()
       rec = records[rid]
       if kind == "first":
