@@ -236,10 +236,11 @@ def arc_oracle(stream, capacity):
     hits = wset - set(misses)
     t1 -= hits
     t2 |= hits
+    one_b2 = len(misses) == 1 and len(g2) == 1  # the paper's current miss, in B2
     for _ in range(max(0, len(t1) + len(t2) + len(misses) - c)):
       c1 = [x for x in order if x in t1]
       c2 = [x for x in order if x in t2 and x not in wset]
-      if c1 and (len(t1) > p or not c2):
+      if c1 and (len(t1) > p or (one_b2 and len(t1) == p) or not c2):
         t1.remove(c1[0])
         b1.append(c1[0])
         order.remove(c1[0])
@@ -565,6 +566,64 @@ def test_2q_with_one_request_a_step_is_the_papers(capacity):
                                                         kout), err_msg=f"stream {s}")
 
 
+def arc_textbook(requests, c):
+  """ARC as FAST'03's Figure 4 lists it, one request at a time (lists LRU first)."""
+  t1, t2, b1, b2, p, out = [], [], [], [], 0.0, []
+
+  def replace(x):
+    if t1 and (len(t1) > p or (x in b2 and len(t1) == p)):
+      b1.append(t1.pop(0))
+    else:
+      b2.append(t2.pop(0))
+
+  for x in requests:
+    if x in t1 or x in t2:  # case I
+      (t1 if x in t1 else t2).remove(x)
+      t2.append(x)
+      out.append(0)
+      continue
+    out.append(1)
+    if x in b1:  # case II
+      p = min(c, p + max(len(b2) / len(b1), 1.0))
+      replace(x)
+      b1.remove(x)
+      t2.append(x)
+    elif x in b2:  # case III
+      p = max(0.0, p - max(len(b1) / len(b2), 1.0))
+      replace(x)
+      b2.remove(x)
+      t2.append(x)
+    else:  # case IV
+      if len(t1) + len(b1) == c:
+        if len(t1) < c:
+          b1.pop(0)
+          replace(x)
+        else:
+          t1.pop(0)
+      elif len(t1) + len(b1) + len(t2) + len(b2) >= c:
+        if len(t1) + len(b1) + len(t2) + len(b2) == 2 * c:
+          b2.pop(0)
+        replace(x)
+      t1.append(x)
+  return out
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 8])
+def test_arc_with_one_request_a_step_is_the_papers(capacity):
+  """At k = 1 the replay is FAST'03's ARC exactly, its |T1| == p rule for a B2 miss
+  included (dropped before: capacity 3, ``0 0 1 2 3 1 2 0 1`` took 8 misses for
+  the paper's 7)."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  streams = rng.integers(0, 3 * capacity + 1, (8, 300))
+  streams = np.where(rng.random(streams.shape) < 0.5, streams % (capacity + 1), streams)
+  streams[0, :9] = [0, 0, 1, 2, 3, 1, 2, 0, 1]
+  got = replay(streams[:, :, None].astype(np.int32), capacity, "arc")
+  for s, stream in enumerate(streams):
+    np.testing.assert_array_equal(got[s], arc_textbook(stream.tolist(), capacity),
+                                  err_msg=f"seed {seed}, stream {s}")
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("capacity", [12, 18, 24])
 def test_rank_matches_oracle(seed, capacity):
@@ -676,6 +735,11 @@ def test_synthetic_trace_is_a_valid_trace():
   assert (np.diff(scores, axis=-1) <= 0).all()  # best first
   np.testing.assert_array_equal(synthetic_trace(3, streams=2, steps=20, k=32,
                                                 context=1024, facts=64)[0], sel)
+  # A window wider than 128 (k = 512: up to 192) once reached into the pool of
+  # facts and noise: rows repeated positions.
+  wide, _ = synthetic_trace(0, streams=2, steps=8, k=512, context=8192, facts=1024)
+  srt = np.sort(wide, axis=-1)
+  assert (srt[..., 1:] > srt[..., :-1]).all()
 
 
 def test_compare_policies_pools_traces_and_measures_the_gap():
@@ -699,6 +763,13 @@ def test_compare_policies_pools_traces_and_measures_the_gap():
     lru, opt = got["lru"]["miss_rate"], got["belady"]["miss_rate"]
     assert got["fifo"]["gap_closed"] == pytest.approx(
         (lru - got["fifo"]["miss_rate"]) / (lru - opt))
+  # A learned key with bounded history: its parameters reach it, not the gap's
+  # ends (they were passed to LRU and Belady too, which refuse ``history``).
+  key = linear_key(5)
+  ranks = make_ranks(a, 5)
+  (row,) = compare_policies([(a, None, ranks)], [18], [LEARNED], key_fn=key, history=4)
+  want = replay(a, 18, LEARNED, ranks=ranks, key_fn=key, history=4).sum()
+  assert row["miss_rate"] == pytest.approx(want / (a >= 0).sum())
 
 
 # ---------------------------------------------------------- learned key --

@@ -513,8 +513,12 @@ class _Arc(_Policy):
     cand1, cand2 = filled & ~t2 & ~st.pinned, filled & t2 & ~st.pinned
     need = np.maximum(st.num_miss - st.empty.sum(axis=1), 0)
     j = np.arange(st.cur.shape[1])
-    # REPLACE takes T1's LRU while |T1| > p (T1 shrinks as it gives), else T2's.
-    take1 = ((cand1.sum(1)[:, None] - j) > self.p[:, None]) & (j < need[:, None])
+    # REPLACE takes T1's LRU while |T1| > p (T1 shrinks as it gives), else T2's;
+    # a step whose one miss is a B2 ghost also takes T1's at |T1| == p (FAST'03).
+    left1 = cand1.sum(1)[:, None] - j
+    one_b2 = ((st.num_miss == 1) & (n2 == 1))[:, None]
+    take1 = ((left1 > self.p[:, None]) | (one_b2 & (left1 > 0) & (left1 == self.p[:, None]))
+             ) & (j < need[:, None])
     rec = self.rec[:, :-1]
     return _lex_pick(st, ~_split(need, take1.sum(axis=1), cand1, rec, cand2, rec))
 
@@ -768,8 +772,9 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     ``+max(|B2|/|B1|, 1)`` per B1-ghost miss and ``-max(|B1|/|B2|, 1)`` per B2 one
     (start-of-step sizes, summed, clipped to [0, B]); each eviction takes T1's LRU
     (to B1) while |T1| > p (unrequested T1; it falls as it gives), else T2's LRU
-    unrequested (to B2), else T1's (the |T1| == p rule for B2 misses is dropped: a
-    step has no single current miss). Ghost misses enter T2, new ones T1; then B1
+    unrequested (to B2), else T1's; at |T1| == p too when the step's one miss is a
+    B2 ghost (the paper's rule for its current miss; a step of several misses has
+    none, so there the rule is dropped). Ghost misses enter T2, new ones T1; then B1
     keeps its newest B - |T1| ghosts and B2 its newest 2B - |T1| - |T2| - |B1|.
   * ``"lru2"`` (LRU-K, K=2): evict the entry whose second most recent request step
     is oldest; entries requested once since their fetch rank below all others.
@@ -950,6 +955,8 @@ def compare_policies(traces, capacities, policies=POLICIES, **kw) -> list[dict]:
         size = round(cap * np.shape(sel)[-1]) if isinstance(cap, float) else cap
         args = dict(kw, scores=score) if policy == "score" else (
             dict(kw, ranks=ranks) if policy in (*RANKED_POLICIES, LEARNED) else kw)
+        if policy in ("lru", "belady") and policy not in policies:
+          args = {}  # the gap's ends take no policy parameters (e.g. history)
         misses += int(replay(sel, size, policy, **args).sum())
       rates[policy], secs[policy] = misses / max(valid, 1), time.perf_counter() - start
     gap = rates["lru"] - rates["belady"]
@@ -979,7 +986,8 @@ def synthetic_trace(seed=0, streams=30, steps=512, k=256, context=8192, *,
   out = np.empty((streams, steps, k))
   first = context - steps
   newest = first + np.arange(steps)  # the reserved slot serves it: not selected
-  pool = np.arange(sinks, first - 128)  # facts and noise (the window lies above)
+  # Facts and noise, below the widest window (the window lies above).
+  pool = np.arange(sinks, first - max(128, 3 * k // 8))
   for s in range(streams):
     width = int(rng.integers(max(k // 16, 1), max(3 * k // 8, 2)))
     noise = int(rng.uniform(0.02, 0.15) * k)
