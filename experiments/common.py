@@ -30,12 +30,13 @@ def git_sha() -> str:
 
 def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -> pathlib.Path:
   """Create the run folder and write config.json. Runs started in the same second
-  get ``-1``, ``-2``... (one folder each: never rows appended to another run's)."""
+  get ``-001``, ``-002``... (one folder each: never rows appended to another run's;
+  names still sort in start order)."""
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   root = pathlib.Path(out_root or RESULTS) / experiment
   root.mkdir(parents=True, exist_ok=True)
   for n in range(1000):
-    out = root / (stamp if n == 0 else f"{stamp}-{n}")
+    out = root / (stamp if n == 0 else f"{stamp}-{n:03d}")
     try:
       out.mkdir()
       break

@@ -58,9 +58,16 @@ SECTIONS = [
 ]
 
 
+def is_smoke(run: pathlib.Path) -> bool:
+  return bool(json.loads((run / "config.json").read_text())["flags"].get("smoke"))
+
+
 def latest_run(root: pathlib.Path, experiment: str) -> pathlib.Path | None:
+  """The newest full run of ``experiment``; the newest ``--smoke`` one only when no
+  full run exists (its section says so)."""
   runs = sorted(p.parent for p in (root / experiment).glob("*/table.md"))
-  return runs[-1] if runs else None
+  full = [r for r in runs if not is_smoke(r)]
+  return (full or runs or [None])[-1]
 
 
 def main(argv):
@@ -76,7 +83,8 @@ def main(argv):
       lines += [f"(no run yet: `{command}`)", ""]
       continue
     config = json.loads((run / "config.json").read_text())
-    lines += [f"Run `{run.relative_to(root)}`: `{command}`, {config.get('device_kind')}, "
+    smoke = " (a `--smoke` run: no full run yet)" if is_smoke(run) else ""
+    lines += [f"Run `{run.relative_to(root)}`{smoke}: `{command}`, {config.get('device_kind')}, "
               f"jax {config.get('jax')}, git {config.get('git_sha')}.", ""]
     lines += [(run / "table.md").read_text().rstrip(), ""]
     if (run / "plot.png").exists():

@@ -83,9 +83,18 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   want = cache_sim.replay(sel, 32, "rank", ranks=common.trace_streams(ranks))
   assert want.sum() != cache_sim.replay(sel, 32, "rank").sum()  # the ranking matters
   assert by[("rank", 32)]["cold"] == pytest.approx(want.sum() / (sel >= 0).sum())
+  # A newer --smoke run does not replace the full one; a section with only a smoke
+  # run shows it, labelled (smoke runs replaced full ones in REPORT.md).
+  for experiment in ("miss_rate", "bench_decode"):
+    fake = tmp_path / experiment / "29991231-235959"
+    fake.mkdir(parents=True)
+    (fake / "config.json").write_text(json.dumps(dict(flags=dict(smoke=True))))
+    (fake / "table.md").write_text(f"| smoke {experiment} |\n")
   run("experiments.report", f"--results={tmp_path}")
   report = (tmp_path / "REPORT.md").read_text()
   assert "Table 2" in report and "| toy |" in report
+  assert "| smoke miss_rate |" not in report and "| smoke bench_decode |" in report
+  assert report.count("a `--smoke` run") == 1
 
 
 def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch):
@@ -101,10 +110,12 @@ def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch)
       return cls(2026, 12, 3, 21, 0, 0)
 
   monkeypatch.setattr(common.datetime, "datetime", Frozen)
-  runs = [common.start_run("twice", dict(run=i), str(tmp_path)) for i in range(3)]
-  assert [r.name for r in runs] == ["20261203-210000", "20261203-210000-1",
-                                    "20261203-210000-2"]
-  assert [json.loads((r / "config.json").read_text())["flags"]["run"] for r in runs] == [0, 1, 2]
+  runs = [common.start_run("twice", dict(run=i), str(tmp_path)) for i in range(12)]
+  assert [r.name for r in runs[:3]] == ["20261203-210000", "20261203-210000-001",
+                                        "20261203-210000-002"]
+  assert sorted(runs) == runs  # in start order: "-010" after "-009"
+  assert [json.loads((r / "config.json").read_text())["flags"]["run"]
+          for r in runs] == list(range(12))
 
 
 def test_gpu_check_smoke_runs_clean(tmp_path):
