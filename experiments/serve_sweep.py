@@ -106,7 +106,7 @@ TABLE_COLUMNS = ["context", "concurrency", "cache", "prefill_policy", "slots", "
                  "decode_throughput", "decode_vs_sparse", "mean_decode_batch",
                  "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "itl_p99_ms",
                  "goodput", "duration_s", "peak_device_mib", "peak_host_mib",
-                 "preemptions", "same_tokens"]
+                 "preemptions", "same_tokens", "finished", "cut"]
 
 
 def load_model():

@@ -282,6 +282,23 @@ def test_decode_throughput_counts_new_tokens_not_replays():
   assert sum(s["decode_batch"] for s in served.steps) > outputs - first_tokens
 
 
+def test_a_run_cut_short_counts_the_tokens_its_running_requests_made():
+  """A deadline cut leaves requests running: their tokens were generated in the
+  window (the throughput counted finished requests' only, so it moved with where
+  the cut fell); failed ones stay out. A cut point is not compared with sparse."""
+  reqs = [hand_request("a", 10, 0.0, [1.0, 2.0]),
+          hand_request("b", 10, 0.0, [1.0, 2.0, 3.0], State.DECODING),
+          hand_request("c", 10, 0.0, [1.0], State.FAILED)]
+  row = bench.summarize(bench.Served(reqs, [], 0.0, 4.0))
+  assert row["finished"] == 1 and row["unfinished"] == 1 and row["output_tokens"] == 5
+  assert row["output_throughput"] == pytest.approx(5 / 4)
+  rows = [dict(context=1, concurrency=1, cache=c, prefill_policy="p", cut=cut,
+               output_throughput=2.0, decode_throughput=2.0)
+          for c, cut in (("sparse", False), ("tiered", True))]
+  bench.compare_with_sparse(rows, [{}, {}])
+  assert rows[0]["vs_sparse"] == 1.0 and rows[1]["vs_sparse"] is None
+
+
 def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
   rows = [dict(context=1024, concurrency=8, cache=cache, prefill_policy=policy,
                output_throughput=tput, decode_throughput=tput)

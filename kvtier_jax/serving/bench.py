@@ -101,9 +101,10 @@ def compare_with_sparse(rows: list[dict], outputs: list[dict]) -> None:
   for group in points.values():
     ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), group[0])
     for row, out in group:
+      cut = row.get("cut") or ref[0].get("cut")  # a point cut short: not comparable
       for key, ratio in (("output_throughput", "vs_sparse"),
                          ("decode_throughput", "decode_vs_sparse")):
-        row[ratio] = (row[key] / ref[0][key] if ref[0]["cache"] == "sparse"
+        row[ratio] = (row[key] / ref[0][key] if ref[0]["cache"] == "sparse" and not cut
                       and row.get(key) and ref[0].get(key) else None)
       if row is not ref[0] and ref[1]:
         same = sum(out.get(k) == v for k, v in ref[1].items())
@@ -251,7 +252,10 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
   duration = max(served.end - served.start, 1e-9)
   prompt_tokens = sum(len(r.prompt) for r in done)
   # Generated here: an accepted handoff's relayed tokens are the sender's output.
-  output_tokens = sum(len(r.output) - r.relayed for r in done)
+  # Requests still running (a run cut at a deadline) generated theirs in the
+  # window too; failed and aborted ones are left out.
+  running = [r for r in reqs if not r.state.done]
+  output_tokens = sum(len(r.output) - r.relayed for r in done + running)
   # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
   decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
 
@@ -259,7 +263,7 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
     return ((slo_ttft_s is None or (p["ttft_s"] is not None and p["ttft_s"] <= slo_ttft_s))
             and (slo_tpot_s is None or p["tpot_s"] is None or p["tpot_s"] <= slo_tpot_s))
 
-  row = dict(requests=len(reqs), finished=len(done),
+  row = dict(requests=len(reqs), finished=len(done), unfinished=len(running),
              failed=sum(r.state is State.FAILED for r in reqs),
              refused=len(served.refused),
              duration_s=duration, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
