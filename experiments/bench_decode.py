@@ -53,8 +53,16 @@ def build(cfg: TierConfig, variant: str, inputs: timing.StepInputs) -> dict:
     if variant == "tiered_pallas":
       cfg = cfg.replace(impl="pallas")
     got = timing.time_tiered(cfg, selector, inputs, FLAGS.warmup, 2)
-  return dict(run=got["run"], miss_rate=got["miss_rate"],
+  return dict(run=got["run"], stats=got.get("stats"),
               device_MiB=got["device_bytes"] / 2**20, host_MiB=got["host_bytes"] / 2**20)
+
+
+def miss_rate(before: dict | None, after: dict | None) -> float | None:
+  """Misses per lookup between two ``cache_stats`` (None: full KV)."""
+  if before is None:
+    return None
+  misses = after["misses"] - before["misses"]
+  return misses / max(1, misses + after["hits"] - before["hits"])
 
 
 def render(out, rows) -> str:
@@ -82,9 +90,13 @@ def main(argv):
                      top_k=FLAGS.top_k, dtype=jnp.dtype(FLAGS.dtype))
     inputs = timing.make_inputs(cfg, context)
     built = {variant: build(cfg, variant, inputs) for variant in FLAGS.variants}
+    stats = {v: b.pop("stats") for v, b in built.items()}
+    before = {v: fn and fn() for v, fn in stats.items()}
     medians, ratios = timing.interleaved_ms({v: b.pop("run") for v, b in built.items()},
                                             1, FLAGS.iters)
     for variant, info in built.items():
+      # Over the steps timed (and the one warm-up round before them).
+      info["miss_rate"] = miss_rate(before[variant], stats[variant] and stats[variant]())
       row = dict(context=context, variant=variant, median_ms=medians[variant],
                  vs_full_kv=ratios[variant] if FLAGS.variants[0] == "full_kv" else None,
                  **info)

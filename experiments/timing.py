@@ -131,7 +131,7 @@ def time_tiered(cfg: TierConfig, selector, inputs: StepInputs, warmup: int, iter
               host_bytes=by_kind.get(host, 0),
               device_bytes=sum(v for k, v in by_kind.items() if k != host),
               rows_fetched_per_step=(after["fetched_rows"] - before["fetched_rows"]) / iters,
-              run=run)
+              run=run, stats=lambda: kv_state.cache_stats(cfg, holder[0]))
 
 
 def _position_only(newest):
