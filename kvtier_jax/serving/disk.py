@@ -55,7 +55,9 @@ class DiskTier:
     self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() = lowest id
     self._stores: list[ts.TensorStore] | None = None
     self.pages_written = self.pages_read = 0
-    self.load_seconds = 0.0  # engine-measured: reading pages back into the host pool
+    # Engine-measured: reading pages back into the host pool, over the loads timed
+    # (not a page count's first, which compiles the model's write).
+    self.load_seconds = 0.0
     self.pages_loaded = 0
 
   def _try_lock(self) -> bool:
