@@ -248,7 +248,8 @@ def plot(out, rows) -> None:
   steps = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines()]
   for cache, policy in variants:
     tag = f"{cache}/{policy}{point}"
-    ttft = np.sort([r["ttft_s"] for r in reqs if r["tag"] == tag and r["ttft_s"] is not None])
+    ttft = np.sort([r["ttft_s"] for r in reqs if r["tag"] == tag  # the table's
+                    and r["state"] == "finished" and r["ttft_s"] is not None])
     if ttft.size:
       axes[1].step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post",
                    label=label(cache, policy))
