@@ -213,9 +213,25 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
 
 
 def scatter_rows(hot, dest, rows):
-  """hot[dest[i]] = rows[i]; lanes with an out-of-range request are dropped."""
+  """hot[dest[i]] = rows[i]; lanes with an out-of-range request are dropped.
+
+  The kept lanes name distinct slots, so the scatter promises XLA unique indices
+  (no atomics on a GPU); ``distinct_drops`` keeps that promise for the dropped
+  lanes too, which would otherwise share one out-of-range destination.
+  """
+  dest = distinct_drops(dest, hot.shape[1])
   return hot.at[dest[:, 0], dest[:, 1], dest[:, 2], dest[:, 3]].set(
       rows.astype(hot.dtype), mode="drop", unique_indices=True)
+
+
+def distinct_drops(dest, num_requests: int):
+  """``dest`` i32[N, 4] (layer, request, unit, slot) with each lane whose request
+  is outside [0, num_requests) moved to its own out-of-range request
+  (``num_requests + lane``): still dropped, no longer sharing a destination."""
+  lane = jnp.arange(dest.shape[0], dtype=dest.dtype)
+  req = dest[:, 1]
+  kept = (req >= 0) & (req < num_requests)
+  return dest.at[:, 1].set(jnp.where(kept, req, num_requests + lane))
 
 
 def append_rows(host_k, host_v, pages, offsets, rows_k, rows_v):

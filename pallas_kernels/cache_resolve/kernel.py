@@ -79,6 +79,9 @@ def _resolve_kernel(slot_pos_ref, lru_ref, sel_ref, newest_ref,
     hit = jax.lax.fori_loop(0, sel_pad // block_sel, mark_sel,
                             jnp.zeros((block_slots,), jnp.bool_))
     hit_tmp[row, pl.ds(t * block_slots, block_slots)] = hit.astype(jnp.int32)
+    # The next slot tile reads held_tmp back: its loads must see these stores,
+    # whichever threads of the program made them.
+    _barrier(interpret)
     return 0
 
   jax.lax.fori_loop(0, slots_pad // block_slots, mark_slots, 0)
