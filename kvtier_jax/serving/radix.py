@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 from typing import Callable, Sequence
 
 from kvtier_jax.serving.disk import DiskTier
@@ -62,12 +61,17 @@ class RadixCache:
     self.unit, self.page_size, self.disk = unit, page_size, disk
     self.root = Node((), [], None)
     self.root.lock = 1  # never evicted
-    self._clock = itertools.count(1)
+    self._next_stamp = 1  # LRU stamps: a plain int (the tree deep-copies)
     self.num_pages = 0  # host pages the tree holds a reference to
     self.num_disk_pages = 0  # disk pages of the nodes on disk
     # Bumped whenever a ``prefix_length`` answer may change (a node added or
     # removed): a scheduler may keep its answers until then.
     self.version = 0
+
+  def _stamp(self) -> int:
+    """A fresh LRU stamp, larger than every earlier one."""
+    stamp, self._next_stamp = self._next_stamp, self._next_stamp + 1
+    return stamp
 
   def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
     return tuple(tokens[at:at + self.unit])
@@ -87,7 +91,7 @@ class RadixCache:
     """(pages, node) of the longest cached prefix of ``tokens`` in whole units."""
     tokens = list(tokens[:len(tokens) // self.unit * self.unit])
     node, at, pages = self.root, 0, []
-    stamp = next(self._clock)
+    stamp = self._stamp()
     while at < len(tokens):
       child = node.children.get(self._first(tokens, at))
       if child is None:
@@ -168,7 +172,7 @@ class RadixCache:
     if depth == len(tokens):
       return adopted, node
     new = Node(tuple(tokens[depth:]), list(pages[self._pages_of(depth):]), node,
-               last_used=next(self._clock))
+               last_used=self._stamp())
     node.children[self._first(new.key, 0)] = new
     self.num_pages += len(new.pages)
     self.version += 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import time
@@ -177,7 +176,7 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
       prefill_timing=[engine._prefill_seconds, engine._prefill_timed_tokens],
       requests=requests, waiting=[r.id for r in engine.waiting],
       pool=dict(table=pool.table.tolist(), refs=pool.refs.tolist(), free=pool._free),
-      radix=nodes and dict(nodes=nodes, clock=next(engine.radix._clock)),
+      radix=nodes and dict(nodes=nodes, clock=engine.radix._next_stamp),
       disk=disk and dict(num_pages=disk.num_pages, ids=disk_ids, free=disk._free,
                          counters=[disk.pages_written, disk.pages_read, disk.load_seconds,
                                    disk.pages_loaded]))
@@ -196,7 +195,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
         parent.children[tuple(node.key[:radix.unit])] = node
       node.lock, node.last_used = spec["lock"], spec["last_used"]
       nodes.append(node)
-    radix._clock = itertools.count(books["radix"]["clock"])
+    radix._next_stamp = books["radix"]["clock"]
     radix.version += 1
     radix.num_pages = len(radix.held_pages())
     radix.num_disk_pages = len(radix.disk_pages())
