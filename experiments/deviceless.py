@@ -9,6 +9,7 @@ of the same version as jaxlib (``pip install -e .[audit]``); no GPU, no driver.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 import tempfile
@@ -49,7 +50,23 @@ def h200_node(num_devices: int = 8):
 def lower_for_cuda(fn, *args, **kwargs):
   """``jax.jit``-lower ``fn`` for CUDA (no compile). ``fn`` may already be jitted."""
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-  return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+  with h200_lowering():  # jax >= 0.11 keys the kernels' target on the trace
+    return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+def h200_lowering():
+  """A context in which Pallas Triton kernels lower for an H200 (sm_90) without a
+  GPU. jax <= 0.10 falls back to sm_90 by itself; jax >= 0.11 reads the target
+  off the abstract mesh's device ("please specify an abstract GPU device"), set
+  while tracing and lowering."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="gpu")
+  try:
+    mesh = jax.sharding.AbstractMesh((1,), ("h200",), (jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+  except TypeError:  # jax <= 0.10: no abstract device (and none needed)
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 # XLA:GPU debug options the audit compiles with, as a GPU run should set them

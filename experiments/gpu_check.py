@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import timing
-from kvtier_jax import fetch
 from kvtier_jax.resolve import resolve
 from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
@@ -416,10 +415,6 @@ def run_fused():
               ("tiered_overlap", dict(overlap_hit_miss=True)),
               ("tiered_overlap_fetch_stream_1",
                dict(overlap_hit_miss=True, impl=ImplConfig(fetch_stream=1)))]
-  if not fetch.STREAM_SUPPORTED:  # jax >= 0.11.1: the streamed gather is not ported
-    log("timing", variant="tiered_overlap_fetch_stream_1",
-        skipped=f"compute_on's context form is gone in jax {jax.__version__}")
-    variants = [v for v in variants if v[0] != "tiered_overlap_fetch_stream_1"]
   if FLAGS.smoke:  # every variant's config is built; the kernel paths timed once each
     for name, overrides in variants[1:]:
       bench_cfg(1024, 2, **overrides)

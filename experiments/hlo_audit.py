@@ -142,10 +142,17 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
   return out
 
 
-def _is_fetch_start(line: str) -> bool:
-  """An async miss fetch: a HostExecute gather, or a call on its own CUDA stream."""
-  return (('custom_call_target="HostExecute"' in line and "custom-call-start" in line)
-          or (" call-start(" in line and "_xla_stream_annotation" in line))
+def _is_fetch_start(line: str, comps: dict[str, str]) -> bool:
+  """An async miss fetch: a HostExecute gather, or a call on its own CUDA stream
+  that launches a kernel (XLA >= 0.11 also puts a streamed call's
+  get-tuple-elements on the stream, each in an async pair of its own that moves
+  no data: those do not count)."""
+  if 'custom_call_target="HostExecute"' in line and "custom-call-start" in line:
+    return True
+  if " call-start(" not in line or "_xla_stream_annotation" not in line:
+    return False
+  called = re.search(r"to_apply=(%[\w.\-]+)", line)
+  return bool(called) and "custom-call(" in comps.get(called.group(1), "")
 
 
 def ops_overlapping_host_fetch(hlo: str) -> int:
@@ -157,10 +164,11 @@ def ops_overlapping_host_fetch(hlo: str) -> int:
   done run while the fetch is in flight.
   """
   best = 0
+  comps = _computations(hlo)
   for comp in re.split(r"\n(?=\S)", hlo):  # one block per computation
     lines = comp.splitlines()
     starts = {m.group(1): i for i, l in enumerate(lines)
-              if _is_fetch_start(l) and (m := re.match(r"\s*(%\S+) =", l))}
+              if _is_fetch_start(l, comps) and (m := re.match(r"\s*(%\S+) =", l))}
     for name, i in starts.items():
       for j in range(i + 1, len(lines)):
         if "call-done(" in lines[j] and f"({name})" in lines[j]:
@@ -221,7 +229,7 @@ def launches(comps: dict[str, str], name: str) -> int:
       called = re.findall(r"(?:to_apply|branch_computations=\{|true_computation|"
                           r"false_computation)=?(%[\w.\-]+)", line)
       total += max((launches(comps, c) for c in called), default=0)
-    elif op not in _NO_LAUNCH:
+    elif op not in _NO_LAUNCH and not op.endswith("-done"):  # a done only waits
       total += 1
   return total
 
@@ -276,7 +284,8 @@ def layer_loop_graph_launches(thunks: str) -> tuple[int, int]:
   """(launches, kernels captured) of one trip of the first top-level loop of a thunk
   sequence (``deviceless.thunk_sequence``): every thunk at the top level of the
   loop's condition and body is one launch, a command buffer (CUDA graph) included,
-  whose own kernels count as captured instead. Outside a loop: the whole
+  whose own kernels count as captured instead; an async done (XLA >= 0.11 runs
+  dynamic slices on other streams) only waits. Outside a loop: the whole
   sequence."""
   lines = thunks.splitlines()
   start = next((i for i, l in enumerate(lines) if re.match(r"^\d+: kWhile", l)), None)
@@ -295,7 +304,7 @@ def layer_loop_graph_launches(thunks: str) -> tuple[int, int]:
       continue
     indent, kind = len(m.group(1)), m.group(2)
     if indent == depth:
-      launches += 1
+      launches += kind != "kAsyncDone"  # a done waits on its start's stream
       in_graph = kind == "kCommandBuffer"
     elif in_graph and indent > depth and kind != "kCommandBuffer":
       captured += 1
@@ -430,12 +439,18 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 
 def collectives(hlo: str) -> list[str]:
-  """``op shape`` of every collective in the HLO (async pairs counted once)."""
+  """``op shape`` of every collective in the HLO (async pairs counted once, by
+  their start, whose result is a tuple (operands, result): XLA >= 0.11)."""
   found = []
+  names = "|".join(COLLECTIVES)
   for line in hlo.splitlines():
-    m = re.search(r"= (\S+) (" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
-    if m:
-      found.append(f"{m.group(2)} {re.sub(r'{[^}]*}', '', m.group(1))}")  # no layout
+    m = re.search(r"= (.+?) (" + names + r")(-start)?\(", line)
+    if not m:
+      continue
+    shape = re.sub(r"{[^}]*}", "", m.group(1))  # no layout
+    if m.group(3) and shape.startswith("("):  # ((operands), result)
+      shape = shape[shape.rindex("),") + 2:-1].strip()
+    found.append(f"{m.group(2)} {shape}")
   return found
 
 

@@ -22,16 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 from jax.experimental.xla_metadata import set_xla_metadata
-try:  # jax <= 0.10: the function transform is compute_on2
+try:  # jax <= 0.10: the function transform is compute_on2 (compute_on: a context)
   from jax.experimental.compute_on import compute_on2 as host_compute
 except ImportError:  # jax >= 0.11: compute_on itself takes (f, compute_type, out_memory_spaces)
   from jax.experimental.compute_on import compute_on as host_compute
-
-# The miss gather on its own CUDA stream (``ImplConfig.fetch_stream``) uses
-# compute_on's context form, which jax 0.11.1 removed. Its function form compiles
-# (deviceless, H200) but the scheduler hint is lost and nothing runs between the
-# call's start and done: no overlap. Not ported until a device shows one that does.
-STREAM_SUPPORTED = host_compute is not compute_on
+STREAM_CONTEXT_FORM = host_compute is not compute_on
 
 from kvtier_jax.config import TierConfig
 from kvtier_jax.state import is_host_array
@@ -186,30 +181,44 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
   """Zero-copy gather of one layer's missed rows into a staging buffer (Pallas).
 
   With ``cfg.impl.fetch_stream`` = N (compiled, not interpreted) the kernel runs on
-  CUDA stream N: XLA makes the streamed call an async ``call-start`` /
-  ``call-done`` pair, and the ``force_delay`` scheduler hint puts the start
-  before the independent work that follows (without it XLA's scheduler leaves
-  the computation unscheduled and the pair back to back). The ``pinned_host``
-  operands pass into the call without a copy (experiments/hlo_audit.py checks).
+  CUDA stream N (``on_stream``): XLA makes the streamed call an async
+  ``call-start`` / ``call-done`` pair and schedules the independent work that
+  follows (the hit attention) between them. The ``pinned_host`` operands pass
+  into the call without a copy (experiments/hlo_audit.py checks both).
   """
   from pallas_kernels.fetch import BlockSizes, gather_rows_call
   blocks = BlockSizes()
   plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, blocks.block_rows)
   interpret = cfg.use_interpret
   gather = functools.partial(gather_rows_call, block_sizes=blocks, interpret=interpret)
-  if cfg.impl.fetch_stream is None or interpret:
-    rows_k, rows_v = gather(plan.src, plan.count, host_k, host_v)
-  else:
-    if not STREAM_SUPPORTED:
-      raise NotImplementedError(
-          f"impl.fetch_stream needs jax.experimental.compute_on's context form, which "
-          f"jax {jax.__version__} no longer has (see kvtier_jax/fetch.py)")
-    # The kernel must sit directly in the streamed jit: a nested jit (the public
-    # gather_rows) loses the stream ("No ExecutionStreamId found").
-    streamed = compute_on(f"gpu_stream:{cfg.impl.fetch_stream}")(jax.jit(gather))
+  if cfg.impl.fetch_stream is not None and not interpret:
+    gather = on_stream(gather, cfg.impl.fetch_stream)
+  rows = gather(plan.src, plan.count, host_k, host_v)  # [2, N, Hg, D]: K, V
+  return MissRows(plan.dest, rows[0], rows[1], plan.count, plan.lane)
+
+
+def on_stream(fn, stream: int):
+  """``fn`` (returning one device array) as one async call on CUDA stream ``stream``.
+
+  jax <= 0.10 (compute_on's context form around a jit): XLA's scheduler skips
+  the streamed computation unless the call carries the ``force_delay`` hint, and
+  the start and done then sit back to back. jax >= 0.11 (the function form, which
+  puts its own attributes on the call): the scheduler places it by itself. The
+  result must be one array: XLA >= 0.11 wraps each get-tuple-element of a
+  streamed tuple in an async pair of its own, and overlaps those instead.
+  """
+  stream_type = f"gpu_stream:{stream}"
+  if not STREAM_CONTEXT_FORM:
+    return compute_on(fn, compute_type=stream_type, out_memory_spaces=Device)
+  # The kernel must sit directly in the streamed jit: a nested jit (the public
+  # gather_rows) loses the stream ("No ExecutionStreamId found").
+  streamed = compute_on(stream_type)(jax.jit(fn))
+
+  def hinted(*args):
     with set_xla_metadata(scheduler_hint="force_delay"):
-      rows_k, rows_v = streamed(plan.src, plan.count, host_k, host_v)
-  return MissRows(plan.dest, rows_k, rows_v, plan.count, plan.lane)
+      return streamed(*args)
+
+  return hinted
 
 
 def scatter_rows(hot, dest, rows):

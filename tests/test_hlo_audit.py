@@ -90,6 +90,8 @@ TOY_HLO = """HloModule toy, is_scheduled=true
   %b = (f32[4]{0}, s32[4]{0}) fusion(%a), kind=kInput, calls=%b_f
   %s = ((f32[4]{0}), f32[4]{0}, u32[]) custom-call-start(%a), custom_call_target="__gpu$xla.gpu.triton"
   %d = f32[4]{0} custom-call-done(%s)
+  %fs = ((f32[4]{0}), f32[2]{0}, u32[]) fusion-start(%a), kind=kLoop, calls=%ds_f
+  %fd = f32[2]{0} fusion-done(%fs)
   %w = (s32[]) while(%t0), condition=%inner_cond, body=%inner_body
   %c = f32[4]{0} copy(%d)
   ROOT %r = (s32[], f32[4]{0}) tuple(%i, %c)
@@ -105,13 +107,14 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 
 def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
-  # body: fusion, tuple-typed fusion, custom-call-start, copy (4) + the nested loop's
-  # body and condition once (2) + the layer loop's condition (1).
-  assert hlo_audit.layer_loop_launches(TOY_HLO, 3) == 7
-  # A loop over groups of 2 layers (index sharing): 7 launches cover 2 layers.
-  assert hlo_audit.layer_loop_launches(TOY_HLO, 6) == 3.5
+  # body: fusion, tuple-typed fusion, custom-call-start, an async fusion's start
+  # (XLA >= 0.11 runs dynamic slices so; its done only waits), copy (5) + the nested
+  # loop's body and condition once (2) + the layer loop's condition (1).
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 3) == 8
+  # A loop over groups of 2 layers (index sharing): 8 launches cover 2 layers.
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 6) == 4
   # No loop over the layers (unrolled): the entry's own launches, per layer.
-  assert hlo_audit.layer_loop_launches(TOY_HLO, 5) == 7 / 5
+  assert hlo_audit.layer_loop_launches(TOY_HLO, 5) == 8 / 5
   name, cfg = hlo_audit.audit_configs(smoke=True)[0]
   tiered = hlo_audit.audit_config(cfg, name).launches_per_layer
   full = hlo_audit.audit_full_kv(cfg)
@@ -128,6 +131,46 @@ def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
   assert fused["freq"] <= fused["lru"] + 2 and fused["rank"] <= fused["lru"] + 2, fused
 
 
+TOY_STREAM_HLO = """HloModule toy, is_scheduled=true
+
+%gather (a: s32[8,4], h: bf16[4,8]) -> bf16[2,8,8] {
+  %a = s32[8,4]{1,0} parameter(0)
+  %h = bf16[4,8]{1,0} parameter(1)
+  ROOT %k = bf16[2,8,8]{2,1,0} custom-call(%a, %h), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%element (p: (bf16[8,8], bf16[8,8])) -> bf16[8,8] {
+  %p = (bf16[8,8]{1,0}, bf16[8,8]{1,0}) parameter(0)
+  ROOT %g = bf16[8,8]{1,0} get-tuple-element(%p), index=0
+}
+
+ENTRY %main (a: s32[8,4], h: bf16[4,8], t: (bf16[8,8], bf16[8,8])) -> f32[8] {
+  %a = s32[8,4]{1,0} parameter(0)
+  %h = bf16[4,8]{1,0} parameter(1)
+  %t = (bf16[8,8]{1,0}, bf16[8,8]{1,0}) parameter(2)
+  %call-start = ((s32[8,4]{1,0}, bf16[4,8]{1,0}), bf16[2,8,8]{2,1,0}) call-start(%a, %h), to_apply=%gather, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+  %f1 = f32[8]{0} fusion(%a), kind=kLoop, calls=%f1_c
+  %call-done = bf16[2,8,8]{2,1,0} call-done(%call-start)
+  %call-start.1 = (((bf16[8,8]{1,0}, bf16[8,8]{1,0})), bf16[8,8]{1,0}) call-start(%t), to_apply=%element, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+  %f2 = f32[8]{0} fusion(%f1), kind=kLoop, calls=%f2_c
+  %f3 = f32[8]{0} fusion(%f2), kind=kLoop, calls=%f3_c
+  %call-done.1 = bf16[8,8]{1,0} call-done(%call-start.1)
+  ROOT %out = f32[8]{0} fusion(%f3, %call-done, %call-done.1), kind=kLoop, calls=%o_c
+}
+"""
+
+
+def test_overlap_counts_the_streamed_kernel_not_a_streamed_tuple_element():
+  """Ops between a streamed call's start and done count only where the call
+  launches a kernel: XLA >= 0.11 puts each get-tuple-element of a streamed tuple
+  in an async pair of its own on the stream (the gather's pair stood back to back
+  while two fusions sat inside such a pair, jax 0.11.2)."""
+  assert hlo_audit.ops_overlapping_host_fetch(TOY_STREAM_HLO) == 1
+  no_kernel = TOY_STREAM_HLO.replace('custom-call(%a, %h), custom_call_target='
+                                     '"__gpu$xla.gpu.triton"', "bitcast(%a)")
+  assert hlo_audit.ops_overlapping_host_fetch(no_kernel) == 0
+
+
 TOY_THUNKS = """\
 000: kCommandBuffer [source | next=003 (1)]
     001: kCopy         [source | sink] kCopy
@@ -139,6 +182,9 @@ condition:
     005: kDynamicSliceFusion [source | next=007 (1)] params=1, results=1
         006: kCopy [source | sink] kCopy
     007: kCustomKernel       [prev=005 (1) | next=000 (1)] fused_resolve_classify
+    011: kAsyncStart         [source | next=013 (1)] stream=computation_stream[1], async_id=11
+        013: kDynamicSliceFusion [source | sink] params=1, results=1
+    014: kAsyncDone          [source | sink] async_id=11
     000: kCommandBuffer      [prev=007 (1) | sink]
         008: kCustomKernel [source | next=009 (1)] fused_resolve_commit
         009: kCustomKernel [prev=008 (1) | next=010 (1)] sparse_decode_attention
@@ -148,8 +194,9 @@ condition:
 
 
 def test_graph_launches_count_a_command_buffer_once():
-  # condition 1 + body: dynamic-slice fusion, classify, one command buffer (3).
-  assert hlo_audit.layer_loop_graph_launches(TOY_THUNKS) == (4, 3)
+  # condition 1 + body: dynamic-slice fusion, classify, an async start (its done
+  # only waits), one command buffer (4).
+  assert hlo_audit.layer_loop_graph_launches(TOY_THUNKS) == (5, 3)
   # No loop: the top level (a command buffer of 2, one kernel).
   flat = TOY_THUNKS.split("003:")[0] + "003: kCustomKernel [source | sink] x\n"
   assert hlo_audit.layer_loop_graph_launches(flat) == (2, 2)
@@ -189,3 +236,16 @@ def test_sharded_step_compiles_for_8_h200s_with_one_collective_per_layer(data, m
   copies, in_loop, total, _ = hlo_audit.audit_sharded(cfg, data, model)
   assert copies == 0
   assert in_loop == ["all-reduce s32[3]"] and total == 1, (in_loop, total)
+
+
+def test_collectives_are_read_synchronous_or_async():
+  """jaxlib 0.10.2 emits the agreement as ``all-reduce``; 0.11.2 as an async
+  ``all-reduce-start`` whose result is a tuple (operands, result): both count
+  once, with the result's shape."""
+  hlo = ("  %a = s32[3]{0} all-reduce(%x), channel_id=1, to_apply=%or\n"
+         "  %s = ((s32[3]{0}), s32[3]{0}) all-reduce-start(%y), channel_id=2\n"
+         "  %d = s32[3]{0} all-reduce-done(%s)\n"
+         "  %f = (s32[2]{0}, pred[2]{0}) fusion(%d, %all-reduce-done), kind=kLoop\n"
+         "  %g = f32[2,4]{1,0} all-gather(%z), dimensions={0}\n")
+  assert hlo_audit.collectives(hlo) == ["all-reduce s32[3]", "all-reduce s32[3]",
+                                        "all-gather f32[2,4]"]

@@ -74,11 +74,11 @@ def fetch_rows(src, dest, count, host_k, host_v, hot_k, hot_v, *,
     hot_v)
 
 
-def _gather_kernel(src_ref, count_ref, host_k_ref, host_v_ref, rows_k_ref, rows_v_ref,
+def _gather_kernel(src_ref, count_ref, host_k_ref, host_v_ref, rows_ref,
                    *, block_rows, heads, head_dim):
   # src_ref: i32[N, 4]; count_ref: i32[1]
   # host_*_ref: [L, NH+1, Pg, U, Hg, D] (host memory on GPU)
-  # rows_*_ref: [N, Hg, D] staging rows; lanes >= count are left unwritten
+  # rows_ref: [2, N, Hg, D] staging rows, K then V; lanes >= count are left unwritten
   first = pl.program_id(0) * block_rows
   count = count_ref[0]
 
@@ -91,8 +91,8 @@ def _gather_kernel(src_ref, count_ref, host_k_ref, host_v_ref, rows_k_ref, rows_
     out = jnp.where(lane < count, lane, read)[:, None]  # past count: repeat the last
     d = jnp.arange(head_dim)[None, :]  # [1, D]
     for h in range(heads):
-      rows_k_ref[out, h, d] = host_k_ref[sl, sr, sp, su, h, d]
-      rows_v_ref[out, h, d] = host_v_ref[sl, sr, sp, su, h, d]
+      rows_ref[0, out, h, d] = host_k_ref[sl, sr, sp, su, h, d]
+      rows_ref[1, out, h, d] = host_v_ref[sl, sr, sp, su, h, d]
 
 
 def gather_rows_call(src, count, host_k, host_v, *, block_sizes: BlockSizes = BlockSizes(),
@@ -108,13 +108,16 @@ def gather_rows_call(src, count, host_k, host_v, *, block_sizes: BlockSizes = Bl
   whole = pl.no_block_spec
   kernel = functools.partial(_gather_kernel, block_rows=bs.block_rows, heads=heads,
                              head_dim=head_dim)
-  rows = jax.ShapeDtypeStruct((src.shape[0], heads, head_dim), host_k.dtype)
+  # One output, not a (K, V) pair: a call on its own CUDA stream that returns a
+  # tuple gets each element's get-tuple-element wrapped in an async pair of its
+  # own (XLA >= 0.11), and the scheduler then overlaps those, not the gather.
+  rows = jax.ShapeDtypeStruct((2, src.shape[0], heads, head_dim), host_k.dtype)
   return pl.pallas_call(
       kernel,
       grid=(src.shape[0] // bs.block_rows,),
       in_specs=[whole] * 4,
-      out_specs=[whole, whole],
-      out_shape=[rows, rows],
+      out_specs=whole,
+      out_shape=rows,
       compiler_params=common.triton_params(bs.num_warps, 1),
       interpret=interpret,
       name="gather_rows",
@@ -125,6 +128,6 @@ def gather_rows_call(src, count, host_k, host_v, *, block_sizes: BlockSizes = Bl
 def gather_rows(src, count, host_k, host_v, *, block_sizes: BlockSizes = BlockSizes(),
                 interpret: bool = False):
   """Same contract as ``gather_rows_reference`` on lanes < count (the others are
-  left unwritten: never read them)."""
+  left unwritten: never read them): rows [2, N, Hg, D], K then V."""
   return gather_rows_call(src, count, host_k, host_v, block_sizes=block_sizes,
                           interpret=interpret)

@@ -39,10 +39,10 @@ def gather_rows_reference(src, count, host_k, host_v):
     host_k, host_v: [L, NH+1, Pg, U, Hg, D].
 
   Returns:
-    (rows_k, rows_v) [N, Hg, D]; lanes >= count are zero (the kernel leaves them
+    rows [2, N, Hg, D]: K then V; lanes >= count are zero (the kernel leaves them
     unwritten).
   """
   keep = (jnp.arange(src.shape[0]) < count)[:, None, None]
   s = jnp.where(keep[:, :, 0], src, 0)
   take = lambda host: jnp.where(keep, host[s[:, 0], s[:, 1], s[:, 2], s[:, 3]], 0)
-  return take(host_k), take(host_v)
+  return jnp.stack([take(host_k), take(host_v)])
