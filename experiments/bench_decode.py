@@ -33,7 +33,11 @@ flags.DEFINE_integer("head_dim", 128, "D.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "KV and query dtype "
                   "(float32 on this CPU: XLA:CPU has no fast bf16 dots).")
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn (paper's LRU miss rate).")
-flags.DEFINE_integer("warmup", 3, "Untimed steps.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps (compile).")
+flags.DEFINE_integer("settle", 64, "Untimed rounds of every variant before the timed "
+                     "ones: the hot cache's miss rate climbs from the warm start to "
+                     "the selection churn over the first ~40 steps (timing inside "
+                     "that climb flatters the tiered step).")
 flags.DEFINE_integer("iters", 20, "Timed rounds (median); the variants alternate "
                      "step by step.")
 flags.DEFINE_list("variants", ["full_kv", "tiered"], "full_kv, tiered, tiered_pallas.")
@@ -79,23 +83,27 @@ def main(argv):
   del argv
   if FLAGS.smoke:
     FLAGS.contexts, FLAGS.hot_slots, FLAGS.top_k = ["1024"], 128, 64
-    FLAGS.head_dim, FLAGS.iters, FLAGS.warmup = 64, 3, 1
+    FLAGS.head_dim, FLAGS.iters, FLAGS.warmup, FLAGS.settle = 64, 3, 1, 2
   out = common.start_run("bench_decode", FLAGS.flag_values_dict(), FLAGS.out_root)
   rows = []
   for context in map(int, FLAGS.contexts):
+    # Every step any variant takes: build's warm-up and two timed steps, the
+    # settling rounds, the timed rounds (and one spare).
+    steps = FLAGS.warmup + 2 + FLAGS.settle + FLAGS.iters + 1
     cfg = TierConfig(num_layers=FLAGS.layers, num_requests=FLAGS.requests,
-                     max_len=context + 4 * (FLAGS.warmup + FLAGS.iters),
+                     max_len=context + steps,
                      num_q_heads=FLAGS.q_heads, num_kv_heads=FLAGS.kv_heads,
                      head_dim=FLAGS.head_dim, hot_slots=FLAGS.hot_slots,
                      top_k=FLAGS.top_k, dtype=jnp.dtype(FLAGS.dtype))
     inputs = timing.make_inputs(cfg, context)
     built = {variant: build(cfg, variant, inputs) for variant in FLAGS.variants}
     stats = {v: b.pop("stats") for v, b in built.items()}
+    runs = {v: b.pop("run") for v, b in built.items()}
+    timing.run_rounds(runs, FLAGS.settle)  # past the miss rate's climb
     before = {v: fn and fn() for v, fn in stats.items()}
-    medians, ratios = timing.interleaved_ms({v: b.pop("run") for v, b in built.items()},
-                                            1, FLAGS.iters)
+    medians, ratios = timing.interleaved_ms(runs, 0, FLAGS.iters)
     for variant, info in built.items():
-      # Over the steps timed (and the one warm-up round before them).
+      # Over the steps timed.
       info["miss_rate"] = miss_rate(before[variant], stats[variant] and stats[variant]())
       row = dict(context=context, variant=variant, median_ms=medians[variant],
                  vs_full_kv=ratios[variant] if FLAGS.variants[0] == "full_kv" else None,

@@ -35,14 +35,19 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
   return 1e3 * statistics.median(times)
 
 
+def run_rounds(runs: dict[str, Callable[[], object]], rounds: int) -> None:
+  """``rounds`` untimed calls of every variant, alternating (each blocked on)."""
+  for _ in range(rounds):
+    for fn in runs.values():
+      jax.block_until_ready(fn())
+
+
 def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int, iters: int
                    ) -> tuple[dict[str, float], dict[str, float]]:
   """Median wall time of each variant, the variants alternating step by step (a
   drifting machine then moves them together), and the median of the per-round
   ratios to the first variant. Returns (medians ms, ratios)."""
-  for _ in range(warmup):
-    for fn in runs.values():
-      jax.block_until_ready(fn())
+  run_rounds(runs, warmup)
   times = {name: [] for name in runs}
   for _ in range(iters):
     for name, fn in runs.items():
