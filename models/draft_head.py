@@ -134,15 +134,19 @@ def metadata(path) -> dict:
   return json.loads((pathlib.Path(path) / "draft_head.json").read_text())["metadata"]
 
 
-def load(path, num_layers: int | None = None) -> DraftHead:
-  """The head ``save`` wrote, exactly. ``num_layers``: the layers of the model it
-  will read; a head whose metadata says it was trained on another cut of the model
-  (``model_layers``) is refused, as it reads other features."""
+def load(path, num_layers: int | None = None, embed_dim: int | None = None) -> DraftHead:
+  """The head ``save`` wrote, exactly. ``num_layers`` / ``embed_dim``: the layers
+  and width of the model it will read; a head whose metadata says it was trained
+  on another cut of the model (``model_layers``), or whose width differs, is
+  refused, as it reads other features."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   meta = json.loads((path / "draft_head.json").read_text())
   if meta.get("format") != _FORMAT:
     raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
+  if embed_dim is not None and meta["embed_dim"] != embed_dim:
+    raise ValueError(f"{path}: a head for features of width {meta['embed_dim']}, the "
+                     f"model here has {embed_dim}")
   trained_on = meta["metadata"].get("model_layers")
   if num_layers is not None and trained_on is not None and trained_on != num_layers:
     raise ValueError(f"{path}: trained on the model's first {trained_on} layers, "

@@ -61,6 +61,9 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
                                          jnp.asarray(fresh))), got)
   with pytest.raises(ValueError, match="first 2 layers"):  # another cut's features
     draft_head.load(path, num_layers=cfg.num_layers + 1)
+  with pytest.raises(ValueError, match="width"):  # another model's features
+    draft_head.load(path, num_layers=cfg.num_layers, embed_dim=cfg.embed_dim + 64)
+  draft_head.load(path, embed_dim=cfg.embed_dim)  # its own width: loads
   (path / "draft_head.json").write_text(json.dumps({"format": "other"}))
   with pytest.raises(ValueError, match="format"):
     draft_head.load(path)

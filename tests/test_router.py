@@ -14,11 +14,13 @@ CHUNK = 4
 
 
 def brute_match(sent: list[list[int]], prompt: list[int]) -> int:
-  """Longest whole-chunk prefix of ``prompt`` shared with any prompt in ``sent``."""
+  """Longest whole-chunk prefix of ``prompt`` shared with any prompt in ``sent``,
+  short of ``prompt``'s last token (always prefilled: the engine's cache serves
+  at most the whole chunks before it)."""
   best = 0
   for other in sent:
     n = 0
-    while (n + CHUNK <= min(len(other), len(prompt))
+    while (n + CHUNK <= min(len(other), len(prompt) - 1)
            and other[n:n + CHUNK] == prompt[n:n + CHUNK]):
       n += CHUNK
     best = max(best, n)
@@ -194,7 +196,19 @@ def test_baselines_and_bad_input():
     Router(2, CHUNK, "random")
   forgetful = Router(1, CHUNK, "prefix", max_chunks=2)
   forgetful.route(list(range(12)))  # three chunks: the last is forgotten
-  assert forgetful.match(0, list(range(12))) == 8
+  assert forgetful.match(0, list(range(13))) == 8
+
+
+def test_a_prompt_of_whole_chunks_matches_all_but_its_last():
+  """The engine prefills a prompt's last token whatever it has cached, so a prompt
+  of whole chunks can reuse all of them but the last (``Engine._shareable``): the
+  router counted that last chunk too, one chunk of over-estimate."""
+  router = Router(1, CHUNK, "prefix")
+  router.route(list(range(12)))  # three whole chunks, all cached by the replica
+  assert router.match(0, list(range(12))) == 8  # the same prompt again
+  assert router.match(0, list(range(13))) == 12  # a longer one: all three
+  assert router.match(0, list(range(9))) == 8 and router.match(0, list(range(8))) == 4
+  assert router.match(0, [0]) == 0 and router.match(0, []) == 0
 
 
 def test_the_router_forgets_a_prompts_last_chunks_first():
@@ -203,11 +217,12 @@ def test_the_router_forgets_a_prompts_last_chunks_first():
   of A while its unreachable later chunks kept their room (match 0 here)."""
   router = Router(1, CHUNK, "prefix", max_chunks=4)
   a, b = list(range(12)), list(range(100, 108))  # three chunks, then two others
+  longer = lambda p: p + [999]  # a later turn: every chunk of p is shareable
   router.route(a)
   router.route(b)
-  assert router.match(0, a) == 8 and router.match(0, b) == 8
+  assert router.match(0, longer(a)) == 8 and router.match(0, longer(b)) == 8
   router.route(a)  # A routed again: its chunks are the most recent, B's go
-  assert router.match(0, a) == 12 and router.match(0, b) == 4
+  assert router.match(0, longer(a)) == 12 and router.match(0, longer(b)) == 4
 
 
 def test_route_smoke_two_processes(tmp_path):

@@ -47,9 +47,12 @@ class Router:
     return keys
 
   def match(self, replica: int, prompt: Sequence[int]) -> int:
-    """Tokens of ``prompt``'s longest whole-chunk prefix routed to ``replica``."""
+    """Tokens of ``prompt``'s longest whole-chunk prefix routed to ``replica`` that
+    its cache can serve: a prompt's last token is always prefilled (its logits give
+    the first output), so a prompt of whole chunks can reuse all but its last."""
     chunks, matched = self._chunks[replica], 0
-    for key in self._keys(prompt):
+    shareable = (len(prompt) - 1) // self.chunk_size * self.chunk_size
+    for key in self._keys(prompt[:max(shareable, 0)]):
       if key not in chunks:
         break
       matched += self.chunk_size
