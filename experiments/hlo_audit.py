@@ -76,6 +76,7 @@ class Audit:
   host_executes: int
   async_host_writes: int
   overlapped_ops: int  # compute ops scheduled while a HostExecute fetch is in flight
+  overlapped_kernels: int  # of which custom-call kernels (the Pallas hit attention)
   launches_per_layer: float  # kernel launches per layer (one trip of the layer loop)
 
 
@@ -155,15 +156,14 @@ def _is_fetch_start(line: str, comps: dict[str, str]) -> bool:
   return bool(called) and "custom-call(" in comps.get(called.group(1), "")
 
 
-def ops_overlapping_host_fetch(hlo: str) -> int:
-  """Compute instructions scheduled between an async fetch's start and its done
+def _fetch_windows(hlo: str):
+  """The instruction lines scheduled between each async fetch's start and its done
   (a HostExecute gather, or the zero-copy gather on a second stream).
 
   The optimized HLO is scheduled (``is_scheduled=true``), so textual order within a
   computation is execution order on the stream: ops between the async start and
   done run while the fetch is in flight.
   """
-  best = 0
   comps = _computations(hlo)
   for comp in re.split(r"\n(?=\S)", hlo):  # one block per computation
     lines = comp.splitlines()
@@ -172,11 +172,21 @@ def ops_overlapping_host_fetch(hlo: str) -> int:
     for name, i in starts.items():
       for j in range(i + 1, len(lines)):
         if "call-done(" in lines[j] and f"({name})" in lines[j]:
-          between = lines[i + 1:j]
-          best = max(best, sum(1 for l in between
-                               if re.search(r" (fusion|dot|custom-call|convolution)\(", l)))
+          yield lines[i + 1:j]
           break
-  return best
+
+
+def ops_overlapping_host_fetch(hlo: str) -> int:
+  """Compute instructions (fusions, dots, custom calls) in the widest fetch window."""
+  return max((sum(1 for l in window
+                  if re.search(r" (fusion|dot|custom-call|convolution)\(", l))
+              for window in _fetch_windows(hlo)), default=0)
+
+
+def kernels_overlapping_host_fetch(hlo: str) -> int:
+  """Custom-call kernels (a Pallas attention) in the widest fetch window."""
+  return max((sum(1 for l in window if " custom-call(" in l)
+              for window in _fetch_windows(hlo)), default=0)
 
 
 # Instructions that launch nothing on an XLA:GPU stream (bookkeeping, the ends of
@@ -386,7 +396,7 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   aliased = aliased_parameters(hlo) & set(range(num_state))
   return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
                len(gathers), hlo.count("dynamic-update-slice-start"),
-               ops_overlapping_host_fetch(hlo),
+               ops_overlapping_host_fetch(hlo), kernels_overlapping_host_fetch(hlo),
                layer_loop_launches(hlo, cfg.num_layers))
 
 
@@ -440,7 +450,8 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 def collectives(hlo: str) -> list[str]:
   """``op shape`` of every collective in the HLO (async pairs counted once, by
-  their start, whose result is a tuple (operands, result): XLA >= 0.11)."""
+  their start, whose result type is a tuple with the result second: ``(operand,
+  result)`` in XLA 0.10, ``((operands), result[, contexts])`` in XLA 0.11)."""
   found = []
   names = "|".join(COLLECTIVES)
   for line in hlo.splitlines():
@@ -448,10 +459,21 @@ def collectives(hlo: str) -> list[str]:
     if not m:
       continue
     shape = re.sub(r"{[^}]*}", "", m.group(1))  # no layout
-    if m.group(3) and shape.startswith("("):  # ((operands), result)
-      shape = shape[shape.rindex("),") + 2:-1].strip()
+    if m.group(3) and shape.startswith("("):
+      shape = _tuple_elements(shape)[1]
     found.append(f"{m.group(2)} {shape}")
   return found
+
+
+def _tuple_elements(text: str) -> list[str]:
+  """The top-level elements of an HLO tuple type ``(a, (b, c), d[1,2])``."""
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(text[start:i].strip())
+      start = i + 1
+  return parts
 
 
 def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
@@ -657,12 +679,14 @@ def main(argv):
   pw_copies, pw_writes, pw_aliased = audit_prompt_write(configs[0][1])
   full_launches = audit_full_kv(configs[0][1])
   print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
-        "HostExecute | async host writes | ops overlapping the fetch | launches/layer |")
+        "HostExecute | async host writes | ops (kernels) overlapping the fetch | "
+        "launches/layer |")
   print("|---|---|---|---|---|---|---|---|---|")
   for a in rows:
     print(f"| {a.variant} | {a.whole_host_copies} | {a.host_to_device_bytes_per_miss:.0f} | "
           f"{a.aliased_params}/{a.state_params} | {', '.join(a.kernels) or '-'} | "
-          f"{a.host_executes} | {a.async_host_writes} | {a.overlapped_ops} | "
+          f"{a.host_executes} | {a.async_host_writes} | {a.overlapped_ops} "
+          f"({a.overlapped_kernels}) | "
           f"{a.launches_per_layer:g} |")
   print(f"| full-KV sparse attention (the reference step) | - | - | - | - | - | - | - | "
         f"{full_launches:g} |")

@@ -46,11 +46,11 @@ class ImplConfig:
       sharing (the commit kernel fetches for the sharing layers too) and the
       lookahead prefetch; not the overlapped attention or a mesh.
     fetch_stream: with ``overlap_hit_miss`` and the zero-copy fetch, gather the
-      misses into a staging buffer with a kernel on CUDA stream N
-      (``compute_on("gpu_stream:N")``, scheduled to start first), so the
-      attention over the resident rows runs meanwhile; the rows then go to
-      their slots as the host-gather path's do. Interpreted (off GPU) the same
-      staging kernel runs inline. None: the in-place zero-copy fetch.
+      misses into a staging buffer with a kernel on CUDA stream N (an async call,
+      ``fetch.on_stream``; XLA schedules the attention over the resident rows
+      between its start and done); the rows then go to their slots as the
+      host-gather path's do. Interpreted (off GPU) the same staging kernel runs
+      inline. None: the in-place zero-copy fetch.
   """
 
   resolve: str = "auto"

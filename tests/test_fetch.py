@@ -18,21 +18,28 @@ def _draw(rng, L=2, R=3, U=2, S=5, N=24, dropped=10):
   return dest, (L, R, U, S)
 
 
+def _rng():
+  """A fresh draw, its seed in every failure message."""
+  seed = int(np.random.SeedSequence().entropy % 2**32)
+  return np.random.default_rng(seed), f"seed={seed}"
+
+
 def test_dropped_lanes_get_distinct_out_of_range_requests():
-  rng = np.random.default_rng()
+  rng, seed = _rng()
   dest, (_, R, _, _) = _draw(rng)
   got = np.asarray(fetch.distinct_drops(jnp.asarray(dest), R))
   kept = (dest[:, 1] >= 0) & (dest[:, 1] < R)
-  np.testing.assert_array_equal(got[kept], dest[kept])  # kept lanes untouched
-  np.testing.assert_array_equal(got[~kept][:, [0, 2, 3]], dest[~kept][:, [0, 2, 3]])
-  assert (got[~kept, 1] >= R).all()  # still out of range: dropped
-  assert len({tuple(row) for row in got}) == len(got)  # unique_indices holds
+  np.testing.assert_array_equal(got[kept], dest[kept], seed)  # kept lanes untouched
+  np.testing.assert_array_equal(got[~kept][:, [0, 2, 3]], dest[~kept][:, [0, 2, 3]],
+                                seed)
+  assert (got[~kept, 1] >= R).all(), seed  # still out of range: dropped
+  assert len({tuple(row) for row in got}) == len(got), seed  # unique_indices holds
 
 
 def test_scatter_rows_writes_kept_lanes_and_drops_the_rest():
   """Against numpy: kept lanes land on their cells, nothing else changes; a
   request of -1 is dropped too (a plain ``.at[]`` would wrap it to R - 1)."""
-  rng = np.random.default_rng()
+  rng, seed = _rng()
   dest, (L, R, U, S) = _draw(rng)
   hot = rng.standard_normal((L, R, U, S, 2, 4)).astype(np.float32)
   rows = rng.standard_normal((len(dest), 2, 4)).astype(np.float32)
@@ -41,4 +48,4 @@ def test_scatter_rows_writes_kept_lanes_and_drops_the_rest():
     if 0 <= r < R:
       want[l, r, u, s] = rows[lane]
   got = fetch.scatter_rows(jnp.asarray(hot), jnp.asarray(dest), jnp.asarray(rows))
-  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(got), want, seed)

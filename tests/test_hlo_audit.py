@@ -39,6 +39,8 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   # anchor: compute is scheduled while a host gather, or the gather on its own
   # stream, is in flight (with the latency-hiding scheduler the audit enables).
   assert (audit.overlapped_ops > 0) == (cfg.overlap_hit_miss or cfg.index_share > 1)
+  if cfg.impl.fetch_stream is not None:  # the Pallas hit attention itself, not only
+    assert audit.overlapped_kernels >= 1  # the newest token's scatters
 
 
 def test_separate_append_writes_in_place():
@@ -239,13 +241,17 @@ def test_sharded_step_compiles_for_8_h200s_with_one_collective_per_layer(data, m
 
 
 def test_collectives_are_read_synchronous_or_async():
-  """jaxlib 0.10.2 emits the agreement as ``all-reduce``; 0.11.2 as an async
-  ``all-reduce-start`` whose result is a tuple (operands, result): both count
-  once, with the result's shape."""
+  """jaxlib 0.10.2 emits the agreement as ``all-reduce`` and its async collectives
+  with a flat ``(operand, result)`` type; 0.11.2 the agreement as an async
+  ``all-reduce-start`` typed ``((operands), result)``: each counts once, with the
+  result's shape."""
   hlo = ("  %a = s32[3]{0} all-reduce(%x), channel_id=1, to_apply=%or\n"
          "  %s = ((s32[3]{0}), s32[3]{0}) all-reduce-start(%y), channel_id=2\n"
          "  %d = s32[3]{0} all-reduce-done(%s)\n"
          "  %f = (s32[2]{0}, pred[2]{0}) fusion(%d, %all-reduce-done), kind=kLoop\n"
-         "  %g = f32[2,4]{1,0} all-gather(%z), dimensions={0}\n")
-  assert hlo_audit.collectives(hlo) == ["all-reduce s32[3]", "all-reduce s32[3]",
-                                        "all-gather f32[2,4]"]
+         "  %g = f32[2,4]{1,0} all-gather(%z), dimensions={0}\n"
+         "  %h = (f32[8,128]{1,0}, f32[64,128]{1,0}) all-gather-start(%p), dimensions={0}\n"
+         "  %c = (f32[1]{0}, f32[1]{0}, u32[], u32[]) collective-permute-start(%q)\n")
+  assert hlo_audit.collectives(hlo) == [
+      "all-reduce s32[3]", "all-reduce s32[3]", "all-gather f32[2,4]",
+      "all-gather f32[64,128]", "collective-permute f32[1]"]
