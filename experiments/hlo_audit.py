@@ -143,6 +143,16 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
   return out
 
 
+def pallas_kernels_in(hlo: str) -> tuple[str, ...]:
+  """The library's Pallas kernels among the HLO's Triton calls, by the name in each
+  call's config (not by a substring of the line: the embedded Triton IR carries
+  source paths, such as pallas_kernels/cache_resolve/, and jax 0.11 keeps another
+  kernel's there when a shared helper was first traced for it)."""
+  names = {m for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line
+           for m in re.findall(r'\bname = "(\w+)"', line)}
+  return tuple(sorted(names & set(KERNEL_NAMES)))
+
+
 def _is_fetch_start(line: str, comps: dict[str, str]) -> bool:
   """An async miss fetch: a HostExecute gather, or a call on its own CUDA stream
   that launches a kernel (XLA >= 0.11 also puts a streamed call's
@@ -384,13 +394,12 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   hlo = deviceless.compile_for_h200(lower_step(cfg))
   copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg))
   gathers = host_execute_rows_bytes(hlo)
+  kernels = pallas_kernels_in(hlo)
   if gathers:
     per_miss = max(nbytes / rows for rows, nbytes in gathers)
   else:  # zero-copy kernels: each missed row is read once for K and once for V
-    zero_copy = any(n in hlo for n in ("fetch_rows", "gather_rows", "fused_resolve_commit"))
+    zero_copy = {"fetch_rows", "gather_rows", "fused_resolve_commit"} & set(kernels)
     per_miss = 2 * cfg.row_bytes if zero_copy else 0.0
-  triton = [l for l in hlo.splitlines() if "__gpu$xla.gpu.triton" in l]
-  kernels = tuple(sorted({n for l in triton for n in KERNEL_NAMES if n in l}))
   # The cache's buffers lead the carry's leaves; each must be updated in place.
   num_state = len(jax.tree.leaves(abstract.tier))
   aliased = aliased_parameters(hlo) & set(range(num_state))

@@ -255,3 +255,16 @@ def test_collectives_are_read_synchronous_or_async():
   assert hlo_audit.collectives(hlo) == [
       "all-reduce s32[3]", "all-reduce s32[3]", "all-gather f32[2,4]",
       "all-gather f32[64,128]", "collective-permute f32[1]"]
+
+
+def test_kernels_are_named_by_their_config_not_by_paths_in_their_ir():
+  """A Triton call's embedded IR carries source paths: jax 0.11 kept
+  pallas_kernels/cache_resolve/kernel.py in the fused kernels' IR once a shared
+  helper had been traced for cache_resolve earlier in the process (a flaky
+  'cache_resolve' under xdist). Only the call's own name counts."""
+  line = ('  %pallas_call.13 = (s32[2,1,128]{2,1,0}) custom-call(%a), custom_call_target='
+          '"__gpu$xla.gpu.triton", backend_config={debug = false, ir = "ML\\EFR\\00'
+          'fused_resolve_commit\\00/work/main/pallas_kernels/cache_resolve/kernel.py\\00'
+          'sub", name = "fused_resolve_commit", num_stages = 3 : i32, num_warps = 4 : i32}')
+  fusion = '  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%cache_resolve_like_name'
+  assert hlo_audit.pallas_kernels_in(line + "\n" + fusion) == ("fused_resolve_commit",)
