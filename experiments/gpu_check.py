@@ -24,7 +24,9 @@ pinned host memory also past 4 GiB), ``lookups`` (RESOLVE membership lookups and
 equal), ``lookup_decode`` (the step per lookup, with a device profile), ``io`` (TPOT
 of the IO-hiding options), ``throughput`` (requests that fit a device KV budget, full
 vs tiered, and tokens/s), ``kernels`` (kernel vs XLA per op), ``decode`` (the default
-step per shape, and the keyed policies). Timings: experiments/timing.py (median
+step per shape, and the keyed policies), ``triton`` (a kernel in the Triton language
+through jax-triton against its Pallas twin, compiled and timed: needs the jax-triton
+wheel carried). Timings: experiments/timing.py (median
 after warm-up); variants are compared as ratios measured in the same run.
 """
 
@@ -76,8 +78,8 @@ flags.DEFINE_float("deadline_s", 560.0, "The whole command's wall time: every "
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
 flags.DEFINE_list("sections", ["fused", "graphs", "serve", "numerics", "kernels",
                                 "decode"],
-                  "What to run, in this order: fused, graphs, serve, numerics, lookups, "
-                  "lookup_decode, io, throughput, kernels, decode.")
+                  "What to run, in this order: fused, graphs, serve, triton, numerics, "
+                  "lookups, lookup_decode, io, throughput, kernels, decode.")
 flags.DEFINE_string("tag", "", "Added to every row (the graphs section's subprocess).")
 flags.DEFINE_bool("fused_tests", True, "fused: run the fused kernels' tests first.")
 flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
@@ -456,6 +458,44 @@ def run_graphs():
       tail=proc.stderr.strip().splitlines()[-3:] if proc.returncode else None)
 
 
+# The triton section's probe size: 32 rows (e.g. 8 requests x 4 units) selecting 2048
+# of 32K positions, rows of 128 floats: 512 MiB of pinned host rows.
+TRITON_ARGS = "--rows=32 --top_k=2048 --positions=32768 --head_dim=128"
+TRITON_SMOKE_ARGS = "--rows=3 --top_k=16 --positions=64 --head_dim=8"
+
+
+def run_triton():
+  """Issue 16 part 4: the probe kernel written in the Triton language (through
+  jax-triton) against the same algorithm in Pallas Triton, both compiled on this
+  GPU, checked against numpy and timed (``experiments.triton_probe --check=device``,
+  in a subprocess: Triton fixes its mode at import). The GPU image has Triton;
+  jax-triton (17 kB, pure Python) is carried as a wheel (WORKSPACE_NOTES.md)."""
+  import importlib.util
+  if importlib.util.find_spec("jax_triton") is None:
+    log("triton", skipped="jax_triton is not installed: carry its wheel "
+        "(.whl/jax_triton-0.3.1-py3-none-any.whl, pip install --target)")
+    return
+  if remaining() < 60:
+    log("triton", skipped=f"{remaining():.0f} s left of --deadline_s")
+    return
+  args = shlex.split(TRITON_SMOKE_ARGS if FLAGS.smoke else TRITON_ARGS)
+  cmd = [sys.executable, "-m", "experiments.triton_probe", "--check=device",
+         f"--warmup={FLAGS.warmup}", f"--iters={max(FLAGS.iters, 20)}", *args]
+  try:
+    proc = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="0"),
+                          timeout=min(180.0, remaining() - 10), capture_output=True,
+                          text=True)
+  except subprocess.TimeoutExpired:
+    log("triton", error="timed out")
+    return
+  rows = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+          if line.startswith("PROBE_ROW ")]
+  for row in rows:
+    log("triton", **row)
+  if proc.returncode or not rows:
+    log("triton", error=f"exit {proc.returncode}", tail=proc.stderr[-3000:])
+
+
 def run_decode():
   """The default step against full KV per shape, plus the keyed policies' cost."""
   variants = [("full_kv", None), ("tiered", {}),
@@ -478,7 +518,7 @@ def main(argv):
               "numerics": run_numerics, "lookups": bench_lookups,
               "lookup_decode": run_lookup_decode, "io": run_io,
               "throughput": run_throughput, "kernels": bench_kernels, "decode": run_decode,
-              "serve": run_serve}
+              "serve": run_serve, "triton": run_triton}
   unknown = set(FLAGS.sections) - set(sections)
   if unknown:
     raise app.UsageError(f"unknown --sections {sorted(unknown)}; known: {list(sections)}")

@@ -16,6 +16,12 @@ missed rows from a host-tier array. Three checks, none needing a GPU:
   and no whole-host-tier copy (the audit's counter).
 * ``pallas``: the library's Pallas Triton gather (``pallas_kernels/fetch``) through
   the same deviceless compile, for comparison.
+* ``device`` (a CUDA GPU only; ``--check=device``, run by ``gpu_check``'s ``triton``
+  section): the probe kernel and its Pallas twin (``miss_fetch_pallas``, the same
+  algorithm in Pallas Triton), both compiled, their outputs checked against numpy,
+  then timed interleaved (median after warm-up) with the host rows in ``pinned_host``:
+  part 4's "how fast is it on the device". The GPU image has Triton; only jax-triton
+  (a 17 kB wheel) has to be carried there.
 
 Command (~1 min; needs ``pip install -e ".[audit,triton]"``, ~1 GB for Triton):
   python -m experiments.triton_probe
@@ -36,7 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import common, deviceless, hlo_audit
+from experiments import common, deviceless, hlo_audit, timing
+from experiments.triton_probe_twin import (draw_inputs, miss_fetch_pallas, reference,
+                                           written_lanes_match)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 8, "Rows (request x unit) of the probe kernel.")
@@ -45,21 +53,13 @@ flags.DEFINE_integer("positions", 512, "Host-tier positions per row.")
 flags.DEFINE_integer("head_dim", 64, "Elements per row (a power of 2).")
 flags.DEFINE_integer("seed", None, "Input seed (default: drawn fresh).")
 flags.DEFINE_string("out_root", None, "Results root (default: results/).")
-flags.DEFINE_enum("check", "all", ["all", "interpret", "lower"],
-                  "all: each check in its own process (Triton's mode is per process).")
+flags.DEFINE_enum("check", "all", ["all", "interpret", "lower", "device"],
+                  "all: interpret and lower, each in its own process (Triton's mode is "
+                  "per process); device: compiled and timed on a CUDA GPU.")
+flags.DEFINE_integer("warmup", 3, "device: untimed calls of each kernel.")
+flags.DEFINE_integer("iters", 50, "device: timed rounds (the kernels alternate).")
 
 _ROW = "PROBE_ROW "
-
-
-def reference(sel, slot_of, host, pos, rows):
-  """numpy: (pos, rows, count) after the kernel, from the poisoned ``pos``/``rows``."""
-  pos, rows, count = pos.copy(), rows.copy(), 0
-  for r in range(sel.shape[0]):
-    missed = [s for s in sel[r] if s >= 0 and slot_of[r, s] < 0]
-    pos[r, :len(missed)] = missed
-    rows[r, :len(missed)] = host[r, missed]
-    count += len(missed)
-  return pos, rows, np.array([count], np.int32)
 
 
 class HostTensor:
@@ -108,15 +108,6 @@ def _kernel():
 
   from experiments.triton_probe_kernel import miss_fetch
   return triton.jit(miss_fetch)
-
-
-def _inputs(rng, rows, top_k, positions, head_dim):
-  sel = np.stack([rng.permutation(positions)[:top_k] for _ in range(rows)]).astype(np.int32)
-  sel[rng.random(sel.shape) < 0.1] = -1
-  slot_of = np.where(rng.random((rows, positions)) < 0.5, -1,
-                     rng.integers(0, top_k, (rows, positions))).astype(np.int32)
-  host = rng.standard_normal((rows, positions, head_dim)).astype(np.float32)
-  return sel, slot_of, host
 
 
 def check_interpreted(kernel, sel, slot_of, host) -> dict:
@@ -179,9 +170,52 @@ def check_pallas(sel, host) -> dict:
               host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
 
 
-def _on_host(x):
+def check_twin_lowered(sel, slot_of, host) -> dict:
+  """The probe's Pallas twin (the device check's other side) through the same
+  compile: it lowers for sm_90 and reads its host operand in place."""
+  start = time.perf_counter()
+  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
+      jax.jit(miss_fetch_pallas), sel, slot_of, _on_host(host)))
+  seconds = time.perf_counter() - start
+  copies = hlo_audit.count_whole_host_copies(hlo, host.shape, "f32")
+  on_host = ":S(5)}" in hlo
+  return dict(check="pallas twin", ok=copies == 0 and on_host, whole_host_copies=copies,
+              host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
+
+
+def check_device(sel, slot_of, host) -> list[dict]:
+  """Both kernels compiled on this GPU: exact against numpy, then timed."""
+  if jax.default_backend() != "gpu":
+    return [dict(check="device", skipped="needs a CUDA GPU")]
+  import jax_triton
+  kernel = _kernel()
+  num_rows, top_k = sel.shape
+  out_shape = [jax.ShapeDtypeStruct(sel.shape, jnp.int32),
+               jax.ShapeDtypeStruct((num_rows, top_k, host.shape[-1]), jnp.float32),
+               jax.ShapeDtypeStruct((1,), jnp.int32)]
+  triton_fn = jax.jit(lambda sel, slot_of, host: jax_triton.triton_call(
+      sel, slot_of, host, kernel=kernel, out_shape=out_shape, grid=(num_rows,),
+      zeroed_outputs=(2,), K=top_k, D=host.shape[-1], P=host.shape[1]))
+  pallas_fn = jax.jit(miss_fetch_pallas)
+  args = (jnp.asarray(sel), jnp.asarray(slot_of), _on_host(host, jax.devices()[0]))
+  want = reference(sel, slot_of, host, np.full(sel.shape, -7, np.int32),
+                   np.full(out_shape[1].shape, np.nan, np.float32))
+  exact = {name: written_lanes_match(fn(*args), want)
+           for name, fn in (("triton", triton_fn), ("pallas", pallas_fn))}
+  medians, ratios = timing.interleaved_ms(
+      {"pallas": lambda: pallas_fn(*args), "triton": lambda: triton_fn(*args)},
+      FLAGS.warmup, FLAGS.iters)
+  moved = int(want[2][0]) * host.shape[-1] * host.itemsize  # missed rows' bytes
+  return [dict(check="device", ok=exact[name], kernel=name, misses=int(want[2][0]),
+               median_us=round(1e3 * medians[name], 2), vs_pallas=round(ratios[name], 3),
+               host_gb_s=round(moved / (medians[name] * 1e-3) / 1e9, 1),
+               device=jax.devices()[0].device_kind)
+          for name in ("pallas", "triton")]
+
+
+def _on_host(x, device=None):
   return jax.device_put(x, jax.sharding.SingleDeviceSharding(
-      jax.devices("cpu")[0], memory_kind="pinned_host"))
+      device or jax.devices("cpu")[0], memory_kind="pinned_host"))
 
 
 def _in_child(check: str, seed: int) -> list[dict]:
@@ -198,13 +232,16 @@ def _in_child(check: str, seed: int) -> list[dict]:
 
 
 def _run_check(check: str, seed: int) -> list[dict]:
-  sel, slot_of, host = _inputs(np.random.default_rng(seed), FLAGS.rows, FLAGS.top_k,
+  sel, slot_of, host = draw_inputs(np.random.default_rng(seed), FLAGS.rows, FLAGS.top_k,
                                FLAGS.positions, FLAGS.head_dim)
   if check == "interpret":
     return [check_interpreted(_kernel(), sel, slot_of, host)]
+  if check == "device":
+    return check_device(sel, slot_of, host)
   if not deviceless.available():
     return [dict(check="lower", ok=False, note="no deviceless CUDA client: pip install -e '.[audit]'")]
-  return [check_lowered(_kernel(), sel, slot_of, host), check_pallas(sel, host)]
+  return [check_lowered(_kernel(), sel, slot_of, host), check_pallas(sel, host),
+          check_twin_lowered(sel, slot_of, host)]
 
 
 def main(argv):

@@ -129,7 +129,7 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   The fused section's smoke times one variant per kernel path and only builds the
   configs of the others (the suite tests their steps)."""
   run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
-      "--sections=fused,numerics,lookups", "--numerics_filter=zero_copy",
+      "--sections=fused,numerics,lookups,triton", "--numerics_filter=zero_copy",
       "--nofused_tests", "--warmup=1", "--iters=2")
   rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert not [r for r in rows if "error" in r]
@@ -143,6 +143,8 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
           "tiered_overlap"} <= built
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
+  # Off GPU the triton section says why it did not time (no jax-triton, or no GPU).
+  assert [r for r in rows if r["section"] == "triton" and "skipped" in r], rows
   # Past --deadline_s the subprocess sections are skipped, not started (the device
   # tool kills a command at 600 s).
   late = tmp_path / "late"
@@ -327,6 +329,24 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   assert proc.returncode != 0 and "same file" in proc.stderr
 
 
+def test_the_probe_kernels_pallas_twin_is_the_numpy_reference():
+  """The device check times the Triton-language probe kernel against this twin:
+  in interpret mode it writes each row's misses (positions and host rows) in
+  selection order and counts them, as the numpy reference does."""
+  from experiments import triton_probe_twin as twin
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  sel, slot_of, host = twin.draw_inputs(np.random.default_rng(seed), 5, 32, 128, 16)
+  pos = np.full(sel.shape, -7, np.int32)
+  want = twin.reference(sel, slot_of, host, pos, np.full((5, 32, 16), np.nan, np.float32))
+  got = twin.miss_fetch_pallas(sel, slot_of, host, interpret=True)
+  assert want[2][0] > 0 and twin.written_lanes_match(got, want), seed
+  # The comparison is not blind: a row's misses in another order fail it.
+  pos_got = np.asarray(got[0]).copy()
+  row = int(np.argmax((want[0] != -7).sum(1)))
+  pos_got[row, :2] = pos_got[row, 1::-1]
+  assert not twin.written_lanes_match((pos_got, got[1], got[2]), want), seed
+
+
 def test_triton_probe_checks_a_triton_kernel_without_a_gpu(tmp_path):
   """Needs ``.[triton]`` (~1 GB; not in CI, which skips this): the Triton-language
   kernel run by Triton's interpreter against numpy, and lowered for sm_90 with its
@@ -337,6 +357,8 @@ def test_triton_probe_checks_a_triton_kernel_without_a_gpu(tmp_path):
   _, rows = only_run(tmp_path, "triton_probe")
   by_check = {r["check"]: r for r in rows}
   assert all(r["ok"] for r in rows) and "interpret" in by_check
+  if "lower" in by_check:  # the twin compiles for sm_90 too, host rows in place
+    assert by_check["pallas twin"]["whole_host_copies"] == 0
   assert by_check["interpret"]["misses"] > 0
   if "lower" in by_check:
     assert by_check["lower"]["whole_host_copies"] == 0
