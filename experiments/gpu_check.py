@@ -6,8 +6,10 @@ cache vs full-KV sparse attention, and throughput at a fixed device budget.
 Command (from the repo root on the GPU machine; at most --deadline_s = 560 s of wall
 time, every subprocess inside it; rows are appended to $OUT/gpu_check.jsonl as they
 come):
-  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,graphs \
+  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs \
       --serve_budget_s=180 --budget_s=440 --iters=20 --warmup=3
+(``triton`` needs jax-triton: carry its wheel and ``pip install --no-deps --target``
+it first; WORKSPACE_NOTES.md, sixteenth session, has the whole device call.)
 Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
   python -m experiments.gpu_check --smoke --sections=fused,serve,numerics,lookups,io
 
