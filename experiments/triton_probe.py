@@ -233,7 +233,7 @@ def _in_child(check: str, seed: int) -> list[dict]:
 
 def _run_check(check: str, seed: int) -> list[dict]:
   sel, slot_of, host = draw_inputs(np.random.default_rng(seed), FLAGS.rows, FLAGS.top_k,
-                               FLAGS.positions, FLAGS.head_dim)
+                                   FLAGS.positions, FLAGS.head_dim)
   if check == "interpret":
     return [check_interpreted(_kernel(), sel, slot_of, host)]
   if check == "device":
