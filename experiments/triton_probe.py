@@ -127,29 +127,24 @@ def check_interpreted(kernel, sel, slot_of, host) -> dict:
               seconds=round(seconds, 3))
 
 
-def check_lowered(kernel, sel, slot_of, host) -> dict:
+def _triton_call(kernel, sel, slot_of, host, **kw):
+  """The probe kernel through jax-triton: (pos, rows, count), count zeroed first."""
   import jax_triton
   rows, top_k = sel.shape
+  return jax_triton.triton_call(
+      sel, slot_of, host, kernel=kernel,
+      out_shape=[jax.ShapeDtypeStruct(sel.shape, jnp.int32),
+                 jax.ShapeDtypeStruct((rows, top_k, host.shape[-1]), jnp.float32),
+                 jax.ShapeDtypeStruct((1,), jnp.int32)],
+      grid=(rows,), zeroed_outputs=(2,), K=top_k, D=host.shape[-1], P=host.shape[1],
+      **kw)
 
-  def call(sel, slot_of, host):
-    return jax_triton.triton_call(
-        sel, slot_of, host, kernel=kernel,
-        out_shape=[jax.ShapeDtypeStruct(sel.shape, jnp.int32),
-                   jax.ShapeDtypeStruct((rows, top_k, host.shape[-1]), jnp.float32),
-                   jax.ShapeDtypeStruct((1,), jnp.int32)],
-        grid=(rows,), zeroed_outputs=(2,), compute_capability=90,
-        K=top_k, D=host.shape[-1], P=host.shape[1])
 
-  start = time.perf_counter()
-  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
-      jax.jit(call), sel, slot_of, _on_host(host)))
-  seconds = time.perf_counter() - start
-  copies = hlo_audit.count_whole_host_copies(hlo, host.shape, "f32")
+def check_lowered(kernel, sel, slot_of, host) -> dict:
+  call = jax.jit(lambda *a: _triton_call(kernel, *a, compute_capability=90))
+  hlo, row = _compiled("lower", call, (sel, slot_of, _on_host(host)), host.shape)
   calls = hlo.count('custom_call_target="triton_kernel_call"')
-  on_host = ":S(5)}" in hlo  # the host operand's layout keeps the host memory space
-  return dict(check="lower", ok=copies == 0 and calls == 1 and on_host,
-              whole_host_copies=copies, triton_calls=calls,
-              host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
+  return dict(row, ok=row["ok"] and calls == 1, triton_calls=calls)
 
 
 def check_pallas(sel, host) -> dict:
@@ -159,47 +154,39 @@ def check_pallas(sel, host) -> dict:
   host6 = host.reshape(1, rows, host.shape[1], 1, 1, host.shape[-1])  # [L, NH+1, Pg, U, Hg, D]
   lanes = -(-rows * top_k // 32) * 32  # the kernel's lanes come in blocks of 32
   src = np.zeros((lanes, 4), np.int32)  # (layer, page, offset, unit) per lane
-  start = time.perf_counter()
-  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
-      jax.jit(lambda s, h: gather_rows_call(s, rows * top_k, h, h)), src,
-      _on_host(host6)))
-  seconds = time.perf_counter() - start
-  copies = hlo_audit.count_whole_host_copies(hlo, host6.shape, "f32")
-  on_host = ":S(5)}" in hlo
-  return dict(check="pallas", ok=copies == 0 and on_host, whole_host_copies=copies,
-              host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
+  fn = jax.jit(lambda s, h: gather_rows_call(s, rows * top_k, h, h))
+  return _compiled("pallas", fn, (src, _on_host(host6)), host6.shape)[1]
 
 
 def check_twin_lowered(sel, slot_of, host) -> dict:
   """The probe's Pallas twin (the device check's other side) through the same
   compile: it lowers for sm_90 and reads its host operand in place."""
+  return _compiled("pallas twin", jax.jit(miss_fetch_pallas),
+                   (sel, slot_of, _on_host(host)), host.shape)[1]
+
+
+def _compiled(check: str, fn, args, host_shape) -> tuple[str, dict]:
+  """(HLO, row) of ``fn`` compiled deviceless for an H200: no whole-host copy, and
+  the host operand's layout keeps the host memory space (``S(5)``)."""
   start = time.perf_counter()
-  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
-      jax.jit(miss_fetch_pallas), sel, slot_of, _on_host(host)))
+  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(fn, *args))
   seconds = time.perf_counter() - start
-  copies = hlo_audit.count_whole_host_copies(hlo, host.shape, "f32")
+  copies = hlo_audit.count_whole_host_copies(hlo, host_shape, "f32")
   on_host = ":S(5)}" in hlo
-  return dict(check="pallas twin", ok=copies == 0 and on_host, whole_host_copies=copies,
-              host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
+  return hlo, dict(check=check, ok=copies == 0 and on_host, whole_host_copies=copies,
+                   host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
 
 
 def check_device(sel, slot_of, host) -> list[dict]:
   """Both kernels compiled on this GPU: exact against numpy, then timed."""
   if jax.default_backend() != "gpu":
     return [dict(check="device", skipped="needs a CUDA GPU")]
-  import jax_triton
   kernel = _kernel()
-  num_rows, top_k = sel.shape
-  out_shape = [jax.ShapeDtypeStruct(sel.shape, jnp.int32),
-               jax.ShapeDtypeStruct((num_rows, top_k, host.shape[-1]), jnp.float32),
-               jax.ShapeDtypeStruct((1,), jnp.int32)]
-  triton_fn = jax.jit(lambda sel, slot_of, host: jax_triton.triton_call(
-      sel, slot_of, host, kernel=kernel, out_shape=out_shape, grid=(num_rows,),
-      zeroed_outputs=(2,), K=top_k, D=host.shape[-1], P=host.shape[1]))
+  triton_fn = jax.jit(lambda *a: _triton_call(kernel, *a))
   pallas_fn = jax.jit(miss_fetch_pallas)
   args = (jnp.asarray(sel), jnp.asarray(slot_of), _on_host(host, jax.devices()[0]))
   want = reference(sel, slot_of, host, np.full(sel.shape, -7, np.int32),
-                   np.full(out_shape[1].shape, np.nan, np.float32))
+                   np.full(sel.shape + host.shape[-1:], np.nan, np.float32))
   exact = {name: written_lanes_match(fn(*args), want)
            for name, fn in (("triton", triton_fn), ("pallas", pallas_fn))}
   medians, ratios = timing.interleaved_ms(
