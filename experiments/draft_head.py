@@ -95,8 +95,8 @@ def main(argv):
   head, history = draft_head.train(cfg, weights, feat_prev, token, feat_next, label, tc)
   ckpt = draft_head.save(out / "draft_head", head, dict(
       trained_on="pydoc_data.topics", windows=train_windows, window=window, steps=steps,
-      labels=FLAGS.labels, model_layers=cfg.num_layers))
-  head = draft_head.load(ckpt)  # evaluate what was saved
+      labels=FLAGS.labels, model_layers=cfg.num_layers), weights=weights)
+  head = draft_head.load(ckpt, weights=weights)  # evaluate what was saved
 
   feat_prev, token, feat_next, label = stacked_examples(eval_f, eval_t)
   drafts = {"draft head": np.asarray(draft_head.draft_tokens(cfg, weights, head,

@@ -170,7 +170,7 @@ def main(argv):
     # Teacher-forced features of the whole span (the dense forward: what each
     # decode step computes, up to float rounding).
     head = draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers,
-                           embed_dim=cfg.embed_dim)
+                           embed_dim=cfg.embed_dim, weights=weights)
     feats = apply_features(cfg, weights, jnp.asarray(tokens[None, :prompt + steps + 1]))[0]
     head_drafts = np.asarray(draft_head.draft_tokens(
         cfg, weights, head, feats[prompt - 1:prompt + steps - 1],

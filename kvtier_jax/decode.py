@@ -248,6 +248,10 @@ def write_prompt_pages(cfg: TierConfig, tier: TieredKVState, requests, start, k,
   size = cfg.page_size
   if length % size:
     raise ValueError(f"{length} positions are not whole pages of {size}")
+  if not isinstance(start, jax.core.Tracer) and int(start) % size:
+    # A traced start is the caller's to align (the serving backend's chunks are).
+    raise ValueError(f"prompt pages start at position {int(start)}, not at a page "
+                     f"boundary (page size {size})")
   num_pages = length // size
   logical = start // size + jnp.arange(num_pages)  # [n / Pg]
   table = tier.page_table[requests][:, jnp.minimum(logical, cfg.pages_per_request - 1)]

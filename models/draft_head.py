@@ -116,8 +116,23 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   return head, np.stack(history)
 
 
-def save(path, head: DraftHead, metadata: dict | None = None) -> pathlib.Path:
-  """Saves the head's parameters (orbax) beside ``draft_head.json`` (its sizes)."""
+def model_fingerprint(weights) -> str:
+  """A short hash of the model's final norm and first embedding rows: two models
+  of one shape (a fine-tune, another checkpoint) read apart, at the cost of a
+  few kilobytes read back rather than the whole embedding."""
+  import hashlib
+  key = hashlib.blake2b(digest_size=8)
+  for part in (weights["final_norm"], weights["embed"][:64]):
+    part = np.asarray(part)
+    key.update(str((part.dtype, part.shape)).encode())
+    key.update(part.tobytes())
+  return key.hexdigest()
+
+
+def save(path, head: DraftHead, metadata: dict | None = None,
+         weights=None) -> pathlib.Path:
+  """Saves the head's parameters (orbax) beside ``draft_head.json`` (its sizes and,
+  given the model's ``weights``, their fingerprint)."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()  # orbax requires absolute paths
   path.mkdir(parents=True, exist_ok=True)
@@ -125,6 +140,7 @@ def save(path, head: DraftHead, metadata: dict | None = None) -> pathlib.Path:
     checkpointer.save(path / "params", nnx.state(head, nnx.Param), force=True)
   (path / "draft_head.json").write_text(json.dumps(dict(
       format=_FORMAT, embed_dim=head.embed_dim, hidden_dim=head.hidden_dim,
+      model_fingerprint=None if weights is None else model_fingerprint(weights),
       metadata=metadata or {}), indent=2, default=str) + "\n")
   return path
 
@@ -134,16 +150,23 @@ def metadata(path) -> dict:
   return json.loads((pathlib.Path(path) / "draft_head.json").read_text())["metadata"]
 
 
-def load(path, num_layers: int | None = None, embed_dim: int | None = None) -> DraftHead:
-  """The head ``save`` wrote, exactly. ``num_layers`` / ``embed_dim``: the layers
-  and width of the model it will read; a head whose metadata says it was trained
-  on another cut of the model (``model_layers``), or whose width differs, is
-  refused, as it reads other features."""
+def load(path, num_layers: int | None = None, embed_dim: int | None = None,
+         weights=None) -> DraftHead:
+  """The head ``save`` wrote, exactly. ``num_layers`` / ``embed_dim`` / ``weights``:
+  the layers, width and weights of the model it will read; a head whose metadata
+  says it was trained on another cut of the model (``model_layers``), whose width
+  differs, or that was saved with another model's fingerprint, is refused, as it
+  reads other features."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   meta = json.loads((path / "draft_head.json").read_text())
   if meta.get("format") != _FORMAT:
     raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
+  saved_with = meta.get("model_fingerprint")
+  if weights is not None and saved_with is not None:
+    if saved_with != (here := model_fingerprint(weights)):
+      raise ValueError(f"{path}: trained on another model (fingerprint {saved_with}, "
+                       f"the model here: {here})")
   if embed_dim is not None and meta["embed_dim"] != embed_dim:
     raise ValueError(f"{path}: a head for features of width {meta['embed_dim']}, the "
                      f"model here has {embed_dim}")

@@ -311,20 +311,37 @@ def _remove_orphans(entry: pathlib.Path) -> None:
       pass
 
 
+def _write_durably(path: pathlib.Path, write) -> None:
+  """``write(f)`` into ``path``, flushed to the disk before it is renamed into place:
+  a crash after the rename must not leave the marker over an empty file."""
+  import os
+  with open(path, "wb") as f:
+    write(f)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]) -> None:
   import json
   import os
+  import threading
   entry.parent.mkdir(parents=True, exist_ok=True)
   _remove_orphans(entry)
-  tmp = entry.with_name(f"{entry.name}_{os.getpid()}_tmp")
+  # The PID first (``_remove_orphans`` reads it), then the thread: two threads of
+  # one process writing the same entry must not share a temporary file.
+  tmp = entry.with_name(f"{entry.name}_{os.getpid()}_{threading.get_ident()}_tmp")
   try:
-    with open(tmp.with_suffix(".npz"), "wb") as f:
-      np.savez(f, **loaded.params)
+    _write_durably(tmp.with_suffix(".npz"), lambda f: np.savez(f, **loaded.params))
     head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),
                 tokenizer=loaded.tokenizer.to_str())
-    tmp.with_suffix(".json").write_text(json.dumps(head))
+    _write_durably(tmp.with_suffix(".json"), lambda f: f.write(json.dumps(head).encode()))
     os.replace(tmp.with_suffix(".npz"), entry.with_suffix(".npz"))
     os.replace(tmp.with_suffix(".json"), entry.with_suffix(".json"))  # last: the marker
+    directory = os.open(entry.parent, os.O_RDONLY)
+    try:  # the renames themselves
+      os.fsync(directory)
+    finally:
+      os.close(directory)
   finally:  # a failed write (a full disk) leaves no partial file behind
     for suffix in (".npz", ".json"):
       tmp.with_suffix(suffix).unlink(missing_ok=True)

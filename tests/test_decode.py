@@ -597,6 +597,19 @@ def test_config_rejects_bad_shapes():
       PolicyConfig("freq", freq_alpha=alpha)
 
 
+def test_prompt_pages_off_a_page_boundary_are_refused():
+  """``write_prompt_pages`` writes whole pages from ``start // page_size``: a start
+  inside a page would shift the chunk onto the page's earlier positions."""
+  cfg = make_cfg()
+  h = Harness(cfg, [40, 40, 40], seed=3)
+  size = cfg.page_size
+  shape = (cfg.num_layers, 1, size, cfg.num_kv_heads, cfg.head_dim)
+  k = v = jnp.zeros(shape, jnp.float32)
+  with pytest.raises(ValueError, match="page boundary"):
+    decode.write_prompt_pages(cfg, h.state, jnp.array([0]), size // 2, k, v)
+  decode.write_prompt_pages(cfg, h.state, jnp.array([0]), size, k, v)  # aligned: fine
+
+
 @pytest.mark.parametrize("policy", ["lru", "freq"])
 def test_replacement_policy_changes_victims_not_outputs(policy):
   cfg = make_cfg(policy=policy, hot_slots=24, top_k=16)

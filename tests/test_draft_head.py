@@ -54,8 +54,9 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
   got = np.asarray(draft_head.draft_tokens(cfg, weights, head, zeros[:512],
                                            jnp.asarray(fresh)))
   assert (got == (fresh + 3) % cfg.vocab_size).mean() > 0.8  # chance: 1/64
-  path = draft_head.save(tmp_path / "head", head, {"model_layers": cfg.num_layers})
-  again = draft_head.load(path, num_layers=cfg.num_layers)
+  path = draft_head.save(tmp_path / "head", head, {"model_layers": cfg.num_layers},
+                         weights=weights)
+  again = draft_head.load(path, num_layers=cfg.num_layers, weights=weights)
   np.testing.assert_array_equal(
       np.asarray(draft_head.draft_tokens(cfg, weights, again, zeros[:512],
                                          jnp.asarray(fresh))), got)
@@ -64,6 +65,11 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
   with pytest.raises(ValueError, match="width"):  # another model's features
     draft_head.load(path, num_layers=cfg.num_layers, embed_dim=cfg.embed_dim + 64)
   draft_head.load(path, embed_dim=cfg.embed_dim)  # its own width: loads
+  # Another model of the same shape (one weight of the final norm moved by an ulp).
+  tuned = dict(weights, final_norm=weights["final_norm"].at[rng.integers(cfg.embed_dim)]
+               .set(np.nextafter(np.float32(1), np.float32(2))))
+  with pytest.raises(ValueError, match="another model"):
+    draft_head.load(path, num_layers=cfg.num_layers, weights=tuned)
   (path / "draft_head.json").write_text(json.dumps({"format": "other"}))
   with pytest.raises(ValueError, match="format"):
     draft_head.load(path)

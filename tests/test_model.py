@@ -457,10 +457,55 @@ def test_a_failed_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):
   loaded = types.SimpleNamespace(params={"w": np.ones((4, 4), np.float32)}, metadata={},
                                  tokenizer=types.SimpleNamespace(to_str=lambda: "{}"))
 
-  def full_disk(self, *args, **kwargs):
-    raise OSError(28, "No space left on device")
+  written = []
+  real_durably = gguf_loader._write_durably
 
-  monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+  def full_disk_on_the_marker(path, write):
+    written.append(pathlib.Path(path).suffix)
+    if path.suffix == ".json":
+      raise OSError(28, "No space left on device")
+    real_durably(path, write)
+
+  monkeypatch.setattr(gguf_loader, "_write_durably", full_disk_on_the_marker)
   with pytest.raises(OSError):
     gguf_loader._write_cache(tmp_path / "m-0", loaded, ("w",))
+  assert written == [".npz", ".json"]
   assert list(tmp_path.iterdir()) == []
+
+
+def test_two_threads_writing_one_cache_entry_both_succeed(tmp_path):
+  """Two threads of one process fill the same entry at once (both mid-write when
+  either renames): each has its own temporary files, so neither loses its file
+  to the other's rename, and the entry reads back whole."""
+  import threading
+  import types
+
+  from models import gguf_loader
+  rng = np.random.default_rng()
+  params = {"w": rng.standard_normal((64, 64)).astype(np.float32)}
+  loaded = types.SimpleNamespace(params=params, metadata={},
+                                 tokenizer=types.SimpleNamespace(to_str=lambda: "{}"))
+  both_writing = threading.Barrier(2, timeout=30)
+  real_savez, errors = np.savez, []
+
+  def savez_together(f, **arrays):
+    both_writing.wait()
+    real_savez(f, **arrays)
+
+  def write():
+    try:
+      gguf_loader._write_cache(tmp_path / "m-0", loaded, ("w",))
+    except Exception as err:  # noqa: BLE001 -- reported below
+      errors.append(err)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(np, "savez", savez_together)
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+  assert errors == []
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["m-0.json", "m-0.npz"]
+  with np.load(tmp_path / "m-0.npz") as data:
+    np.testing.assert_array_equal(data["w"], params["w"])
