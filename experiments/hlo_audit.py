@@ -379,10 +379,12 @@ def lower_step(cfg: TierConfig):
       sds((L, R, cfg.num_kv_heads, cfg.head_dim)), sds((L, R, cfg.num_kv_heads, cfg.head_dim)))
 
 
-def audit_graphs(cfg: TierConfig) -> dict[str, tuple[int, int]]:
-  """Graph launches per layer of the compiled step, (launches, captured kernels),
-  with XLA's default command buffers and with loops allowed into them."""
-  lowered = lower_step(cfg)
+def audit_graphs(cfg: TierConfig, full_kv_step: bool = False
+                 ) -> dict[str, tuple[int, int]]:
+  """Graph launches per layer of the compiled step (or of the full-KV step),
+  (launches, captured kernels), with XLA's default command buffers and with loops
+  allowed into them."""
+  lowered = lower_full_kv(cfg) if full_kv_step else lower_step(cfg)
   return {name: layer_loop_graph_launches(deviceless.thunk_sequence(lowered, options))
           for name, options in (("default", deviceless.GPU_OPTIONS),
                                 ("while", GRAPH_OPTIONS))}
@@ -412,6 +414,12 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
 def audit_full_kv(cfg: TierConfig) -> float:
   """Kernel launches per layer of the full-KV sparse-attention step (the same
   selector and shapes, every position resident on the device)."""
+  return layer_loop_launches(deviceless.compile_for_h200(lower_full_kv(cfg)),
+                             cfg.num_layers)
+
+
+def lower_full_kv(cfg: TierConfig):
+  """The full-KV sparse-attention step lowered for CUDA on abstract H200 inputs."""
   _, dev = _shardings()
   sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
   L, R = cfg.num_layers, cfg.num_requests
@@ -421,9 +429,8 @@ def audit_full_kv(cfg: TierConfig) -> float:
   step = jax.jit(lambda s, q, k, v: full_kv.full_kv_decode_step(cfg, selector, s, q, k, v),
                  donate_argnums=(0,))
   heads = lambda h: sds((L, R, h, cfg.head_dim))
-  hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
-      step, state, heads(cfg.num_q_heads), heads(cfg.num_kv_heads), heads(cfg.num_kv_heads)))
-  return layer_loop_launches(hlo, L)
+  return deviceless.lower_for_cuda(step, state, heads(cfg.num_q_heads),
+                                   heads(cfg.num_kv_heads), heads(cfg.num_kv_heads))
 
 
 def audit_separate_append(cfg: TierConfig) -> tuple[int, int, int]:
@@ -705,8 +712,9 @@ def main(argv):
         f"{control} whole-host copies detected")
   print(f"prompt write-through (serving): {pw_copies} whole-host copies, {pw_writes} "
         f"async host writes, {pw_aliased} state buffers aliased")
-  for name, cfg in configs[:2]:
-    graphs = audit_graphs(cfg)
+  graph_rows = [(name, audit_graphs(cfg)) for name, cfg in configs[:2]]
+  graph_rows.append(("full-KV sparse attention", audit_graphs(configs[0][1], True)))
+  for name, graphs in graph_rows:
     print(f"command buffers, {name}: launches per layer (kernels captured in CUDA "
           "graphs) " + ", ".join(f"{flags_} flags {n} ({c})"
                                  for flags_, (n, c) in graphs.items()))

@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvtier_jax import fetch, layer as layer_lib
+from kvtier_jax import fetch, layer as layer_lib, layer_scan
 from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
 from kvtier_jax.resolve import STATUS_CAPACITY
@@ -214,8 +214,9 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
     return carry, jnp.stack(outs)
 
   firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
-  carry, out = jax.lax.scan(body, begin_step(cfg, carry),
-                            (firsts, group(q), group(k_new), group(v_new), group(x)))
+  carry, out = layer_scan.scan_layers(
+      body, begin_step(cfg, carry), (firsts, group(q), group(k_new), group(v_new),
+                                     group(x)), pick=cfg.impl.fetch_stream is None)
   return out.reshape((cfg.num_layers,) + out.shape[2:]), commit_step(carry)
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtier_jax import attention
+from kvtier_jax import attention, layer_scan
 from kvtier_jax.config import TierConfig
 from kvtier_jax.selectors.base import StepInputs, check_state_capacity
 
@@ -78,6 +78,6 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
     return (k_all, v_all, sel), out
 
   layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (k_all, v_all, _), out = jax.lax.scan(body, (state.k, state.v, sel),
-                                        (layers, q, k_new, v_new))
+  (k_all, v_all, _), out = layer_scan.scan_layers(body, (state.k, state.v, sel),
+                                                  (layers, q, k_new, v_new))
   return out, FullKVState(k_all, v_all, state.seq_len + 1)
