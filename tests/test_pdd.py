@@ -123,3 +123,57 @@ def test_a_relayed_request_hands_off_the_tokens_rld_produced():
   assert out.relayed and out.mode == "one-shot"
   assert out.ttft_s == pytest.approx(0.01 + 10e6 / 50e9 + 0.1)
   assert out.relayed_tokens == 2
+
+
+def _one_md_slot_cfg(**kw):
+  """One MD slot, One-Shot handoffs, a 50 MB/s WAN (tokens of 1 kB)."""
+  return pdd_sim.SystemConfig(**{**dict(
+      kv_bytes_per_token=1000, wan_gbps=0.4, wan_rtt_s=0.03, rdma_gbps=400.0,
+      prefill_tok_s=1e6, tpot_s=0.1, ttft_budget_s=0.1, catch_up_below=0.0,
+      md_slots=1), **kw})
+
+
+@pytest.mark.parametrize("output_tokens", [50, 8])
+def test_rld_decodes_on_while_mds_slot_is_taken(output_tokens):
+  """A holds MD's only slot until 1.03021 s (its 10-token increment lands at
+  0.03021 s, then 10 tokens of 0.1 s). B (arrival 0.05 s) is relayed: prefill
+  0.01 s, RDMA 0.2 ms, RLD decoding from 0.0602 s; its WAN lands at 0.29 s, but MD
+  is busy: RLD decodes on. With 50 tokens the handoff starts at 1.03021 s with
+  floor(9.7) = 9 tokens (One-Shot: extend 9 / 300 s, then 41 tokens on MD); with 8
+  tokens RLD finishes at 0.8602 s, before MD frees: finished on RLD. (The old
+  accounting handed off 2 tokens at the WAN's landing and kept B waiting.)"""
+  cfg = _one_md_slot_cfg()
+  a = pdd_sim.TraceRequest(arrival=0.0, session=0, input_tokens=1000, cached_tokens=990,
+                           output_tokens=10)
+  b = pdd_sim.TraceRequest(arrival=0.05, session=1, input_tokens=10_000,
+                           cached_tokens=0, output_tokens=output_tokens)
+  (out_a, out_b), _ = pdd_sim.simulate([a, b], cfg)
+  assert not out_a.relayed and out_b.relayed
+  assert out_a.e2e_s == pytest.approx(1e-5 + 0.03 + 1e4 / 50e6 + 1.0)
+  started = 0.05 + 0.01 + 1e7 / 50e9
+  md_free = 1e-5 + 0.03 + 1e4 / 50e6 + 1.0
+  if output_tokens == 8:
+    assert out_b.mode == "finished on RLD" and out_b.relayed_tokens == 8
+    assert out_b.e2e_s == pytest.approx(started + 0.8 - 0.05)
+    return
+  assert out_b.mode == "one-shot" and out_b.relayed_tokens == 9
+  assert out_b.handoff_s == pytest.approx(9 / 300)
+  assert out_b.e2e_s == pytest.approx(md_free + 9 / 300 + 41 * 0.1 - 0.05)
+
+
+def test_the_relay_estimate_counts_the_bytes_queued_ahead():
+  """One WAN connection. X (20 MB) holds it from t = 0.02 s (after its prefill);
+  Y (30 MB) queues for it from 0.031 s; Z (1 MB, ready at 0.051 s) would take
+  0.05 s on a free line, but the line must first move the ~50 MB ahead of it
+  (~1 s at 50 MB/s): Z is relayed. (The old estimate charged the queue Z's own
+  1 MB per queued transfer: 0.07 s, not relayed.) With 16 connections Z shares
+  the line with X only (0.07 s): not relayed."""
+  trace = [pdd_sim.TraceRequest(arrival=t, session=i, input_tokens=n, cached_tokens=0,
+                                output_tokens=5)
+           for i, (t, n) in enumerate([(0.0, 20_000), (0.001, 30_000), (0.05, 1_000)])]
+  one, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=1, md_slots=8,
+                                                    rld_slots=8))
+  assert one[2].relayed
+  many, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=16, md_slots=8,
+                                                     rld_slots=8))
+  assert not many[2].relayed

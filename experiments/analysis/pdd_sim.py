@@ -7,10 +7,12 @@ MD's cached prefix) over a WAN link: a pool of TCP connections sharing the line
 fairly. RelayDecode (RLD) sits beside P behind RDMA: a request whose increment
 would take too long over the WAN (the trigger in docs/DESIGN.md: estimated transfer > the
 TTFT budget, and RLD has a free slot) starts decoding on RLD at once while the WAN
-transfer runs; when it lands, RLD sends MD the generated token ids and MD rebuilds
-their KV with one extend (Extend-Decode handoff: Catch-Up while RLD is lightly
-loaded, RLD keeps decoding until MD has caught up; One-Shot otherwise, RLD stops at
-once). MD always finishes the request (DRC consistency). Conventional cross-DC PD
+transfer runs; once it has landed and MD has a slot for the request (RLD decodes on
+until then), RLD sends MD the generated token ids and MD rebuilds their KV with one
+extend (Extend-Decode handoff: Catch-Up while RLD is lightly loaded, RLD keeps
+decoding until MD has caught up; One-Shot otherwise, RLD stops at once). MD always
+finishes the request (DRC consistency). A relay is triggered by an estimate of the
+transfer that counts the bytes ahead of it when every connection is taken. Conventional cross-DC PD
 is the same system without RLD.
 
 Per-request increments come from the real radix cache (``RadixCache``) replaying a
@@ -165,6 +167,11 @@ class FairLink:
         self.active[event] -= moved
     self._last = self.env.now
 
+  def backlog(self) -> float:
+    """Bytes the transfers on the line still have to move."""
+    self._advance()
+    return sum(self.active.values())
+
   def send(self, nbytes: float) -> simpy.Event:
     """An event that fires when ``nbytes`` have crossed."""
     done = self.env.event()
@@ -242,6 +249,7 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
   md = simpy.Resource(env, cfg.md_slots)
   rld = simpy.Resource(env, cfg.rld_slots)
   busy = {"area": 0.0, "last": 0.0, "end": 0.0}
+  queued = {"bytes": 0.0}  # pieces waiting for a connection
   outcomes = []
 
   def conn_level():
@@ -257,14 +265,16 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
     chunk = cfg.wan_chunk_mb * 1e6 if cfg.wan_chunk_mb else nbytes
     while first or left > 0:
       asked = env.now
+      piece = min(left, chunk)
       conn_level()
+      queued["bytes"] += piece
       with pool.request() as conn:
         yield conn
+        queued["bytes"] -= piece
         conn_level()
         out.conn_wait_s += env.now - asked
         if first:
           yield env.timeout(cfg.wan_rtt_s)
-        piece = min(left, chunk)
         yield wan.send(piece)
         left -= piece
         first = False
@@ -276,8 +286,10 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
     share = cfg.wan_gbps * GBPS / max(1, min(flows, cfg.wan_connections))
     if cfg.wan_flow_gbps:
       share = min(share, cfg.wan_flow_gbps * GBPS)
-    waiting = len(pool.queue) * nbytes / (cfg.wan_gbps * GBPS)  # a rough queue term
-    return cfg.wan_rtt_s + nbytes / share + waiting
+    # With every connection taken it first waits for the line to move what is
+    # ahead of it: the pieces queued for a connection and what the flows still send.
+    ahead = queued["bytes"] + wan.backlog() if pool.count >= cfg.wan_connections else 0.0
+    return cfg.wan_rtt_s + nbytes / share + ahead / (cfg.wan_gbps * GBPS)
 
   def request(req: TraceRequest):
     out = Outcome(req)
@@ -310,21 +322,28 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
     out.ttft_s = env.now - req.arrival
     finished_on_rld = env.timeout(cfg.tpot_s * (req.output_tokens - 1))
     yield transfer | finished_on_rld
-    if not transfer.triggered:  # all tokens came from RLD; MD still ends the request
+    # RLD decodes on until the handoff can start: the increment has landed and MD
+    # has a slot for the request.
+    md_slot = None
+    if transfer.triggered:
+      md_slot = md.request()
+      yield md_slot | finished_on_rld
+    if finished_on_rld.triggered and not (md_slot and md_slot.triggered):
+      # All tokens came from RLD; MD still ends the request (its radix cache).
       rld.release(slot)
       out.e2e_s, out.mode = env.now - req.arrival, "finished on RLD"
       yield transfer
-      with md.request() as md_slot:  # MD extends the outputs for its radix cache
-        yield md_slot
-        yield env.timeout(req.output_tokens / cfg.extend_tok_s)
+      md_slot = md_slot or md.request()
+      yield md_slot
+      yield env.timeout(req.output_tokens / cfg.extend_tok_s)  # MD extends the outputs
+      md.release(md_slot)
       out.relayed_tokens = req.output_tokens
       return
     # Tokens RLD has produced: one per tpot since it started (the first at started
     # + tpot, before this point); the epsilon keeps an exact multiple from rounding down.
     generated = min(req.output_tokens, max(1, int((env.now - started) / cfg.tpot_s + 1e-9)))
     handoff_start = env.now
-    with md.request() as md_slot:
-      yield md_slot
+    try:
       extend = generated / cfg.extend_tok_s
       if catch_up:  # RLD keeps going while MD extends; MD resumes where RLD stops
         caught = min(req.output_tokens, generated + int(extend / cfg.tpot_s))
@@ -337,6 +356,8 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
       out.relayed_tokens = generated
       out.handoff_s = env.now - handoff_start
       yield env.timeout(cfg.tpot_s * (req.output_tokens - generated))
+    finally:
+      md.release(md_slot)
     out.e2e_s = env.now - req.arrival
 
   for req in trace:
