@@ -367,5 +367,18 @@ def test_drive_stops_at_until_and_resumes_a_restored_engine(tmp_path):
     assert req.output == solo(FakeModel, list(spec.prompt), spec.max_new_tokens), spec.id
     if spec.id not in sent_before:
       assert req.metrics.arrival == spec.arrival_s, spec.id
+  # The resumed run's row covers its own window: the requests not ended at the
+  # restore, the tokens generated since, the time since.
+  row, first_row = bench.summarize(served), bench.summarize(first)
+  ended = {r.id for r in first.requests if r.state.done}
+  assert row["requests"] == len(work) - len(ended)
+  assert row["finished"] == len(work) - len(ended)
+  after = sum(len(by_id[s.id].output) for s in work) - sum(
+      len(r.output) for r in first.requests)
+  assert row["output_tokens"] == after
+  assert first_row["output_tokens"] + row["output_tokens"] == sum(
+      len(r.output) for r in served.requests)
+  assert row["duration_s"] == pytest.approx(served.end - served.resumed_at)
+  assert served.resumed_at == pytest.approx(first.end)
   with pytest.raises(ValueError, match="rollouts"):
     bench.drive(restored, [bench.Rollout("r", (1, 2), (2, 2), ((3,),))], resume=True)

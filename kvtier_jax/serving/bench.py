@@ -133,6 +133,10 @@ class Served:
   start: float
   end: float
   refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (id, why)
+  # ``resume``: the engine's time at the restore, and each restored request's
+  # (tokens in its output, done) then; ``summarize`` reports what came after.
+  resumed_at: float | None = None
+  at_resume: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
 
 
 def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
@@ -166,6 +170,8 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
   order = len(workload)
   outstanding: dict[str, tuple[Request, Rollout | None, int]] = {}
   sent: list[Request] = list(engine.requests.values()) if resume else []
+  resumed_at = engine.now() if resume else None
+  at_resume = {r.id: (len(r.output), r.state.done) for r in sent}
   for req in sent:
     if not req.state.done:
       outstanding[req.id] = (req, None, 0)
@@ -228,7 +234,7 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
         pending.append((send, order, rollout.turn(turn + 1, history, send), rollout,
                         turn + 1))
         order += 1
-  return Served(sent, steps, start, engine.now(), refused)
+  return Served(sent, steps, start, engine.now(), refused, resumed_at, at_resume)
 
 
 # Metrics -----------------------------------------------------------------------
@@ -245,17 +251,30 @@ def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
 
 def summarize(served: Served, *, host_page_bytes: int = 0,
               slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
-  """One flat row of serving metrics (latencies in ms, bytes in MiB)."""
-  reqs, steps = served.requests, served.steps
+  """One flat row of serving metrics (latencies in ms, bytes in MiB).
+
+  A resumed run (``drive(resume=True)``) reports its own window, from the restore
+  on: the requests that had not ended by then and the tokens generated since
+  (the run that saved the snapshot reported the rest).
+  """
+  steps = served.steps
+  if served.resumed_at is None:
+    reqs, begin, before = served.requests, served.start, {}
+  else:
+    reqs = [r for r in served.requests if not served.at_resume.get(r.id, (0, False))[1]]
+    begin = served.resumed_at
+    before = {rid: tokens for rid, (tokens, _) in served.at_resume.items()}
   done = [r for r in reqs if r.state is State.FINISHED]
   per = [r.metrics.summary() for r in done]
-  duration = max(served.end - served.start, 1e-9)
+  duration = max(served.end - begin, 1e-9)
   prompt_tokens = sum(len(r.prompt) for r in done)
-  # Generated here: an accepted handoff's relayed tokens are the sender's output.
-  # Requests still running (a run cut at a deadline) generated theirs in the
-  # window too; failed and aborted ones are left out.
+  # Generated here: an accepted handoff's relayed tokens are the sender's output,
+  # a restored request's earlier tokens the saved run's. Requests still running (a
+  # run cut at a deadline) generated theirs in the window too; failed and aborted
+  # ones are left out.
   running = [r for r in reqs if not r.state.done]
-  output_tokens = sum(len(r.output) - r.relayed for r in done + running)
+  output_tokens = sum(len(r.output) - max(r.relayed, before.get(r.id, 0))
+                      for r in done + running)
   # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
   decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
 
