@@ -51,6 +51,10 @@ class ImplConfig:
       between its start and done); the rows then go to their slots as the
       host-gather path's do. Interpreted (off GPU) the same staging kernel runs
       inline. None: the in-place zero-copy fetch.
+    slice_layer_inputs: ``decode_step`` slices each layer's q / k / v as
+      ``lax.scan`` does, which splits a layer's CUDA graph
+      (``kvtier_jax/layer_scan.py``), instead of picking them; for measuring that
+      split on a device. Always so with ``fetch_stream``.
   """
 
   resolve: str = "auto"
@@ -61,6 +65,7 @@ class ImplConfig:
   fetch_chunk: int | None = None
   fused: bool = False
   fetch_stream: int | None = None
+  slice_layer_inputs: bool = False
 
   def __post_init__(self):
     for name in ("resolve", "attention", "fetch"):

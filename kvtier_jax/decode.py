@@ -216,7 +216,8 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
   firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
   carry, out = layer_scan.scan_layers(
       body, begin_step(cfg, carry), (firsts, group(q), group(k_new), group(v_new),
-                                     group(x)), pick=cfg.impl.fetch_stream is None)
+                                     group(x)),
+      pick=not cfg.impl.slice_layer_inputs and cfg.impl.fetch_stream is None)
   return out.reshape((cfg.num_layers,) + out.shape[2:]), commit_step(carry)
 
 
