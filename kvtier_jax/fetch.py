@@ -177,14 +177,20 @@ def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_
 
 
 def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, selected,
-                         slot, is_miss) -> MissRows:
+                         slot, is_miss, during=None):
   """Zero-copy gather of one layer's missed rows into a staging buffer (Pallas).
 
   With ``cfg.impl.fetch_stream`` = N (compiled, not interpreted) the kernel runs on
   CUDA stream N (``on_stream``): XLA makes the streamed call an async
-  ``call-start`` / ``call-done`` pair and schedules the independent work that
-  follows (the hit attention) between them. The ``pinned_host`` operands pass
-  into the call without a copy (experiments/hlo_audit.py checks both).
+  ``call-start`` / ``call-done`` pair. The ``pinned_host`` operands pass into the
+  call without a copy (experiments/hlo_audit.py checks both).
+
+  ``during``: ``(fn, x)``, work to run while the rows are in flight (the hit
+  attention of query ``x``); returns ``(rows, fn(x))``. ``fn`` waits for the
+  gather's operands and the rows are sliced only after ``fn``'s result exists:
+  XLA issues an async start as early as its operands allow and its done as late
+  as its users do (jax >= 0.11 gives the streamed call no scheduler hint), so
+  ``fn`` runs between them.
   """
   from pallas_kernels.fetch import BlockSizes, gather_rows_call
   blocks = BlockSizes()
@@ -193,8 +199,14 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
   gather = functools.partial(gather_rows_call, block_sizes=blocks, interpret=interpret)
   if cfg.impl.fetch_stream is not None and not interpret:
     gather = on_stream(gather, cfg.impl.fetch_stream)
-  rows = gather(plan.src, plan.count, host_k, host_v)  # [2, N, Hg, D]: K, V
-  return MissRows(plan.dest, rows[0], rows[1], plan.count, plan.lane)
+  staged = gather(plan.src, plan.count, host_k, host_v)  # [2, N, Hg, D]: K, V
+  result = None
+  if during is not None:
+    fn, x = during
+    x, _ = jax.lax.optimization_barrier((x, (plan.src, plan.count)))
+    result, staged = jax.lax.optimization_barrier((fn(x), staged))
+  rows = MissRows(plan.dest, staged[0], staged[1], plan.count, plan.lane)
+  return rows if during is None else (rows, result)
 
 
 def on_stream(fn, stream: int):

@@ -413,23 +413,21 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
   hot_k = fetch.scatter_rows(hot_k, dest, new_k)  # newest -> slot B (+ install slot)
   hot_v = fetch.scatter_rows(hot_v, dest, new_v)
   hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
-  out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   zero_copy = common.use_kernel(cfg.impl.fetch, "fetch")
-  if zero_copy and cfg.impl.fetch_stream is None:
+  streamed = zero_copy and cfg.impl.fetch_stream is not None
+  if not streamed:
+    out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
+  if zero_copy and not streamed:
     hot_k, hot_v, moved = fetch.fetch_misses_kernel(
         cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
                                            jnp.where(is_miss, res.slot, EMPTY))
   else:
-    if zero_copy:  # staged, on its own stream (ImplConfig.fetch_stream)
-      rows = fetch.gather_misses_kernel(cfg, host_k, host_v, pages, layer, selected,
-                                        res.slot, is_miss)
-      # Nothing reads the staged rows before the hit partial exists, so XLA's
-      # scheduler (bottom-up) issues the gather's done after the hit attention
-      # and its start before it: the attention runs while the rows are in flight.
-      out_h, lse_h, rows_k, rows_v = jax.lax.optimization_barrier(
-          (out_h, lse_h, rows.k, rows.v))
-      rows = rows._replace(k=rows_k, v=rows_v)
+    if streamed:  # staged, on its own stream (ImplConfig.fetch_stream)
+      hits = lambda q_: attention.hot_attention(cfg, q_, hot_k, hot_v, layer, hit_slot)
+      rows, (out_h, lse_h) = fetch.gather_misses_kernel(
+          cfg, host_k, host_v, pages, layer, selected, res.slot, is_miss,
+          during=(hits, q))
     else:
       rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
                                  is_miss, first_chunk_always=True)

@@ -10,9 +10,11 @@ index) are picked by a masked integer sum instead: one fusion inside the graph,
 bit for bit ``xs[i]``.
 
 One exception: with the miss gather on its own stream (``ImplConfig.fetch_stream``)
-XLA 0.11.2's scheduler, which jax gives no hint there, put the gather's start and
-done back to back once the slices were gone (deviceless: 0 ops between them, 3
-before); that step keeps the scan's slices.
+XLA 0.11.2's scheduler, which jax gives no hint there, put the hit attention
+outside the gather's start and done once the slices were gone (deviceless, the
+audit's 32K shape: 0 ops between them), even with the attention tied to the
+gather's operands and result (``fetch.gather_misses_kernel``'s ``during``); that
+step keeps the scan's slices (5 ops between them, the attention among them).
 """
 
 from __future__ import annotations
