@@ -187,10 +187,11 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
 
   ``during``: ``(fn, x)``, work to run while the rows are in flight (the hit
   attention of query ``x``); returns ``(rows, fn(x))``. ``fn`` waits for the
-  gather's operands and the rows are sliced only after ``fn``'s result exists:
-  XLA issues an async start as early as its operands allow and its done as late
-  as its users do (jax >= 0.11 gives the streamed call no scheduler hint), so
-  ``fn`` runs between them.
+  gather's operands and the rows are sliced only after ``fn``'s result exists, so
+  the gather's start can always precede ``fn`` and its done must follow it. jax
+  >= 0.11 gives the streamed call no scheduler hint, so where the start goes is
+  still XLA's choice (deviceless, both versions: between them; WORKSPACE_NOTES.md,
+  seventeenth session).
   """
   from pallas_kernels.fetch import BlockSizes, gather_rows_call
   blocks = BlockSizes()
