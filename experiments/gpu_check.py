@@ -420,7 +420,8 @@ def run_fused():
               ("tiered_overlap_fetch_stream_1",
                dict(overlap_hit_miss=True, impl=ImplConfig(fetch_stream=1)))]
   # The layer's inputs sliced as lax.scan does (a CUDA graph split per layer,
-  # deviceless) against the default pick (one graph): the newest, timed third.
+  # deviceless) against the default pick (one graph): the newest, timed right
+  # after the default and fused steps.
   variants[3:3] = [
       ("tiered_sliced_inputs", dict(impl=ImplConfig(slice_layer_inputs=True))),
       ("tiered_fused_sliced_inputs",

@@ -51,8 +51,8 @@ class ImplConfig:
       between its start and done); the rows then go to their slots as the
       host-gather path's do. Interpreted (off GPU) the same staging kernel runs
       inline. None: the in-place zero-copy fetch.
-    slice_layer_inputs: ``decode_step`` slices each layer's q / k / v as
-      ``lax.scan`` does, which splits a layer's CUDA graph
+    slice_layer_inputs: ``decode_step`` slices each layer's inputs (q / k / v,
+      the layer index, x) as ``lax.scan`` does, which splits a layer's CUDA graph
       (``kvtier_jax/layer_scan.py``), instead of picking them; for measuring that
       split on a device. Always so with ``fetch_stream``.
   """

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +177,7 @@ def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_
 
 
 def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, selected,
-                         slot, is_miss, during=None):
+                         slot, is_miss, during=None) -> MissRows | tuple[MissRows, Any]:
   """Zero-copy gather of one layer's missed rows into a staging buffer (Pallas).
 
   With ``cfg.impl.fetch_stream`` = N (compiled, not interpreted) the kernel runs on
@@ -187,11 +187,11 @@ def gather_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, layer, sel
 
   ``during``: ``(fn, x)``, work to run while the rows are in flight (the hit
   attention of query ``x``); returns ``(rows, fn(x))``. ``fn`` waits for the
-  gather's operands and the rows are sliced only after ``fn``'s result exists, so
-  the gather's start can always precede ``fn`` and its done must follow it. jax
-  >= 0.11 gives the streamed call no scheduler hint, so where the start goes is
-  still XLA's choice (deviceless, both versions: between them; WORKSPACE_NOTES.md,
-  seventeenth session).
+  gather's operands, and the staged rows are read only after ``fn``'s result
+  exists: nothing keeps ``fn`` out of the gather's window. Where XLA puts the
+  start and done is still its choice (jax >= 0.11 gives the streamed call no
+  scheduler hint; deviceless, both versions: ``fn`` between them,
+  WORKSPACE_NOTES.md, seventeenth session).
   """
   from pallas_kernels.fetch import BlockSizes, gather_rows_call
   blocks = BlockSizes()

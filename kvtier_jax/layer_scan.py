@@ -29,6 +29,10 @@ def pick_layer(xs, i):
   """``xs[i]`` bit for bit (NaN payloads and -0.0 included): the masked sum has one
   non-zero term, taken over the values' bits. Reads all of ``xs``: for small
   per-layer inputs, not weights."""
+  kind = jnp.iinfo if jnp.issubdtype(xs.dtype, jnp.integer) else jnp.finfo
+  bits = 8 if xs.dtype == jnp.bool_ else kind(xs.dtype).bits  # int4: 4 in a byte
+  if jnp.issubdtype(xs.dtype, jnp.complexfloating) or bits != 8 * xs.dtype.itemsize:
+    raise TypeError(f"pick_layer takes whole-byte real or bool arrays, not {xs.dtype}")
   mask = (jnp.arange(xs.shape[0]) == i).reshape((-1,) + (1,) * (xs.ndim - 1))
   if xs.dtype == jnp.bool_:
     return jnp.where(mask, xs, False).any(0)
@@ -44,7 +48,10 @@ def scan_layers(body, carry, xs, pick: bool = True):
   body's own slices at that index into address-only fusions too."""
   if not pick:
     return jax.lax.scan(body, carry, xs)
-  num = jax.tree.leaves(xs)[0].shape[0]
+  lengths = {a.shape[0] for a in jax.tree.leaves(xs)}
+  if len(lengths) != 1:
+    raise ValueError(f"the inputs have {sorted(lengths)} layers, not one count")
+  num = lengths.pop()
 
   def trip(carry_i, _):
     carry, i = carry_i

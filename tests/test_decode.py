@@ -76,6 +76,26 @@ def test_streamed_zero_copy_gather_is_the_host_gather_path():
     ImplConfig(fetch="xla", fetch_stream=1)
 
 
+@pytest.mark.parametrize("index_share", [1, 2])
+def test_picked_layer_inputs_are_the_sliced_ones(index_share):
+  """The layer loop's inputs picked by a masked integer sum (the default: one CUDA
+  graph per layer) or sliced as ``lax.scan`` does (``slice_layer_inputs``): the
+  same outputs and cache, bit for bit, with and without index sharing."""
+  seed = int(np.random.default_rng().integers(2**31))
+  harnesses = [Harness(make_cfg(index_share=index_share,
+                                impl=ImplConfig(slice_layer_inputs=sliced)),
+                       [40, 100, 7], seed=seed) for sliced in (False, True)]
+  cfg, rng = harnesses[0].cfg, np.random.default_rng(seed + 1)
+  for _ in range(12):
+    sel = draw_selection(rng, cfg, harnesses[0].decoder.seq_len, harnesses[0].prev)
+    for layer in range(cfg.num_layers):  # the shared layers attend their anchor's
+      sel[layer] = sel[layer - layer % index_share]
+    (out_a, ref), (out_b, _) = (h.step(sel.copy()) for h in harnesses)
+    np.testing.assert_allclose(out_a, ref, atol=1e-5, rtol=1e-6)
+    np.testing.assert_array_equal(out_b, out_a)
+  assert_same(*(snapshot(h.state) for h in harnesses))
+
+
 def test_resolve_lookup_changes_nothing_in_the_step():
   """The map and search lookups give the same metadata, exactly."""
   seed = int(np.random.default_rng().integers(2**31))

@@ -140,7 +140,7 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   assert {"full_kv", "tiered", "tiered_fused", "tiered_overlap_fetch_stream_1"} <= timed
   built = {r["variant"] for r in rows if r.get("config") == "valid"}
   assert {"tiered_fused_xla_attention", "tiered_fused_index_share_2", "tiered_fused_rank",
-          "tiered_overlap"} <= built
+          "tiered_overlap", "tiered_sliced_inputs", "tiered_fused_sliced_inputs"} <= built
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
   # Off GPU the triton section says why it did not time (no jax-triton, or no GPU).

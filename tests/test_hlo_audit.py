@@ -206,7 +206,6 @@ def test_graph_launches_count_a_command_buffer_once():
   assert hlo_audit.layer_loop_graph_launches(flat) == (2, 2)
 
 
-
 @pytest.mark.parametrize("step", ["GPU default", "fused", "full KV", "sliced inputs"])
 def test_each_layer_runs_as_one_cuda_graph(step):
   """With XLA's default command buffers, a layer of the compiled step is two

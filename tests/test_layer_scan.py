@@ -51,3 +51,16 @@ def test_scan_layers_is_lax_scan():
   got = jax.jit(lambda c, x: layer_scan.scan_layers(body, c, x))(jnp.float32(1), xs)
   for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.complex64])
+def test_pick_layer_refuses_what_it_cannot_pick_bit_for_bit(dtype):
+  with pytest.raises(TypeError, match="whole-byte"):
+    layer_scan.pick_layer(jnp.zeros((3, 2), dtype), 1)
+
+
+def test_scan_layers_refuses_inputs_of_different_layer_counts():
+  """``lax.scan`` refuses them; picking by the first input's count would drop a
+  longer input's last layers or read zeros past a shorter one's."""
+  with pytest.raises(ValueError, match="layers"):
+    layer_scan.scan_layers(lambda c, x: (c, x[0]), 0, (jnp.zeros(4), jnp.zeros(3)))

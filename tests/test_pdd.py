@@ -173,7 +173,33 @@ def test_the_relay_estimate_counts_the_bytes_queued_ahead():
            for i, (t, n) in enumerate([(0.0, 20_000), (0.001, 30_000), (0.05, 1_000)])]
   one, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=1, md_slots=8,
                                                     rld_slots=8))
-  assert one[2].relayed
+  assert one[2].relayed and one[2].transfer_s > 0.9
   many, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=16, md_slots=8,
                                                      rld_slots=8))
   assert not many[2].relayed
+
+
+def test_the_relay_estimate_waits_for_the_first_connection_to_free():
+  """Two connections, a 0.5 s budget. X (10 MB, on the line from 0.04 s) and Y
+  (100 MB, from 0.131 s) hold both when Z (1 MB) is ready at 0.301 s; X has ~1.2 MB
+  left at 25 MB/s: a connection frees in ~0.05 s and Z's transfer takes ~0.12 s,
+  so Z is not relayed (waiting for all ~97 MB on the line read 2 s: relayed)."""
+  trace = [pdd_sim.TraceRequest(arrival=t, session=i, input_tokens=n, cached_tokens=0,
+                                output_tokens=5)
+           for i, (t, n) in enumerate([(0.0, 10_000), (0.001, 100_000), (0.3, 1_000)])]
+  out, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=2, md_slots=8,
+                                                    rld_slots=8, ttft_budget_s=0.5))
+  assert not out[2].relayed and out[2].transfer_s < 0.5
+
+
+def test_the_relay_estimate_counts_a_connection_held_through_its_round_trip():
+  """One connection, taken by X (20 MB) at 0.02 s, in its 30 ms round trip until
+  0.05 s, its bytes not on the line yet. Z (1 MB) is ready at 0.031 s and must
+  wait ~0.4 s for X: it is relayed (counting only the bytes on the line, the
+  estimate read 0.05 s)."""
+  trace = [pdd_sim.TraceRequest(arrival=t, session=i, input_tokens=n, cached_tokens=0,
+                                output_tokens=5)
+           for i, (t, n) in enumerate([(0.0, 20_000), (0.03, 1_000)])]
+  out, _ = pdd_sim.simulate(trace, _one_md_slot_cfg(wan_connections=1, md_slots=8,
+                                                    rld_slots=8))
+  assert out[1].relayed and out[1].transfer_s > 0.4

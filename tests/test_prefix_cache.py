@@ -702,28 +702,29 @@ def test_a_disk_loads_compile_is_not_its_measured_cost(tmp_path):
 
 
 class CompilingPrefillModel(PoisoningModel):
-  """Its first prefill of each chunk size stalls, as a jit compile does."""
+  """Its first prefill of each chunk shape stalls, as a jit compile does (the
+  serving backend pads every chunk to one shape, its count traced)."""
 
   stall_s: float = 0.3
 
   def prefill(self, state, slot, tokens, start, count):
-    seen = state.setdefault("prefill_sizes", set())
-    if count not in seen:
-      seen.add(count)
+    seen = state.setdefault("prefill_shapes", set())
+    if len(tokens) not in seen:
+      seen.add(len(tokens))
       time.sleep(self.stall_s)
     return super().prefill(state, slot, tokens, start, count)
 
 
 def test_a_prefills_compile_is_not_its_measured_cost(tmp_path):
-  """The prefill cost "auto" weighs a disk load against skips each chunk size's
+  """The prefill cost "auto" weighs a disk load against skips a chunk shape's
   first run (a compile): with it, the measure read a 0.3 s stall spread over the
-  few tokens timed, and "auto" loaded where recomputing wins."""
+  tokens timed, and "auto" loaded where recomputing wins."""
   rng = np.random.default_rng()
   engine, _ = run_with_prefix_cache(rng, 60, pages=24, model=CompilingPrefillModel,
                                     disk_pages=20, disk_dir=str(tmp_path),
                                     disk_policy="auto")
-  assert engine.state["prefill_sizes"] and engine._prefill_timed_tokens > 0
-  assert engine._prefill_seconds < 0.3 * 0.5  # not one stall of 0.3 s is in it
+  assert engine.state["prefill_shapes"] and engine._prefill_timed_tokens > 0
+  assert engine._prefill_seconds < 0.3 * 0.5  # the stall of 0.3 s is not in it
 
 
 def test_a_requests_cached_tokens_are_its_first_admissions():

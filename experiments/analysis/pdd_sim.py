@@ -5,15 +5,15 @@ Prefill (P) runs in datacenter A; MainDecode (MD) in datacenter B keeps a Decode
 Radix Cache, so P sends it only the increment of each prompt (the tokens beyond
 MD's cached prefix) over a WAN link: a pool of TCP connections sharing the line
 fairly. RelayDecode (RLD) sits beside P behind RDMA: a request whose increment
-would take too long over the WAN (the trigger in docs/DESIGN.md: estimated transfer > the
-TTFT budget, and RLD has a free slot) starts decoding on RLD at once while the WAN
-transfer runs; once it has landed and MD has a slot for the request (RLD decodes on
-until then), RLD sends MD the generated token ids and MD rebuilds their KV with one
+would take too long over the WAN (the trigger in docs/DESIGN.md: estimated transfer
+> the TTFT budget, and RLD has a free slot; the estimate waits for a connection to
+free when every one is taken) starts decoding on RLD at once while the WAN transfer
+runs; once it has landed and MD has a slot for the request (RLD decodes on until
+then), RLD sends MD the generated token ids and MD rebuilds their KV with one
 extend (Extend-Decode handoff: Catch-Up while RLD is lightly loaded, RLD keeps
 decoding until MD has caught up; One-Shot otherwise, RLD stops at once). MD always
-finishes the request (DRC consistency). A relay is triggered by an estimate of the
-transfer that counts the bytes ahead of it when every connection is taken. Conventional cross-DC PD
-is the same system without RLD.
+finishes the request (DRC consistency). Conventional cross-DC PD is the same system
+without RLD.
 
 Per-request increments come from the real radix cache (``RadixCache``) replaying a
 generated agentic trace in chunks of ``chunk`` tokens; step costs from
@@ -167,10 +167,10 @@ class FairLink:
         self.active[event] -= moved
     self._last = self.env.now
 
-  def backlog(self) -> float:
-    """Bytes the transfers on the line still have to move."""
+  def remaining(self) -> list[float]:
+    """Bytes each transfer on the line still has to move."""
     self._advance()
-    return sum(self.active.values())
+    return list(self.active.values())
 
   def send(self, nbytes: float) -> simpy.Event:
     """An event that fires when ``nbytes`` have crossed."""
@@ -249,7 +249,8 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
   md = simpy.Resource(env, cfg.md_slots)
   rld = simpy.Resource(env, cfg.rld_slots)
   busy = {"area": 0.0, "last": 0.0, "end": 0.0}
-  queued = {"bytes": 0.0}  # pieces waiting for a connection
+  queued: list[float] = []  # bytes of the pieces waiting for a connection, in order
+  in_rtt: list[float] = []  # bytes of the pieces holding one, in their round trip
   outcomes = []
 
   def conn_level():
@@ -267,29 +268,44 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
       asked = env.now
       piece = min(left, chunk)
       conn_level()
-      queued["bytes"] += piece
+      queued.append(piece)
       with pool.request() as conn:
         yield conn
-        queued["bytes"] -= piece
+        queued.remove(piece)  # the first of its size: FIFO grants
         conn_level()
         out.conn_wait_s += env.now - asked
         if first:
+          in_rtt.append(piece)
           yield env.timeout(cfg.wan_rtt_s)
+          in_rtt.remove(piece)
         yield wan.send(piece)
         left -= piece
         first = False
         conn_level()
     out.transfer_s = env.now - start
 
+  rate = cfg.wan_gbps * GBPS
+  flow_cap = cfg.wan_flow_gbps * GBPS if cfg.wan_flow_gbps else math.inf
+
+  def connection_wait() -> float:
+    """Until a connection frees for a new transfer: the pieces holding one finish
+    smallest first at fair shares (those in their round trip as if sending), and
+    each freed connection goes to the next piece queued ahead."""
+    if pool.count < cfg.wan_connections:
+      return 0.0
+    flows, ahead, wait = sorted(wan.remaining() + in_rtt), list(queued), 0.0
+    while flows:
+      per_flow = min(rate / len(flows), flow_cap)
+      wait += flows[0] / per_flow
+      flows = [left - flows[0] for left in flows[1:]]
+      if not ahead:
+        break
+      flows = sorted(flows + [ahead.pop(0)])
+    return wait
+
   def estimate_transfer(nbytes) -> float:
-    flows = len(wan.active) + 1
-    share = cfg.wan_gbps * GBPS / max(1, min(flows, cfg.wan_connections))
-    if cfg.wan_flow_gbps:
-      share = min(share, cfg.wan_flow_gbps * GBPS)
-    # With every connection taken it first waits for the line to move what is
-    # ahead of it: the pieces queued for a connection and what the flows still send.
-    ahead = queued["bytes"] + wan.backlog() if pool.count >= cfg.wan_connections else 0.0
-    return cfg.wan_rtt_s + nbytes / share + ahead / (cfg.wan_gbps * GBPS)
+    share = min(rate / max(1, min(len(wan.active) + 1, cfg.wan_connections)), flow_cap)
+    return cfg.wan_rtt_s + connection_wait() + nbytes / share
 
   def request(req: TraceRequest):
     out = Outcome(req)
@@ -328,7 +344,8 @@ def simulate(trace: list[TraceRequest], cfg: SystemConfig) -> tuple[list[Outcome
     if transfer.triggered:
       md_slot = md.request()
       yield md_slot | finished_on_rld
-    if finished_on_rld.triggered and not (md_slot and md_slot.triggered):
+    # (A timeout counts as triggered once made: ``processed`` is "it has fired".)
+    if finished_on_rld.processed and not (md_slot and md_slot.processed):
       # All tokens came from RLD; MD still ends the request (its radix cache).
       rld.release(slot)
       out.e2e_s, out.mode = env.now - req.arrival, "finished on RLD"

@@ -192,7 +192,7 @@ class Engine:
     self.disk_recomputed_tokens = 0  # found on disk but recomputed (disk_policy)
     self.imported_tokens = 0  # positions whose K/V came with a handoff
     self._prefill_seconds = self._prefill_timed_tokens = 0.0
-    self._prefill_sizes: set[int] = set()  # chunk sizes prefilled (compiled) once
+    self._prefill_shapes: set[int] = set()  # chunk lengths prefilled (compiled) once
     self._load_sizes: set[int] = set()  # page counts loaded from disk so far
     self.slots: list[Request | None] = [None] * model.num_slots
     self.waiting: collections.deque[Request] = collections.deque()
@@ -760,10 +760,10 @@ class Engine:
       self.state, logits = self.model.prefill(self.state, req.slot, tokens, start, count)
       if timed:  # the cost a disk load is weighed against: the logits and the writes
         self.state, logits = jax.block_until_ready((self.state, logits))
-        if count in self._prefill_sizes:  # a chunk size's first run compiles
+        if len(tokens) in self._prefill_shapes:  # a chunk shape's first run compiles
           self._prefill_seconds += time.perf_counter() - began
           self._prefill_timed_tokens += count
-        self._prefill_sizes.add(count)
+        self._prefill_shapes.add(len(tokens))
       req.cached = req.staged = req.cached + count
       budget -= chunk
       ran += count
