@@ -30,8 +30,8 @@ def pick_layer(xs, i):
   non-zero term, taken over the values' bits. Reads all of ``xs``: for small
   per-layer inputs, not weights."""
   kind = jnp.iinfo if jnp.issubdtype(xs.dtype, jnp.integer) else jnp.finfo
-  bits = 8 if xs.dtype == jnp.bool_ else kind(xs.dtype).bits  # int4: 4 in a byte
-  if jnp.issubdtype(xs.dtype, jnp.complexfloating) or bits != 8 * xs.dtype.itemsize:
+  width = 8 if xs.dtype == jnp.bool_ else kind(xs.dtype).bits  # int4: 4 in a byte
+  if jnp.issubdtype(xs.dtype, jnp.complexfloating) or width != 8 * xs.dtype.itemsize:
     raise TypeError(f"pick_layer takes whole-byte real or bool arrays, not {xs.dtype}")
   mask = (jnp.arange(xs.shape[0]) == i).reshape((-1,) + (1,) * (xs.ndim - 1))
   if xs.dtype == jnp.bool_:
