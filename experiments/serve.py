@@ -130,12 +130,13 @@ def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
 
 def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   full = bench.summarize(served, host_page_bytes=engine.model.host_page_bytes)
-  hits = [r.metrics.cached_tokens / len(r.prompt) for r in served.requests
+  window = bench.window_requests(served)  # after a restore: since then
+  hits = [r.metrics.cached_tokens / len(r.prompt) for r in window
           if r.metrics.cached_tokens is not None]
   hit_quantiles = {f"hit_p{q}": float(np.percentile(hits, q)) if hits else None
                    for q in (10, 50, 90)}
   computed = sum(s["prefill_tokens"] for s in served.steps)
-  prompt_tokens, cached_tokens = bench.first_admission_tokens(served.requests)
+  prompt_tokens, cached_tokens = bench.first_admission_tokens(window)
   ms = lambda v: None if v is None else v / 1e3
   return dict(cache=cache, requests=full["requests"], finished=full["finished"],
               refused=full["refused"],

@@ -371,6 +371,7 @@ def test_drive_stops_at_until_and_resumes_a_restored_engine(tmp_path):
   # restore, the tokens generated since, the time since.
   row, first_row = bench.summarize(served), bench.summarize(first)
   ended = {r.id for r in first.requests if r.state.done}
+  assert {r.id for r in bench.window_requests(served)} == {w.id for w in work} - ended
   assert row["requests"] == len(work) - len(ended)
   assert row["finished"] == len(work) - len(ended)
   after = sum(len(by_id[s.id].output) for s in work) - sum(

@@ -249,6 +249,12 @@ def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
               p90=float(np.percentile(vals, 90)), p99=float(np.percentile(vals, 99)))
 
 
+def window_requests(served: Served) -> list[Request]:
+  """The requests a run's metrics cover: all it sent, or after a restore those
+  that had not ended by then."""
+  return [r for r in served.requests if not served.at_resume.get(r.id, (0, False))[1]]
+
+
 def summarize(served: Served, *, host_page_bytes: int = 0,
               slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
   """One flat row of serving metrics (latencies in ms, bytes in MiB).
@@ -257,13 +263,9 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
   on: the requests that had not ended by then and the tokens generated since
   (the run that saved the snapshot reported the rest).
   """
-  steps = served.steps
-  if served.resumed_at is None:
-    reqs, begin, before = served.requests, served.start, {}
-  else:
-    reqs = [r for r in served.requests if not served.at_resume.get(r.id, (0, False))[1]]
-    begin = served.resumed_at
-    before = {rid: tokens for rid, (tokens, _) in served.at_resume.items()}
+  steps, reqs = served.steps, window_requests(served)
+  begin = served.start if served.resumed_at is None else served.resumed_at
+  before = {rid: tokens for rid, (tokens, _) in served.at_resume.items()}
   done = [r for r in reqs if r.state is State.FINISHED]
   per = [r.metrics.summary() for r in done]
   duration = max(served.end - begin, 1e-9)
