@@ -18,6 +18,8 @@ import jax
 from jax._src.lib import xla_client as xc
 from jax.experimental import topologies
 
+from pallas_kernels import common
+
 TARGET_CONFIG = pathlib.Path(__file__).with_name("h200_target_config.txtpb")
 
 
@@ -50,7 +52,9 @@ def h200_node(num_devices: int = 8):
 def lower_for_cuda(fn, *args, **kwargs):
   """``jax.jit``-lower ``fn`` for CUDA (no compile). ``fn`` may already be jitted."""
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-  with h200_lowering():  # jax >= 0.11 keys the kernels' target on the trace
+  # jax >= 0.11 keys the kernels' target on the trace; the library's own
+  # backend choices (``common.on_gpu``) must be the GPU's too.
+  with h200_lowering(), common.tracing_for_gpu():
     return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
 
 

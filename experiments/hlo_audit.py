@@ -53,6 +53,7 @@ from models import backends
 from models import cache as cache_lib
 from models.config import ModelConfig
 from models.transformer import Transformer, apply_prefill_with_inputs
+from pallas_kernels import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Small shapes (tests).")
@@ -523,9 +524,10 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   step = jax.shard_map(functools.partial(decode.decode_step, local, selector), mesh=mesh,
                        in_specs=(specs, rows, rows, rows), out_specs=(rows, specs),
                        check_vma=False)
-  hlo = jax.jit(step, donate_argnums=(0,)).trace(
-      state, sds(cfg.num_q_heads), sds(cfg.num_kv_heads), sds(cfg.num_kv_heads)).lower(
-          lowering_platforms=("cuda",)).compile().as_text()
+  with common.tracing_for_gpu():
+    hlo = jax.jit(step, donate_argnums=(0,)).trace(
+        state, sds(cfg.num_q_heads), sds(cfg.num_kv_heads), sds(cfg.num_kv_heads)).lower(
+            lowering_platforms=("cuda",)).compile().as_text()
   shape = kv_state.host_tier_shape(local)
   whole = list(shape)
   whole[1] *= data

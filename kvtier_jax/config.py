@@ -35,9 +35,11 @@ class ImplConfig:
     interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
     fetch_chunk: rows per host gather of the XLA fetch; misses take
       ``ceil(misses / fetch_chunk)`` gathers. None: on a GPU ``max(16, k // 8)``
-      (an eighth of a selection: miss rates of 5-15% take one or two gathers);
-      elsewhere every lane in one gather, as the host tier is ordinary memory there
-      (a loop of small gathers into a staging buffer cost the CPU step ~15%).
+      (an eighth of a selection); elsewhere ``max(16, R * U * k // 8)``, an eighth
+      of a layer's lanes, where miss rates of 5-15% take one or two gathers, each
+      scattered straight into the hot cache (``fetch.fetch_misses``; one gather
+      of every lane cost the CPU step ~7% more, and a loop into a staging
+      buffer ~15%).
     fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
       writes and the metadata commit of a layer in two Pallas kernels
       (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
@@ -234,7 +236,7 @@ class TierConfig:
   def fetch_rows_per_chunk(self) -> int:
     lanes = self.num_requests * self.num_units * self.top_k
     if self.impl.fetch_chunk is None and not common.on_gpu():
-      return lanes
+      return min(max(16, lanes // 8), lanes)
     return min(self.impl.fetch_chunk or max(16, self.top_k // 8), lanes)
 
   @property

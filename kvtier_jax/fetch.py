@@ -119,8 +119,9 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
   The compacted plan is gathered in ``ceil(misses / C)`` host gathers of
   C = ``cfg.fetch_rows_per_chunk`` rows: zero misses, zero transfers. The rows land
   in a small device buffer; the caller scatters them into the hot cache right
-  before its other writes (in place). When C covers every lane (the default off
-  GPU) it is one unconditional gather instead.
+  before its other writes (in place). When C covers every lane it is one
+  unconditional gather instead. The overlapped attention reads the staged rows;
+  the other callers go through ``fetch_misses``.
 
   Args:
     host_k, host_v: [L, NH+1, Pg, U, Hg, D] host tier; page_table: i32[R, MP].
@@ -135,9 +136,8 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
   chunk = cfg.fetch_rows_per_chunk
   plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
   if chunk == plan.src.shape[0]:
-    # One chunk covers every lane (the default off GPU, where the host tier is
-    # ordinary memory and nothing crosses a link): gather them all at once, no
-    # loop, no staging buffer, no branch (each cost more than the padding lanes,
+    # One chunk covers every lane: gather them all at once, no loop, no staging
+    # buffer, no branch (each cost more than the padding lanes,
     # which re-read row (layer, 0, 0, 0) and are dropped by the scatter). Counted
     # as moved: the misses.
     rows_k, rows_v = gather_rows(host_k, host_v, plan.src)
@@ -161,6 +161,41 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
     num_chunks = jnp.maximum(num_chunks, 1)
   rows_k, rows_v = jax.lax.fori_loop(first, num_chunks, one_chunk, rows)
   return MissRows(plan.dest, rows_k, rows_v, num_chunks * chunk, plan.lane)
+
+
+def fetch_misses(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_v, layer,
+                 selected, slot, is_miss, first_chunk_always: bool = False):
+  """Fetch one layer's missed rows into their slots (XLA path).
+
+  On a GPU the rows are staged by ``gather_misses`` (its first chunk can run
+  asynchronously around independent work) and scattered. Elsewhere each chunk of
+  C = ``cfg.fetch_rows_per_chunk`` compacted lanes goes straight from the host
+  tier to its slots: ``ceil(misses / C)`` gather + scatter pairs (none without
+  misses), no staging buffer. Rows moved count the misses, as the zero-copy
+  kernel's do (nothing crosses a link here; the padding lanes' reads are
+  dropped). Gathering every lane in one go, as before, re-read a row per hit
+  (2048 lanes for ~270 misses in ``bench_decode``) and cost that step ~7% more
+  (WORKSPACE_NOTES.md, eighteenth session).
+
+  Returns (hot_k, hot_v, rows moved).
+  """
+  if common.on_gpu():
+    rows = gather_misses(cfg, host_k, host_v, page_table, layer, selected, slot,
+                         is_miss, first_chunk_always)
+    return (scatter_rows(hot_k, rows.dest, rows.k), scatter_rows(hot_v, rows.dest, rows.v),
+            rows.moved)
+  chunk = cfg.fetch_rows_per_chunk
+  plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
+
+  def one_chunk(i, hot):  # lanes [i * C, (i + 1) * C) of the plan: in range
+    src = jax.lax.dynamic_slice_in_dim(plan.src, i * chunk, chunk)
+    dest = jax.lax.dynamic_slice_in_dim(plan.dest, i * chunk, chunk)
+    rows_k, rows_v = gather_rows(host_k, host_v, src)
+    return scatter_rows(hot[0], dest, rows_k), scatter_rows(hot[1], dest, rows_v)
+
+  num_chunks = (plan.count + chunk - 1) // chunk
+  hot_k, hot_v = jax.lax.fori_loop(0, num_chunks, one_chunk, (hot_k, hot_v))
+  return hot_k, hot_v, plan.count
 
 
 def fetch_misses_kernel(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_v,

@@ -189,12 +189,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       hot_k, hot_v, moved = fetch.fetch_misses_kernel(
           cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     else:
-      rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
-                                 is_miss)
-      # Two scatters, no concatenation of the (mostly padding) fetched rows.
-      hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
-      hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
-      moved = rows.moved
+      hot_k, hot_v, moved = fetch.fetch_misses(cfg, host_k, host_v, pages, hot_k, hot_v,
+                                               layer, selected, res.slot, is_miss)
     hot_k = fetch.scatter_rows(hot_k, dest, new_k)
     hot_v = fetch.scatter_rows(hot_v, dest, new_v)
     out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
@@ -346,10 +342,8 @@ def _fetch_for_layer(cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, 
   if common.use_kernel(cfg.impl.fetch, "fetch"):
     return fetch.fetch_misses_kernel(cfg, host_k, host_v, pages, hot_k, hot_v, layer,
                                      selected, slot, is_miss)
-  rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, slot, is_miss,
-                             first_chunk_always=True)
-  return (fetch.scatter_rows(hot_k, rows.dest, rows.k),
-          fetch.scatter_rows(hot_v, rows.dest, rows.v), rows.moved)
+  return fetch.fetch_misses(cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected,
+                            slot, is_miss, first_chunk_always=True)
 
 
 def prefetch_resolve(cfg: TierConfig, slot_pos, lru, score, predicted, newest, ok=True,

@@ -14,6 +14,8 @@ available everywhere), ``"pallas"`` (the kernel; interpreted on CPU) and ``"auto
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -32,8 +34,24 @@ def check_impl(impl: str) -> None:
     raise ValueError(f"{impl=} must be one of {IMPLS}")
 
 
+_TRACING_FOR_GPU = [False]  # set by ``tracing_for_gpu``
+
+
 def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
+  """True on a GPU, or while tracing for one without it (``tracing_for_gpu``)."""
+  return _TRACING_FOR_GPU[0] or jax.default_backend() == "gpu"
+
+
+@contextlib.contextmanager
+def tracing_for_gpu():
+  """Pick the GPU's code paths while tracing on a machine without one: a
+  deviceless compile for an H200 must see what a GPU run traces, not the CPU's
+  choices. Fresh ``jax.jit``s only: a trace cached outside this context is reused."""
+  before, _TRACING_FOR_GPU[0] = _TRACING_FOR_GPU[0], True
+  try:
+    yield
+  finally:
+    _TRACING_FOR_GPU[0] = before
 
 
 # What "auto" picks on a GPU, per op: the faster of kernel and XLA as measured on an

@@ -59,8 +59,10 @@ def test_streamed_zero_copy_gather_is_the_host_gather_path():
   step, which attends over the same staged rows, and every cache array equal;
   both within tolerance of full-KV sparse attention. Bad configs refused."""
   seed = int(np.random.default_rng().integers(2**31))
-  impls = (ImplConfig.every("xla"), ImplConfig(resolve="xla", attention="xla",
-                                                fetch="pallas", fetch_stream=1))
+  # The host gather in one chunk of every lane (3 x 16): it then counts the misses
+  # as moved, as the kernel does (staged chunks count their padding).
+  impls = (ImplConfig.every("xla", fetch_chunk=48),
+           ImplConfig(resolve="xla", attention="xla", fetch="pallas", fetch_stream=1))
   harnesses = [Harness(make_cfg(impl=impl, overlap_hit_miss=True), [40, 100, 7],
                        seed=seed) for impl in impls]
   for _ in range(25):
@@ -766,22 +768,25 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
 
 def test_counters_and_the_prefetch_cap_from_hand_worked_values():
   """Values both sides of a comparison would share, checked from their definitions:
-  a chunked fetch counts whole chunks (padding crosses the link too), the bytes
-  are K and V rows, the lookahead fetches exactly ``lookahead_cap`` of more
-  predicted rows, and a keyed policy restarts a refilled slot's score at 1."""
+  a staged chunked fetch (the overlapped attention's host gather, first chunk
+  always) counts whole chunks (padding crosses the link too), the direct one
+  (off GPU) the misses, the bytes are K and V rows, the lookahead fetches
+  exactly ``lookahead_cap`` of more predicted rows, and a keyed policy restarts
+  a refilled slot's score at 1."""
   from kvtier_jax import layer as layer_lib
-  cfg = make_cfg(impl="xla", fetch_chunk=8)
-  h = Harness(cfg, [200, 260, 300], seed=1)
-  want = np.zeros(cfg.num_layers, np.int64)
-  for _ in range(4):
-    before = np.asarray(h.state.misses).sum((1, 2))
-    h.step()
-    misses = np.asarray(h.state.misses).sum((1, 2)) - before  # per layer, this step
-    want += -(-misses // 8) * 8
-  stats = kv_state.cache_stats(cfg, h.state)
-  assert stats["misses"] > 0 and stats["misses"] % 8  # some padding crossed
-  np.testing.assert_array_equal(np.asarray(h.state.fetched_rows), want)
-  assert stats["host_to_device_bytes"] == 2 * int(want.sum()) * cfg.row_bytes
+  for staged in (True, False):
+    cfg = make_cfg(impl="xla", fetch_chunk=8, overlap_hit_miss=staged)
+    h = Harness(cfg, [200, 260, 300], seed=1)
+    want = np.zeros(cfg.num_layers, np.int64)
+    for _ in range(4):
+      before = np.asarray(h.state.misses).sum((1, 2))
+      h.step()
+      misses = np.asarray(h.state.misses).sum((1, 2)) - before  # per layer, this step
+      want += np.maximum(1, -(-misses // 8)) * 8 if staged else misses
+    stats = kv_state.cache_stats(cfg, h.state)
+    assert stats["misses"] > 0 and stats["misses"] % 8  # some padding crossed
+    np.testing.assert_array_equal(np.asarray(h.state.fetched_rows), want, f"{staged=}")
+    assert stats["host_to_device_bytes"] == 2 * int(want.sum()) * cfg.row_bytes
   for policy in ("lru", "freq"):
     keyed = make_cfg(lookahead_cap=4, policy=PolicyConfig(policy))
     kp, vp = random_kv(np.random.default_rng(), keyed, 200)

@@ -1,9 +1,14 @@
-"""The hot-cache row scatter every unfused step ends with (kvtier_jax/fetch.py)."""
+"""The miss fetch and the hot-cache row scatter of the unfused step
+(kvtier_jax/fetch.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from kvtier_jax import fetch
+from kvtier_jax import fetch, state as kv_state
+from kvtier_jax.config import ImplConfig
+from tests.util import tier_cfg
 
 
 def _draw(rng, L=2, R=3, U=2, S=5, N=24, dropped=10):
@@ -49,3 +54,40 @@ def test_scatter_rows_writes_kept_lanes_and_drops_the_rest():
       want[l, r, u, s] = rows[lane]
   got = fetch.scatter_rows(jnp.asarray(hot), jnp.asarray(dest), jnp.asarray(rows))
   np.testing.assert_array_equal(np.asarray(got), want, seed)
+
+
+@pytest.mark.parametrize("fetch_chunk", [None, 5, 64])  # default, many chunks, one
+def test_fetch_misses_writes_exactly_the_missed_rows(fetch_chunk):
+  """Against numpy: each miss's host row (through the page table) lands in its
+  slot, in as many chunks as it takes (zero misses and every lane a miss
+  included); every other hot row, NaN-poisoned, is untouched."""
+  rng, seed = _rng()
+  cfg = tier_cfg(impl=ImplConfig(fetch="xla", fetch_chunk=fetch_chunk), page_size=8)
+  R, U, k, B = cfg.num_requests, cfg.num_units, cfg.top_k, cfg.hot_slots
+  state = kv_state.init_state(cfg)
+  host_k, host_v = (rng.standard_normal(state.host_k.shape).astype(np.float32)
+                    for _ in range(2))
+  hot_k, hot_v = (np.full(state.hot_k.shape, np.nan, np.float32) for _ in range(2))
+  table = np.asarray(state.page_table)
+  layer = int(rng.integers(cfg.num_layers))
+  selected = np.stack([np.stack([rng.choice(cfg.max_len, k, replace=False)
+                                 for _ in range(U)]) for _ in range(R)]).astype(np.int32)
+  selected[rng.random(selected.shape) < 0.1] = -1  # padding
+  slot = np.stack([np.stack([rng.permutation(B)[:k] for _ in range(U)])
+                   for _ in range(R)]).astype(np.int32)
+  for rate in (0.0, float(rng.uniform(0.05, 0.9)), 1.0):
+    is_miss = (rng.random(selected.shape) < rate) & (selected >= 0)
+    got_k, got_v, moved = jax.jit(fetch.fetch_misses, static_argnums=0)(
+        cfg, jnp.asarray(host_k), jnp.asarray(host_v), jnp.asarray(table),
+        jnp.asarray(hot_k), jnp.asarray(hot_v), jnp.int32(layer),
+        jnp.asarray(selected), jnp.asarray(slot), jnp.asarray(is_miss))
+    want_k, want_v = hot_k.copy(), hot_v.copy()
+    for r, u, j in zip(*np.nonzero(is_miss)):
+      pos = selected[r, u, j]
+      page, off = table[r, pos // cfg.page_size], pos % cfg.page_size
+      want_k[layer, r, u, slot[r, u, j]] = host_k[layer, page, off, u]
+      want_v[layer, r, u, slot[r, u, j]] = host_v[layer, page, off, u]
+    msg = f"{seed} rate={rate}"
+    np.testing.assert_array_equal(np.asarray(got_k), want_k, msg)
+    np.testing.assert_array_equal(np.asarray(got_v), want_v, msg)
+    assert int(moved) == int(is_miss.sum()), msg

@@ -149,6 +149,24 @@ def test_fetch_kernel_rejects_odd_head_dim():
     fetch_rows(z, z, 1, host, host, hot, hot, interpret=True)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="always a GPU there")
+def test_tracing_for_gpu_picks_the_gpu_paths_until_it_exits():
+  """The deviceless audit compiles what a GPU run traces (``on_gpu`` decides the
+  fetch path, "auto" and interpret mode), and the CPU's choices come back after,
+  an exception included."""
+  assert not common.on_gpu() and common.interpret_mode()
+  with pytest.raises(RuntimeError):
+    with common.tracing_for_gpu():
+      assert common.on_gpu() and not common.interpret_mode()
+      assert common.use_kernel("auto", "fetch") == (common.GPU_AUTO["fetch"] == "pallas")
+      with common.tracing_for_gpu():  # nested: the outer one still holds after
+        pass
+      assert common.on_gpu()
+      raise RuntimeError
+  assert not common.on_gpu() and common.interpret_mode()
+  assert not common.use_kernel("auto", "fetch")
+
+
 def _lower_for_cuda(fn, *args):
   return deviceless.lower_for_cuda(fn, *args).as_text()  # for an H200, no GPU
 
