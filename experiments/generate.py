@@ -69,7 +69,7 @@ def main(argv):
     print(f"hits {stats['hits']}, misses {stats['misses']} "
           f"(miss rate {stats['miss_rate']:.3f}), host->device "
           f"{stats['host_to_device_bytes'] / 2**20:.2f} MiB "
-          f"({stats['fetched_rows']} rows incl. gather padding)")
+          f"({stats['fetched_rows']} rows incl. any gather padding)")
   print("device KV bytes per request: "
         f"{stats['device_kv_bytes_per_request'] / 2**20:.2f} MiB"
         + (f" (+ selector state {stats['selector_state_bytes_per_request'] / 2**20:.2f}"

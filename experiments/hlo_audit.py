@@ -79,6 +79,7 @@ class Audit:
   overlapped_ops: int  # compute ops scheduled while a HostExecute fetch is in flight
   overlapped_kernels: int  # of which custom-call kernels (the Pallas hit attention)
   launches_per_layer: float  # kernel launches per layer (one trip of the layer loop)
+  hot_cache_copies: int  # copies of the whole hot cache (K or V): 0 when in place
 
 
 def _instructions(hlo: str):
@@ -409,7 +410,8 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   return Audit(variant, copies, per_miss, len(aliased), num_state, kernels,
                len(gathers), hlo.count("dynamic-update-slice-start"),
                ops_overlapping_host_fetch(hlo), kernels_overlapping_host_fetch(hlo),
-               layer_loop_launches(hlo, cfg.num_layers))
+               layer_loop_launches(hlo, cfg.num_layers),
+               count_copies(hlo, kv_state.hot_cache_shape(cfg), _hlo_dtype(cfg)))
 
 
 def audit_full_kv(cfg: TierConfig) -> float:
@@ -698,16 +700,16 @@ def main(argv):
   full_launches = audit_full_kv(configs[0][1])
   print("| variant | whole-host copies | H2D bytes/miss | aliased state | kernels | "
         "HostExecute | async host writes | ops (kernels) overlapping the fetch | "
-        "launches/layer |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "launches/layer | hot-cache copies |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for a in rows:
     print(f"| {a.variant} | {a.whole_host_copies} | {a.host_to_device_bytes_per_miss:.0f} | "
           f"{a.aliased_params}/{a.state_params} | {', '.join(a.kernels) or '-'} | "
           f"{a.host_executes} | {a.async_host_writes} | {a.overlapped_ops} "
           f"({a.overlapped_kernels}) | "
-          f"{a.launches_per_layer:g} |")
+          f"{a.launches_per_layer:g} | {a.hot_cache_copies} |")
   print(f"| full-KV sparse attention (the reference step) | - | - | - | - | - | - | - | "
-        f"{full_launches:g} |")
+        f"{full_launches:g} | - |")
   print(f"separate host append jit (the default): {app_copies} whole-host copies, "
         f"{app_writes} async host writes, {app_aliased} state buffers aliased")
   print(f"negative control (device_put of the whole tier, then gather): "

@@ -35,11 +35,12 @@ class ImplConfig:
     interpret: force Pallas interpret mode on/off (None: interpret off GPU only).
     fetch_chunk: rows per host gather of the XLA fetch; misses take
       ``ceil(misses / fetch_chunk)`` gathers. None: on a GPU ``max(16, k // 8)``
-      (an eighth of a selection); elsewhere ``max(16, R * U * k // 8)``, an eighth
-      of a layer's lanes, where miss rates of 5-15% take one or two gathers, each
-      scattered straight into the hot cache (``fetch.fetch_misses``; one gather
-      of every lane cost the CPU step ~7% more, and a loop into a staging
-      buffer ~15%).
+      (an eighth of a selection; staged, then scattered). Off GPU the fetch
+      scatters each gather straight into the hot cache (``fetch.fetch_misses``),
+      ``min(max(16, R * U * k // 8), R * U * k)`` rows, an eighth of a layer's
+      lanes (miss rates of 5-15% take one or two gathers; one gather of every
+      lane cost the CPU step ~7% more); the overlapped attention's staged fetch
+      gathers every lane there (a loop into a staging buffer cost ~15%).
     fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
       writes and the metadata commit of a layer in two Pallas kernels
       (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
@@ -234,10 +235,20 @@ class TierConfig:
 
   @property
   def fetch_rows_per_chunk(self) -> int:
+    """Rows per gather of the staged XLA fetch (``fetch.gather_misses``: a GPU's,
+    and the overlapped attention's everywhere); off GPU by default every lane,
+    one gather with no loop or staging buffer."""
     lanes = self.num_requests * self.num_units * self.top_k
     if self.impl.fetch_chunk is None and not common.on_gpu():
-      return min(max(16, lanes // 8), lanes)
+      return lanes
     return min(self.impl.fetch_chunk or max(16, self.top_k // 8), lanes)
+
+  @property
+  def direct_fetch_rows_per_chunk(self) -> int:
+    """Rows per gather + scatter of the direct XLA fetch off GPU
+    (``fetch.fetch_misses``); by default an eighth of the layer's lanes."""
+    lanes = self.num_requests * self.num_units * self.top_k
+    return min(self.impl.fetch_chunk or max(16, lanes // 8), lanes)
 
   @property
   def use_interpret(self) -> bool:

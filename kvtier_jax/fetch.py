@@ -119,9 +119,9 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
   The compacted plan is gathered in ``ceil(misses / C)`` host gathers of
   C = ``cfg.fetch_rows_per_chunk`` rows: zero misses, zero transfers. The rows land
   in a small device buffer; the caller scatters them into the hot cache right
-  before its other writes (in place). When C covers every lane it is one
-  unconditional gather instead. The overlapped attention reads the staged rows;
-  the other callers go through ``fetch_misses``.
+  before its other writes (in place). When C covers every lane (the default off
+  GPU) it is one unconditional gather instead. The overlapped attention reads
+  the staged rows; the other callers go through ``fetch_misses``.
 
   Args:
     host_k, host_v: [L, NH+1, Pg, U, Hg, D] host tier; page_table: i32[R, MP].
@@ -136,8 +136,8 @@ def gather_misses(cfg: TierConfig, host_k, host_v, page_table, layer, selected, 
   chunk = cfg.fetch_rows_per_chunk
   plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
   if chunk == plan.src.shape[0]:
-    # One chunk covers every lane: gather them all at once, no loop, no staging
-    # buffer, no branch (each cost more than the padding lanes,
+    # One chunk covers every lane (the default off GPU): gather them all at once,
+    # no loop, no staging buffer, no branch (each cost more than the padding lanes,
     # which re-read row (layer, 0, 0, 0) and are dropped by the scatter). Counted
     # as moved: the misses.
     rows_k, rows_v = gather_rows(host_k, host_v, plan.src)
@@ -169,7 +169,7 @@ def fetch_misses(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_v, laye
 
   On a GPU the rows are staged by ``gather_misses`` (its first chunk can run
   asynchronously around independent work) and scattered. Elsewhere each chunk of
-  C = ``cfg.fetch_rows_per_chunk`` compacted lanes goes straight from the host
+  C = ``cfg.direct_fetch_rows_per_chunk`` compacted lanes goes straight from the host
   tier to its slots: ``ceil(misses / C)`` gather + scatter pairs (none without
   misses), no staging buffer. Rows moved count the misses, as the zero-copy
   kernel's do (nothing crosses a link here; the padding lanes' reads are
@@ -184,7 +184,7 @@ def fetch_misses(cfg: TierConfig, host_k, host_v, page_table, hot_k, hot_v, laye
                          is_miss, first_chunk_always)
     return (scatter_rows(hot_k, rows.dest, rows.k), scatter_rows(hot_v, rows.dest, rows.v),
             rows.moved)
-  chunk = cfg.fetch_rows_per_chunk
+  chunk = cfg.direct_fetch_rows_per_chunk
   plan = plan_misses(cfg, page_table, layer, selected, slot, is_miss, chunk)
 
   def one_chunk(i, hot):  # lanes [i * C, (i + 1) * C) of the plan: in range

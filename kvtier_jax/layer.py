@@ -196,7 +196,11 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
 
   # Index sharing: the next share - 1 layers' misses are fetched here, ahead of
-  # their attention (their RESOLVE would pick the same slots).
+  # their attention (their RESOLVE would pick the same slots). Their writes come
+  # after this layer's attention read the cache: a barrier orders them by data, or
+  # XLA (CPU and GPU) copies the whole hot cache to keep the version it read.
+  if share > 1:
+    out, lse, hot_k, hot_v = jax.lax.optimization_barrier((out, lse, hot_k, hot_v))
   for j in range(1, share):
     hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k,
                                                   hot_v, layer + j, selected, res.slot,

@@ -15,6 +15,7 @@ available everywhere), ``"pallas"`` (the kernel; interpreted on CPU) and ``"auto
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import jax
 from jax.experimental import pallas as pl
@@ -34,24 +35,26 @@ def check_impl(impl: str) -> None:
     raise ValueError(f"{impl=} must be one of {IMPLS}")
 
 
-_TRACING_FOR_GPU = [False]  # set by ``tracing_for_gpu``
+_TRACING_FOR_GPU = contextvars.ContextVar("tracing_for_gpu", default=False)
 
 
 def on_gpu() -> bool:
   """True on a GPU, or while tracing for one without it (``tracing_for_gpu``)."""
-  return _TRACING_FOR_GPU[0] or jax.default_backend() == "gpu"
+  return _TRACING_FOR_GPU.get() or jax.default_backend() == "gpu"
 
 
 @contextlib.contextmanager
 def tracing_for_gpu():
   """Pick the GPU's code paths while tracing on a machine without one: a
   deviceless compile for an H200 must see what a GPU run traces, not the CPU's
-  choices. Fresh ``jax.jit``s only: a trace cached outside this context is reused."""
-  before, _TRACING_FOR_GPU[0] = _TRACING_FOR_GPU[0], True
+  choices. Build fresh ``jax.jit``s inside it: jit caches traces by function and
+  arguments, not by this context, so a trace cached outside is reused inside,
+  and one made inside is reused outside."""
+  token = _TRACING_FOR_GPU.set(True)
   try:
     yield
   finally:
-    _TRACING_FOR_GPU[0] = before
+    _TRACING_FOR_GPU.reset(token)
 
 
 # What "auto" picks on a GPU, per op: the faster of kernel and XLA as measured on an
