@@ -180,6 +180,24 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # their victims, then newest -> slot B and the install target (two scatters).
   dest, new_k, new_v = _newest_writes(cfg, layer, target, ok, k_new, v_new)
   host_k, host_v, hot_k, hot_v = state.host_k, state.host_v, state.hot_k, state.hot_v
+
+  def fetch_for_sharing_layers(hot_k, hot_v, moved):
+    # Index sharing: the next share - 1 layers' misses are fetched here, ahead of
+    # their attention (their RESOLVE would pick the same slots).
+    for j in range(1, share):
+      hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k,
+                                                    hot_v, layer + j, selected,
+                                                    res.slot, is_miss)
+      moved += shared_moved
+    return hot_k, hot_v, moved
+
+  # Where the sharing layers' fetch goes. Written after this layer's attention
+  # read the cache, nothing orders the writes after the read by data and XLA
+  # copies the whole hot cache to keep the version read. On a GPU it goes after
+  # an optimization barrier on (output, cache), so its host gather can overlap
+  # the attention; XLA:CPU expands barriers before copy insertion, so there it
+  # goes with this layer's own fetch (except beside the overlapped attention).
+  sharing_fetch_after = share > 1 and (common.on_gpu() or cfg.overlap_hit_miss)
   if cfg.overlap_hit_miss:
     out, lse, hot_k, hot_v, moved = _overlapped_attention(
         cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, selected, res, is_miss,
@@ -191,21 +209,15 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     else:
       hot_k, hot_v, moved = fetch.fetch_misses(cfg, host_k, host_v, pages, hot_k, hot_v,
                                                layer, selected, res.slot, is_miss)
+    if not sharing_fetch_after:
+      hot_k, hot_v, moved = fetch_for_sharing_layers(hot_k, hot_v, moved)
     hot_k = fetch.scatter_rows(hot_k, dest, new_k)
     hot_v = fetch.scatter_rows(hot_v, dest, new_v)
     out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
 
-  # Index sharing: the next share - 1 layers' misses are fetched here, ahead of
-  # their attention (their RESOLVE would pick the same slots). Their writes come
-  # after this layer's attention read the cache: a barrier orders them by data, or
-  # XLA (CPU and GPU) copies the whole hot cache to keep the version it read.
-  if share > 1:
+  if sharing_fetch_after:
     out, lse, hot_k, hot_v = jax.lax.optimization_barrier((out, lse, hot_k, hot_v))
-  for j in range(1, share):
-    hot_k, hot_v, shared_moved = _fetch_for_layer(cfg, host_k, host_v, pages, hot_k,
-                                                  hot_v, layer + j, selected, res.slot,
-                                                  is_miss)
-    moved += shared_moved
+    hot_k, hot_v, moved = fetch_for_sharing_layers(hot_k, hot_v, moved)
 
   # Lookahead prefetch for the next step (this layer's rows; the sharing layers
   # fetch theirs after their attention).

@@ -272,3 +272,40 @@ def test_model_step_is_the_library_step(model_and_prompt, name):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(lib_carry),
                jax.device_get(model_carry))
   assert int(lib_carry.tier.misses.sum()) > int(runner.carry.tier.misses.sum())
+
+
+@pytest.mark.parametrize("index_share", [1, 2])
+def test_cpu_model_step_writes_the_hot_cache_in_place(index_share):
+  """SmolLM2's tiered step (4 layers, abstract weights) compiled for this CPU copies
+  no whole hot cache, index sharing included: its sharing layers' fetch goes with
+  the anchor's own, before the anchor's attention reads (after it, XLA:CPU kept
+  the read version by copying the cache: 4 copies per step)."""
+  from experiments import hlo_audit
+  from kvtier_jax import state as kv_state
+  from kvtier_jax.selectors.base import prefill_state
+  from models.config import ModelConfig
+  from models.transformer import Transformer, apply_prefill_with_inputs
+  cfg = ModelConfig.smollm2_135m().replace(num_layers=4)
+  num_req, max_len, prompt = 2, 1024, 16
+  selector = sel_lib.QuestSelector(token_budget=64, num_kv_heads=cfg.num_kv_heads,
+                                   q_per_kv=cfg.q_per_kv, head_dim=cfg.head_dim)
+  tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, 128,
+                                  impl=ImplConfig(resolve="xla", attention="xla",
+                                                  fetch="xla"),
+                                  index_share=index_share)
+  weights = {name: jax.ShapeDtypeStruct(dims, jnp.dtype(cfg.dtype))
+             for name, dims in Transformer.param_shapes(cfg).items()}
+  lens = jnp.full((num_req,), prompt, jnp.int32)
+
+  def carry(w):
+    _, k, v, h = apply_prefill_with_inputs(cfg, w, jnp.zeros((num_req, prompt),
+                                                             jnp.int32), lens)
+    return kv_decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), prefill_state(
+        selector, cfg.num_layers, max_len, None, h, k, lens))
+
+  hlo = backends.tiered_step.lower(
+      cfg, tier_cfg, selector, weights, jax.ShapeDtypeStruct((num_req,), jnp.int32),
+      jax.eval_shape(carry, weights)).compile().as_text()
+  shape = kv_state.hot_cache_shape(tier_cfg)
+  assert hlo_audit.count_copies(hlo, shape, "f32") == 0
+  assert f"f32[{','.join(map(str, shape))}]" in hlo  # the shape is matched at all
