@@ -196,8 +196,11 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   # copies the whole hot cache to keep the version read. On a GPU it goes after
   # an optimization barrier on (output, cache), so its host gather can overlap
   # the attention; XLA:CPU expands barriers before copy insertion, so there it
-  # goes with this layer's own fetch (except beside the overlapped attention).
-  sharing_fetch_after = share > 1 and (common.on_gpu() or cfg.overlap_hit_miss)
+  # goes first, before this layer's own writes.
+  sharing_fetch_after = share > 1 and common.on_gpu()
+  shared_moved = 0
+  if not sharing_fetch_after:
+    hot_k, hot_v, shared_moved = fetch_for_sharing_layers(hot_k, hot_v, 0)
   if cfg.overlap_hit_miss:
     out, lse, hot_k, hot_v, moved = _overlapped_attention(
         cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, selected, res, is_miss,
@@ -209,11 +212,10 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
     else:
       hot_k, hot_v, moved = fetch.fetch_misses(cfg, host_k, host_v, pages, hot_k, hot_v,
                                                layer, selected, res.slot, is_miss)
-    if not sharing_fetch_after:
-      hot_k, hot_v, moved = fetch_for_sharing_layers(hot_k, hot_v, moved)
     hot_k = fetch.scatter_rows(hot_k, dest, new_k)
     hot_v = fetch.scatter_rows(hot_v, dest, new_v)
     out, lse = attention.hot_attention(cfg, q, hot_k, hot_v, layer, res.slot)
+  moved += shared_moved
 
   if sharing_fetch_after:
     out, lse, hot_k, hot_v = jax.lax.optimization_barrier((out, lse, hot_k, hot_v))
@@ -425,7 +427,13 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
   hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
   zero_copy = common.use_kernel(cfg.impl.fetch, "fetch")
   streamed = zero_copy and cfg.impl.fetch_stream is not None
-  if not streamed:
+  # The hits are attended before the fetch, to overlap it, except for the host
+  # gather off GPU: nothing runs asynchronously there, and XLA:CPU copies the whole
+  # hot cache for a write after a read (it expands barriers before copy
+  # insertion), so the hits are attended after the fetched rows' writes. The
+  # misses land in victims, never in a hit's slot: the hit partial is the same.
+  hits_first = not streamed and (zero_copy or common.on_gpu())
+  if hits_first:
     out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   if zero_copy and not streamed:
     hot_k, hot_v, moved = fetch.fetch_misses_kernel(
@@ -446,5 +454,7 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
     hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
     hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
     moved = rows.moved
+    if not streamed and not hits_first:
+      out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   out, lse = merge_partials(out_h, lse_h, out_m, lse_m)
   return out, lse, hot_k, hot_v, moved

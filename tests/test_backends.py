@@ -274,12 +274,13 @@ def test_model_step_is_the_library_step(model_and_prompt, name):
   assert int(lib_carry.tier.misses.sum()) > int(runner.carry.tier.misses.sum())
 
 
-@pytest.mark.parametrize("index_share", [1, 2])
-def test_cpu_model_step_writes_the_hot_cache_in_place(index_share):
+@pytest.mark.parametrize("index_share, overlap", [(1, False), (2, False), (1, True),
+                                                  (2, True)])
+def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
   """SmolLM2's tiered step (4 layers, abstract weights) compiled for this CPU copies
-  no whole hot cache, index sharing included: its sharing layers' fetch goes with
-  the anchor's own, before the anchor's attention reads (after it, XLA:CPU kept
-  the read version by copying the cache: 4 copies per step)."""
+  no whole hot cache, with index sharing and the overlapped hit/miss attention:
+  every write goes before the attention reads off GPU (a write after a read made
+  XLA:CPU keep the read version by copying the cache: 4 copies per step)."""
   from experiments import hlo_audit
   from kvtier_jax import state as kv_state
   from kvtier_jax.selectors.base import prefill_state
@@ -292,7 +293,7 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share):
   tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, 128,
                                   impl=ImplConfig(resolve="xla", attention="xla",
                                                   fetch="xla"),
-                                  index_share=index_share)
+                                  index_share=index_share, overlap_hit_miss=overlap)
   weights = {name: jax.ShapeDtypeStruct(dims, jnp.dtype(cfg.dtype))
              for name, dims in Transformer.param_shapes(cfg).items()}
   lens = jnp.full((num_req,), prompt, jnp.int32)

@@ -494,13 +494,16 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
     assert got == STATUS_OUT_OF_RANGE, method
 
 
-@pytest.mark.parametrize("fetch_chunk", [None, 8])  # an eighth of the lanes, or 8
-def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk):
-  """The compiled CPU step never copies the whole hot cache (its writes come back
-  to back before attention reads; a copy per layer would cost more than the tiered
-  step's overhead), nor the host tier. (The overlapped attention and index sharing
-  write after a read, which XLA:CPU copies for: WORKSPACE_NOTES.md, open.)"""
-  cfg = make_cfg(impl=ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk))
+@pytest.mark.parametrize("fetch_chunk, overlap", [
+    (None, False), (8, False),  # direct: an eighth of the lanes per chunk, or 8
+    (None, True), (8, True)])  # the overlapped attention's staged rows: one gather, a loop
+def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap):
+  """The compiled CPU step never copies the whole hot cache (every write comes
+  before the attention reads; a copy per layer would cost more than the tiered
+  step's overhead), nor the host tier. (With index sharing this step still copies:
+  its layers' inputs do not depend on each other, a model's do; test_backends.)"""
+  cfg = make_cfg(impl=ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk),
+                 overlap_hit_miss=overlap)
   selector = selectors.GivenSelector(cfg.top_k)
   carry = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg),
                                                    selector.init_state(4, 3, 0)))
