@@ -176,8 +176,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   target = jnp.where(active[:, None], target, EMPTY)
   new_score = jnp.where(jnp.arange(cfg.hot_slots) == target[..., None], 1.0, new_score)
 
-  # Every hot-cache write of the layer before attention reads: fetched misses ->
-  # their victims, then newest -> slot B and the install target (two scatters).
+  # The hot-cache writes before attention reads: fetched misses -> their victims,
+  # then newest -> slot B and the install target (docs/DESIGN.md: a write after a
+  # read with no data order copies the whole hot cache).
   dest, new_k, new_v = _newest_writes(cfg, layer, target, ok, k_new, v_new)
   host_k, host_v, hot_k, hot_v = state.host_k, state.host_v, state.hot_k, state.hot_v
 
@@ -417,8 +418,9 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
   misses, merged by log-sum-exp (SGLang PR #22313's split).
 
   The hit partial depends only on rows already in the hot cache (plus the newest
-  token, written first), so XLA can run it while the host gather is in flight;
-  with the host-gather fetch, or the zero-copy gather on its own stream
+  token, written first), so on a GPU XLA can run it while the host gather is in
+  flight (off GPU it runs after the fetched rows' writes, below); with the
+  host-gather fetch, or the zero-copy gather on its own stream
   (``impl.fetch_stream``), the miss partial reads the fetched rows straight from
   the staging buffer. Exact to f32 rounding (only the summation order changes).
   """

@@ -279,8 +279,9 @@ def test_model_step_is_the_library_step(model_and_prompt, name):
 def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
   """SmolLM2's tiered step (4 layers, abstract weights) compiled for this CPU copies
   no whole hot cache, with index sharing and the overlapped hit/miss attention:
-  every write goes before the attention reads off GPU (a write after a read made
-  XLA:CPU keep the read version by copying the cache: 4 copies per step)."""
+  off GPU their writes go before the attention reads (a write after a read, with
+  no data order, made XLA:CPU keep the read version by copying the cache: 4
+  copies per step)."""
   from experiments import hlo_audit
   from kvtier_jax import state as kv_state
   from kvtier_jax.selectors.base import prefill_state
@@ -308,5 +309,6 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
       cfg, tier_cfg, selector, weights, jax.ShapeDtypeStruct((num_req,), jnp.int32),
       jax.eval_shape(carry, weights)).compile().as_text()
   shape = kv_state.hot_cache_shape(tier_cfg)
-  assert hlo_audit.count_copies(hlo, shape, "f32") == 0
-  assert f"f32[{','.join(map(str, shape))}]" in hlo  # the shape is matched at all
+  dtype = hlo_audit._hlo_dtype(tier_cfg)
+  assert hlo_audit.count_copies(hlo, shape, dtype) == 0
+  assert f"{dtype}[{','.join(map(str, shape))}]" in hlo  # the shape is matched at all
