@@ -129,7 +129,9 @@ def _array_bytes(dtype: str, dims: str) -> int:
 
 
 def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
-  """(rows, bytes) delivered to device by each HostExecute gather."""
+  """(rows, bytes) delivered to device by each HostExecute gather: every result
+  is a block of K or of V rows, so rows = the results' rows / 2 (XLA may merge
+  two gathers into one call, e.g. a sharing layer's fetch with a prefetch)."""
   out = []
   for line in hlo.splitlines():
     if 'custom_call_target="HostExecute"' not in line or "custom-call-start" not in line:
@@ -140,7 +142,7 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
     res = groups[1] if len(groups) > 1 else groups[0]
     arrays = re.findall(r"(bf16|f16|f32|s32)\[([\d,]+)\]", res)
     nbytes = sum(_array_bytes(t, dims) for t, dims in arrays)
-    rows = int(arrays[0][1].split(",")[0])
+    rows = sum(int(dims.split(",")[0]) for _, dims in arrays) // 2
     out.append((rows, nbytes))
   return out
 
@@ -350,10 +352,18 @@ def _shardings():
 
 def _abstract_state(cfg: TierConfig, carry: bool = True):
   """(the step's carry (or the bare cache) as arrays, the same as ShapeDtypeStructs
-  placed like the real state: host tier in pinned_host, the rest on the device)."""
+  placed like the real state: host tier in pinned_host, the rest on the device).
+
+  A config with ``lookahead_cap`` gets a lookahead prefetch of that many predicted
+  positions per (layer, request, unit) in its carry: the step compiles one."""
   host, dev = _shardings()
-  abstract = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg))
-                            if carry else kv_state.init_state(cfg))
+  prefetch = None
+  if cfg.lookahead_cap is not None:
+    prefetch = jnp.zeros((cfg.num_layers, cfg.num_requests, cfg.num_units,
+                          cfg.lookahead_cap), jnp.int32)
+  abstract = jax.eval_shape(
+      lambda: decode.init_carry(cfg, kv_state.init_state(cfg), prefetch=prefetch)
+      if carry else kv_state.init_state(cfg))
   state = jax.tree_util.tree_map_with_path(
       lambda path, x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=host if "host" in jax.tree_util.keystr(path) else dev),
@@ -659,6 +669,7 @@ def audit_configs(smoke: bool):
   impl = functools.partial(gpu_impl, shape["top_k"])
   base = TierConfig(**shape, dtype=jnp.bfloat16, impl=impl("xla", "xla", "xla"))
   fused = dataclasses.replace(impl("xla", "pallas", "pallas"), fused=True)
+  ahead = dict(lookahead_cap=shape["top_k"] // 4, overlap_hit_miss=True, index_share=2)
   return [
       ("GPU default: xla resolve, pallas attention, zero-copy fetch",
        base.replace(impl=impl("xla", "pallas", "pallas"))),
@@ -681,6 +692,13 @@ def audit_configs(smoke: bool):
       (("fused layer kernels, rank policy (victim-key kernel with the rank lookup + "
         "one sort per row)"),
        base.replace(impl=fused, policy=PolicyConfig("rank"))),
+      # Writes after reads of the hot cache (the prefetch after the attention, the
+      # sharing layers' fetch): each of these copied the whole hot cache once.
+      ("GPU default, lookahead prefetch, overlapped hit/miss attention, index "
+       "shared by 2 layers", base.replace(impl=impl("xla", "pallas", "pallas"),
+                                          **ahead)),
+      ("xla kernels, host-gather fetch, lookahead prefetch, overlapped hit/miss "
+       "attention, index shared by 2 layers", base.replace(**ahead)),
   ]
 
 
