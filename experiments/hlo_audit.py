@@ -374,7 +374,8 @@ def _abstract_state(cfg: TierConfig, carry: bool = True):
 _HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32"}
 
 
-def _hlo_dtype(cfg: TierConfig) -> str:
+def hlo_dtype(cfg: TierConfig) -> str:
+  """The HLO spelling of the cache's dtype (f32, bf16, ...)."""
   return _HLO_DTYPES[jnp.dtype(cfg.dtype).name]
 
 
@@ -406,7 +407,7 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
   """Lower + compile one decode step for an H200 and read its HLO."""
   abstract, _ = _abstract_state(cfg)
   hlo = deviceless.compile_for_h200(lower_step(cfg))
-  copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg))
+  copies = count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), hlo_dtype(cfg))
   gathers = host_execute_rows_bytes(hlo)
   kernels = pallas_kernels_in(hlo)
   if gathers:
@@ -421,7 +422,7 @@ def audit_config(cfg: TierConfig, variant: str) -> Audit:
                len(gathers), hlo.count("dynamic-update-slice-start"),
                ops_overlapping_host_fetch(hlo), kernels_overlapping_host_fetch(hlo),
                layer_loop_launches(hlo, cfg.num_layers),
-               count_copies(hlo, kv_state.hot_cache_shape(cfg), _hlo_dtype(cfg)))
+               count_copies(hlo, kv_state.hot_cache_shape(cfg), hlo_dtype(cfg)))
 
 
 def audit_full_kv(cfg: TierConfig) -> float:
@@ -454,7 +455,7 @@ def audit_separate_append(cfg: TierConfig) -> tuple[int, int, int]:
   append = jax.jit(functools.partial(decode.append_newest, cfg), donate_argnums=(0,))
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
       append, state, jax.ShapeDtypeStruct((), bool, sharding=dev)))
-  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg)),
+  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), hlo_dtype(cfg)),
           hlo.count("dynamic-update-slice-start"), len(aliased_parameters(hlo)))
 
 
@@ -469,7 +470,7 @@ def audit_prompt_write(cfg: TierConfig, chunk: int = 128) -> tuple[int, int, int
   write = jax.jit(functools.partial(decode.write_prompt_pages, cfg), donate_argnums=(0,))
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(
       write, state, index((1,)), index(()), rows, rows))
-  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), _hlo_dtype(cfg)),
+  return (count_whole_host_copies(hlo, kv_state.host_tier_shape(cfg), hlo_dtype(cfg)),
           hlo.count("dynamic-update-slice-start"), len(aliased_parameters(hlo)))
 
 
@@ -544,7 +545,7 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   whole = list(shape)
   whole[1] *= data
   whole[3] *= model
-  copies = sum(count_whole_host_copies(hlo, tuple(s), _hlo_dtype(cfg))
+  copies = sum(count_whole_host_copies(hlo, tuple(s), hlo_dtype(cfg))
                for s in (shape, whole))
   comps = _computations(hlo)
   bodies = set(re.findall(r"body=(%[\w.\-]+)", hlo))
@@ -571,6 +572,26 @@ def model_audit_shape(smoke: bool) -> dict:
           "top_k": 512}
 
 
+_MODEL_PROMPT = 16  # prompt positions before the audited model step: only shapes matter
+
+
+def _prefilled(cfg: ModelConfig, selector, weights, num_req: int, max_len: int):
+  """(k, v, selector state) after a prompt of ``_MODEL_PROMPT`` zeros per request."""
+  lens = jnp.full((num_req,), _MODEL_PROMPT, jnp.int32)
+  _, k, v, h = apply_prefill_with_inputs(
+      cfg, weights, jnp.zeros((num_req, _MODEL_PROMPT), jnp.int32), lens)
+  return k, v, prefill_state(selector, cfg.num_layers, max_len, None, h, k, lens)
+
+
+def abstract_tiered_carry(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights):
+  """The model's tiered carry after a short prompt, as ShapeDtypeStructs (not
+  placed: the caller puts the host tier where it compiles for)."""
+  def carry(w):
+    sel = _prefilled(cfg, selector, w, tier_cfg.num_requests, tier_cfg.max_len)[2]
+    return decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), sel)
+  return jax.eval_shape(carry, weights)
+
+
 def audit_model(smoke: bool) -> list[ModelAudit]:
   """SmolLM2-135M's decode step (``models.backends``) compiled for an H200 on
   abstract weights and state (f32, the model's dtype; Quest): the sparse backend
@@ -591,21 +612,13 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
           x.shape, x.dtype,
           sharding=host if "host" in jax.tree_util.keystr(path) else dev), tree)
 
-  lens = jnp.full((num_req,), 16, jnp.int32)  # a short prompt: only shapes matter
-
-  def prefilled(w):
-    _, k, v, h = apply_prefill_with_inputs(cfg, w, jnp.zeros((num_req, 16), jnp.int32),
-                                           lens)
-    return k, v, prefill_state(selector, cfg.num_layers, max_len, None, h, k, lens)
+  lens = jnp.full((num_req,), _MODEL_PROMPT, jnp.int32)
 
   def sparse_carry(w):
-    k, v, sel = prefilled(w)
+    k, v, sel = _prefilled(cfg, selector, w, num_req, max_len)
     shared = jnp.full((num_req, selector.num_units, top_k), -1, jnp.int32)
     return backends.SparseCarry(cache_lib.dense_from_prefill(k, v, lens, max_len), sel,
                                 None, shared)
-
-  def tiered_carry(w, tier_cfg):
-    return decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), prefilled(w)[2])
 
   sparse = place(jax.eval_shape(sparse_carry, weights))
   state_leaves = jax.tree.leaves(sparse.sel)
@@ -614,7 +627,7 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
   def audit(variant, lowered, tier_cfg=None):
     hlo = deviceless.compile_for_h200(lowered)
     copies = 0 if tier_cfg is None else count_whole_host_copies(
-        hlo, kv_state.host_tier_shape(tier_cfg), _hlo_dtype(tier_cfg))
+        hlo, kv_state.host_tier_shape(tier_cfg), hlo_dtype(tier_cfg))
     state_copies = sum(count_copies(hlo, x.shape, _HLO_DTYPES[x.dtype.name])
                        for x in state_leaves)
     return ModelAudit(variant, layer_loop_launches(hlo, cfg.num_layers),
@@ -628,15 +641,13 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
                         ("tiered, fused layer kernels", dataclasses.replace(gpu, fused=True))):
     tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, shape["hot_slots"],
                                     impl=impl)
-    carry = place(jax.eval_shape(functools.partial(tiered_carry, tier_cfg=tier_cfg),
-                                 weights))
+    carry = place(abstract_tiered_carry(cfg, tier_cfg, selector, weights))
     rows.append(audit(variant, deviceless.lower_for_cuda(
         backends.tiered_step, cfg, tier_cfg, selector, weights, tokens, carry), tier_cfg))
   # The look-ahead's uncommitted pass of a draft token (Runner(lookahead="draft")).
   tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, shape["hot_slots"],
                                   impl=gpu, lookahead_cap=64)
-  carry = place(jax.eval_shape(functools.partial(tiered_carry, tier_cfg=tier_cfg),
-                               weights))
+  carry = place(abstract_tiered_carry(cfg, tier_cfg, selector, weights))
   rows.append(audit("tiered, GPU default, draft pass (look-ahead)",
                     deviceless.lower_for_cuda(backends._tiered_draft_pass, cfg, tier_cfg,
                                               selector, weights, tokens, carry), tier_cfg))
@@ -651,7 +662,7 @@ def audit_config_bad_pattern(cfg: TierConfig) -> int:
   idx = jax.ShapeDtypeStruct((16,), jnp.int32)
   bad = lambda h, i: jax.device_put(h, jax.memory.Space.Device)[0, 0, i]
   hlo = deviceless.compile_for_h200(deviceless.lower_for_cuda(bad, tier, idx))
-  return count_whole_host_copies(hlo, shape, _hlo_dtype(cfg))
+  return count_whole_host_copies(hlo, shape, hlo_dtype(cfg))
 
 
 def gpu_impl(top_k: int, resolve: str, attention: str, fetch: str) -> ImplConfig:

@@ -284,11 +284,10 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
   copies per step)."""
   from experiments import hlo_audit
   from kvtier_jax import state as kv_state
-  from kvtier_jax.selectors.base import prefill_state
   from models.config import ModelConfig
-  from models.transformer import Transformer, apply_prefill_with_inputs
+  from models.transformer import Transformer
   cfg = ModelConfig.smollm2_135m().replace(num_layers=4)
-  num_req, max_len, prompt = 2, 1024, 16
+  num_req, max_len = 2, 1024
   selector = sel_lib.QuestSelector(token_budget=64, num_kv_heads=cfg.num_kv_heads,
                                    q_per_kv=cfg.q_per_kv, head_dim=cfg.head_dim)
   tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, 128,
@@ -297,18 +296,11 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
                                   index_share=index_share, overlap_hit_miss=overlap)
   weights = {name: jax.ShapeDtypeStruct(dims, jnp.dtype(cfg.dtype))
              for name, dims in Transformer.param_shapes(cfg).items()}
-  lens = jnp.full((num_req,), prompt, jnp.int32)
-
-  def carry(w):
-    _, k, v, h = apply_prefill_with_inputs(cfg, w, jnp.zeros((num_req, prompt),
-                                                             jnp.int32), lens)
-    return kv_decode.init_carry(tier_cfg, kv_state.init_state(tier_cfg), prefill_state(
-        selector, cfg.num_layers, max_len, None, h, k, lens))
-
   hlo = backends.tiered_step.lower(
       cfg, tier_cfg, selector, weights, jax.ShapeDtypeStruct((num_req,), jnp.int32),
-      jax.eval_shape(carry, weights)).compile().as_text()
+      hlo_audit.abstract_tiered_carry(cfg, tier_cfg, selector, weights)
+  ).compile().as_text()
   shape = kv_state.hot_cache_shape(tier_cfg)
-  dtype = hlo_audit._hlo_dtype(tier_cfg)
+  dtype = hlo_audit.hlo_dtype(tier_cfg)
   assert hlo_audit.count_copies(hlo, shape, dtype) == 0
   assert f"{dtype}[{','.join(map(str, shape))}]" in hlo  # the shape is matched at all
