@@ -78,8 +78,25 @@ class TrainConfig:
   batch: int = 256
   lr: float = 2e-3
   feature_weight: float = 1.0
+  weight_decay: float = 1e-4
   hidden_dim: int = 1536
   seed: int = 0
+
+
+def decayed(params):
+  """AdamW's weight-decay mask: the projections' kernels, not the RMSNorm's scale
+  (decay would pull the scale towards 0, not towards an unscaled norm)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not any(getattr(key, "key", None) == "norm" for key in path),
+      params)
+
+
+def optimizer(head: DraftHead, tc: TrainConfig) -> nnx.Optimizer:
+  """AdamW with a warm-up and cosine decay to lr / 10, decay masked (``decayed``)."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, max(1, tc.steps // 10),
+                                                tc.steps, tc.lr / 10)
+  return nnx.Optimizer(head, optax.adamw(schedule, weight_decay=tc.weight_decay,
+                                         mask=decayed), wrt=nnx.Param)
 
 
 def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
@@ -87,9 +104,7 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   """Trains a head on examples (N rows each); returns (head, per-step losses
   [steps, 3]: total, cross-entropy, feature term)."""
   head = DraftHead(cfg.embed_dim, tc.hidden_dim, rngs=nnx.Rngs(tc.seed))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, max(1, tc.steps // 10),
-                                                tc.steps, tc.lr / 10)
-  optimizer = nnx.Optimizer(head, optax.adamw(schedule, weight_decay=1e-4), wrt=nnx.Param)
+  optimizer_ = optimizer(head, tc)
 
   def loss_fn(head, weights, fp, tok, fn, lab):
     feat, logits = predict(cfg, weights, head, fp, tok)
@@ -111,7 +126,7 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   history = []
   for _ in range(tc.steps):
     rows = rng.integers(0, label.shape[0], tc.batch)
-    history.append(np.asarray(step(head, optimizer, weights, feat_prev[rows],
+    history.append(np.asarray(step(head, optimizer_, weights, feat_prev[rows],
                                    token[rows], feat_next[rows], label[rows])))
   return head, np.stack(history)
 

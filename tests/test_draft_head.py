@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +35,24 @@ def test_examples_pair_the_previous_feature_and_token_with_the_next():
   np.testing.assert_array_equal(token, [11, 12, 13, 14])  # x_p
   np.testing.assert_array_equal(feat_next[:, 0], [1, 2, 3, 4])  # f_p
   np.testing.assert_array_equal(label, [12, 13, 14, 15])  # x_{p+1}
+
+
+def test_weight_decay_shrinks_the_projections_not_the_norm_scale():
+  """With zero gradients an AdamW update is the decay alone: it must move every
+  projection kernel and leave the RMSNorm scale (ones) as it is."""
+  head = draft_head.DraftHead(8, 16, rngs=nnx.Rngs(0))
+  before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(head, nnx.Param))}
+  opt = draft_head.optimizer(head, draft_head.TrainConfig(steps=10, lr=1.0,
+                                                          weight_decay=0.5))
+  for _ in range(3):  # past the warm-up's zero learning rate
+    opt.update(head, jax.tree.map(jnp.zeros_like, nnx.state(head, nnx.Param)))
+  after = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(head, nnx.Param))}
+  for key, value in before.items():
+    if "norm" in key:
+      np.testing.assert_array_equal(after[key], value)
+    elif np.any(value):  # (the zero-initialised output projection stays zero)
+      assert np.all(np.abs(after[key]) < np.abs(value) + 1e-12) and np.any(
+          after[key] != value), key
 
 
 def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
