@@ -167,7 +167,10 @@ def finish_draft(before: TieredCarry, after: TieredCarry) -> TieredCarry:
   slot, and its selector state moved only at the uncommitted position seq_len: the
   next step overwrites both (selector updates are position-idempotent,
   selectors.base), and RESOLVE treats that position as empty. Keeping ``before``'s
-  selector state instead would make XLA copy all of it.
+  selector state instead would make XLA copy all of it. The LRU order keeps the
+  pass's promotions of the rows it read: what the draft predicts the next step
+  reads is protected from that step's evictions, as ``layer.prefetch_resolve``
+  protects a predicted position already resident.
   """
   fetched = after.tier.misses - before.tier.misses
   refilled = after.tier.slot_pos != before.tier.slot_pos
