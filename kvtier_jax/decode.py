@@ -30,6 +30,7 @@ from kvtier_jax.selectors.base import (StepInputs, check_ranking, check_state_ca
                                        layer_slice)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
+from pallas_kernels import common
 
 
 @flax.struct.dataclass
@@ -211,7 +212,14 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
     first, q_g, k_g, v_g, x_g = xs
     outs = []
     for member in range(share):
-      out, carry = attend(first + member, q_g[member], k_g[member], v_g[member], carry,
+      layer = first + member
+      if outs and not common.on_gpu():
+        # A sharing layer writes the hot cache that the layer before it read. In a
+        # model its inputs come from that layer's output, which orders the two;
+        # here they are given, and XLA:CPU (whose optimization barriers are gone
+        # by copy insertion) copied the whole hot cache to keep the version read.
+        layer = _ordered_after(layer, outs[-1], cfg.num_layers)
+      out, carry = attend(layer, q_g[member], k_g[member], v_g[member], carry,
                           None if x_g is None else x_g[member], member)
       outs.append(out)
     return carry, jnp.stack(outs)
@@ -222,6 +230,14 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
                                      group(x)),
       pick=not cfg.impl.slice_layer_inputs and cfg.impl.fetch_stream is None)
   return out.reshape((cfg.num_layers,) + out.shape[2:]), commit_step(carry)
+
+
+def _ordered_after(layer, out, num_layers: int):
+  """``layer`` (< ``num_layers``) as a value computed from ``out``: whatever ``out``
+  holds, ``min(layer, num_layers - 1 + isnan(out[0]))`` is ``layer``, but XLA must
+  wait for ``out`` to know it, so everything the layer index feeds runs after."""
+  late = jnp.isnan(out.reshape(-1)[0]).astype(layer.dtype)
+  return jnp.minimum(layer, num_layers - 1 + late)
 
 
 def append_newest(cfg: TierConfig, tier: TieredKVState, committed):

@@ -494,17 +494,17 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
     assert got == STATUS_OUT_OF_RANGE, method
 
 
-@pytest.mark.parametrize("fetch_chunk, overlap", [
-    (None, False), (8, False),  # direct: an eighth of the lanes per chunk, or 8
-    (None, True), (8, True)])  # overlapped: staged in one gather, a loop
-def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap):
+@pytest.mark.parametrize("fetch_chunk, overlap, share", [
+    (None, False, 1), (8, False, 1),  # direct: an eighth of the lanes per chunk, or 8
+    (None, True, 1), (8, True, 1),  # overlapped: staged in one gather, a loop
+    (None, False, 2), (None, True, 2)])  # index sharing
+def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap, share):
   """The compiled CPU step never copies the whole hot cache (every write comes
   before the attention reads; a copy per layer would cost more than the tiered
-  step's overhead), nor the host tier. (Index sharing in this step, whose layers'
-  inputs are independent, and the lookahead prefetch, which must write after the
-  attention, still copy: WORKSPACE_NOTES.md, open.)"""
+  step's overhead), nor the host tier. (The lookahead prefetch, which must write
+  after the attention, still copies: WORKSPACE_NOTES.md, open.)"""
   cfg = make_cfg(impl=ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk),
-                 overlap_hit_miss=overlap)
+                 overlap_hit_miss=overlap, index_share=share)
   selector = selectors.GivenSelector(cfg.top_k)
   carry = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg),
                                                    selector.init_state(4, 3, 0)))
