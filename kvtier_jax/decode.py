@@ -218,7 +218,7 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
         # model its inputs come from that layer's output, which orders the two;
         # here they are given, and XLA:CPU (whose optimization barriers are gone
         # by copy insertion) copied the whole hot cache to keep the version read.
-        layer = _ordered_after(layer, outs[-1], cfg.num_layers)
+        layer = layer_lib.ordered_after(layer, outs[-1], cfg.num_layers)
       out, carry = attend(layer, q_g[member], k_g[member], v_g[member], carry,
                           None if x_g is None else x_g[member], member)
       outs.append(out)
@@ -230,14 +230,6 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
                                      group(x)),
       pick=not cfg.impl.slice_layer_inputs and cfg.impl.fetch_stream is None)
   return out.reshape((cfg.num_layers,) + out.shape[2:]), commit_step(carry)
-
-
-def _ordered_after(layer, out, num_layers: int):
-  """``layer`` (< ``num_layers``) as a value computed from ``out``: whatever ``out``
-  holds, ``min(layer, num_layers - 1 + isnan(out[0]))`` is ``layer``, but XLA must
-  wait for ``out`` to know it, so everything the layer index feeds runs after."""
-  late = jnp.isnan(out.reshape(-1)[0]).astype(layer.dtype)
-  return jnp.minimum(layer, num_layers - 1 + late)
 
 
 def append_newest(cfg: TierConfig, tier: TieredKVState, committed):

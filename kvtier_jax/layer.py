@@ -103,6 +103,25 @@ def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None
                              num_positions=cfg.max_len + 1)
 
 
+def ordered_after(layer, out, num_layers: int):
+  """``layer`` (< ``num_layers``) as a value computed from ``out``: whatever ``out``
+  holds, ``min(layer, num_layers - 1 + isnan(out[0]))`` is ``layer``, but XLA must
+  wait for ``out`` to know it, so everything the layer index feeds runs after.
+
+  For writes into the hot cache that must follow an attention's read of it: with
+  nothing ordering the two, XLA keeps the version read by copying the whole
+  cache, and XLA:CPU drops optimization barriers before it inserts copies."""
+  late = jnp.isnan(out.reshape(-1)[0]).astype(jnp.asarray(layer).dtype)
+  return jnp.minimum(layer, num_layers - 1 + late)
+
+
+def _after_attention(cfg: TierConfig, layer, out):
+  """The layer index for writes after this layer's attention (``ordered_after``
+  off GPU; on a GPU the prefetch's host gather should overlap the attention, and
+  XLA:GPU copies nothing there: experiments/hlo_audit.py)."""
+  return layer if common.on_gpu() else ordered_after(layer, out, cfg.num_layers)
+
+
 def has_page(cfg: TierConfig, page_table, positions):
   """bool[R, ...]: positions (i32[R, ...]) whose host page exists."""
   pos = jnp.clip(positions, 0, cfg.max_len - 1)
@@ -228,7 +247,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   plan = None
   if prefetch is not None:
     (new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched,
-     plan) = _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v, layer, new_slot_pos,
+     plan) = _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v,
+                       _after_attention(cfg, layer, out), new_slot_pos,
                        new_lru, new_score, prefetch, newest_u, row_ok[:, None, None],
                        ranks)
     moved += pf_moved
@@ -288,7 +308,7 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   plan = None
   if prefetch is not None:
     state, plan = _fused_prefetch(cfg, state, layer, prefetch,
-                                  (res.status == 0) & active, ranks)
+                                  (res.status == 0) & active, ranks, after=out)
   anchor = None if cfg.index_share == 1 else AnchorResult(
       res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target,
       *(() if plan is None else (prefetch, *plan)))
@@ -296,16 +316,17 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
 
 
 def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, row_ok,
-                    ranks=None):
+                    ranks=None, *, after):
   """The lookahead prefetch after a fused commit: what ``anchor_layer`` does after
-  its attention, from the metadata the commit wrote (rows not ``row_ok`` bool[R]
-  keep theirs). Returns (state, the plan for the sharing layers)."""
+  its attention (output ``after``), from the metadata the commit wrote (rows not
+  ``row_ok`` bool[R] keep theirs). Returns (state, the plan for the sharing
+  layers)."""
   share = cfg.index_share
   newest = jnp.broadcast_to(state.seq_len[:, None], (cfg.num_requests, cfg.num_units))
   slot_pos, lru, score, hot_k, hot_v, moved, prefetched, plan = _prefetch(
       cfg, state.host_k, state.host_v, state.page_table, state.hot_k, state.hot_v,
-      layer, state.slot_pos[layer], state.lru[layer], state.slot_score[layer],
-      prefetch, newest, row_ok[:, None, None], ranks)
+      _after_attention(cfg, layer, after), state.slot_pos[layer], state.lru[layer],
+      state.slot_score[layer], prefetch, newest, row_ok[:, None, None], ranks)
   old = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, share)
   keep = lambda new, x: jax.lax.dynamic_update_slice_in_dim(
       x, jnp.where(row_ok[None, :, None, None], jnp.broadcast_to(new, (share,) + new.shape),
@@ -335,8 +356,9 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   fetched_rows = state.fetched_rows
   if anchor.prefetch_pos is not None:
     hot_k, hot_v, moved = _fetch_for_layer(
-        cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v, layer,
-        anchor.prefetch_pos, anchor.prefetch_slot, anchor.prefetch_miss)
+        cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v,
+        _after_attention(cfg, layer, out), anchor.prefetch_pos, anchor.prefetch_slot,
+        anchor.prefetch_miss)
     fetched_rows = fetched_rows.at[layer].add(moved)
   return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v, fetched_rows=fetched_rows)
 

@@ -494,20 +494,29 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
     assert got == STATUS_OUT_OF_RANGE, method
 
 
-@pytest.mark.parametrize("fetch_chunk, overlap, share", [
-    (None, False, 1), (8, False, 1),  # direct: an eighth of the lanes per chunk, or 8
-    (None, True, 1), (8, True, 1),  # overlapped: staged in one gather, a loop
-    (None, False, 2), (None, True, 2)])  # index sharing
-def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap, share):
-  """The compiled CPU step never copies the whole hot cache (every write comes
-  before the attention reads; a copy per layer would cost more than the tiered
-  step's overhead), nor the host tier. (The lookahead prefetch, which must write
-  after the attention, still copies: WORKSPACE_NOTES.md, open.)"""
-  cfg = make_cfg(impl=ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk),
-                 overlap_hit_miss=overlap, index_share=share)
+@pytest.mark.parametrize("fetch_chunk, overlap, share, ahead, fused", [
+    (None, False, 1, False, False), (8, False, 1, False, False),  # direct: an eighth
+    # of the lanes per chunk, or 8
+    (None, True, 1, False, False), (8, True, 1, False, False),  # overlapped: staged
+    # in one gather, a loop
+    (None, False, 2, False, False), (None, True, 2, False, False),  # index sharing
+    # The lookahead prefetch writes after the attention.
+    (None, False, 1, True, False), (None, True, 2, True, False),
+    (None, False, 1, True, True), (None, False, 2, True, True)])
+def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap, share, ahead,
+                                                fused):
+  """The compiled CPU step never copies the whole hot cache (a write after a read
+  of it, with nothing ordering the two, makes XLA:CPU keep the version read; a
+  copy per layer would cost more than the tiered step's overhead), nor the host
+  tier."""
+  impl = ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk, fused=fused)
+  cfg = make_cfg(impl=impl, overlap_hit_miss=overlap, index_share=share,
+                 lookahead_cap=4 if ahead else None)
   selector = selectors.GivenSelector(cfg.top_k)
+  prefetch = jnp.zeros((4, 3, cfg.num_units, 6), jnp.int32) if ahead else None
   carry = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg),
-                                                   selector.init_state(4, 3, 0)))
+                                                   selector.init_state(4, 3, 0),
+                                                   prefetch=prefetch))
   q, kv = (jax.ShapeDtypeStruct((4, 3, h, 16), jnp.float32) for h in (4, 2))
   hlo = driver._decode_step.lower(cfg, selector, carry, q, kv, kv).compile().as_text()
   for shape in (kv_state.hot_cache_shape(cfg), kv_state.host_tier_shape(cfg)):
