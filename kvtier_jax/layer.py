@@ -451,12 +451,12 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
   hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
   zero_copy = common.use_kernel(cfg.impl.fetch, "fetch")
   streamed = zero_copy and cfg.impl.fetch_stream is not None
-  # The hits are attended before the fetch, to overlap it, except for the host
-  # gather off GPU: nothing runs asynchronously there, and XLA:CPU copies the whole
-  # hot cache for a write after a read (it expands barriers before copy
-  # insertion), so the hits are attended after the fetched rows' writes. The
-  # misses land in victims, never in a hit's slot: the hit partial is the same.
-  hits_first = not streamed and (zero_copy or common.on_gpu())
+  # The hits are attended before the fetch, to overlap it, except off GPU:
+  # nothing runs asynchronously there, and XLA:CPU copies the whole hot cache for
+  # a write after a read (it expands barriers before copy insertion), so the hits
+  # are attended after the fetched rows' writes. The misses land in victims,
+  # never in a hit's slot: the hit partial is the same.
+  hits_first = not streamed and common.on_gpu()
   if hits_first:
     out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   if zero_copy and not streamed:
@@ -464,6 +464,8 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
         cfg, host_k, host_v, pages, hot_k, hot_v, layer, selected, res.slot, is_miss)
     out_m, lse_m = attention.hot_attention(cfg, q, hot_k, hot_v, layer,
                                            jnp.where(is_miss, res.slot, EMPTY))
+    if not hits_first:
+      out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   else:
     if streamed:  # staged, on its own stream (ImplConfig.fetch_stream)
       hits = lambda q_: attention.hot_attention(cfg, q_, hot_k, hot_v, layer, hit_slot)

@@ -494,22 +494,23 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
     assert got == STATUS_OUT_OF_RANGE, method
 
 
-@pytest.mark.parametrize("fetch_chunk, overlap, share, ahead, fused", [
-    (None, False, 1, False, False), (8, False, 1, False, False),  # direct: an eighth
-    # of the lanes per chunk, or 8
-    (None, True, 1, False, False), (8, True, 1, False, False),  # overlapped: staged
-    # in one gather, a loop
-    (None, False, 2, False, False), (None, True, 2, False, False),  # index sharing
-    # The lookahead prefetch writes after the attention.
-    (None, False, 1, True, False), (None, True, 2, True, False),
-    (None, False, 1, True, True), (None, False, 2, True, True)])
-def test_cpu_step_writes_the_hot_cache_in_place(fetch_chunk, overlap, share, ahead,
-                                                fused):
+@pytest.mark.parametrize("fetch, fetch_chunk, overlap, share, ahead, fused", [
+    ("xla", None, False, 1, False, False), ("xla", 8, False, 1, False, False),  # direct:
+    # an eighth of the lanes per chunk, or 8
+    ("xla", None, True, 1, False, False), ("xla", 8, True, 1, False, False),  # overlapped:
+    # staged in one gather, a loop
+    ("pallas", None, True, 1, False, False),  # overlapped, the zero-copy kernel
+    ("xla", None, False, 2, False, False), ("xla", None, True, 2, False, False),  # index
+    # sharing; the lookahead prefetch, which writes after the attention:
+    ("xla", None, False, 1, True, False), ("xla", None, True, 2, True, False),
+    ("xla", None, False, 1, True, True), ("xla", None, False, 2, True, True)])
+def test_cpu_step_writes_the_hot_cache_in_place(fetch, fetch_chunk, overlap, share,
+                                                ahead, fused):
   """The compiled CPU step never copies the whole hot cache (a write after a read
   of it, with nothing ordering the two, makes XLA:CPU keep the version read; a
   copy per layer would cost more than the tiered step's overhead), nor the host
   tier."""
-  impl = ImplConfig(resolve="xla", fetch="xla", fetch_chunk=fetch_chunk, fused=fused)
+  impl = ImplConfig(resolve="xla", fetch=fetch, fetch_chunk=fetch_chunk, fused=fused)
   cfg = make_cfg(impl=impl, overlap_hit_miss=overlap, index_share=share,
                  lookahead_cap=4 if ahead else None)
   selector = selectors.GivenSelector(cfg.top_k)
