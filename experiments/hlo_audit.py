@@ -140,7 +140,7 @@ def host_execute_rows_bytes(hlo: str) -> list[tuple[int, int]]:
     # ((operands...), (results...), u32[]): take the middle group.
     groups = re.findall(r"\((?:[^()]*)\)", results)
     res = groups[1] if len(groups) > 1 else groups[0]
-    arrays = re.findall(r"(bf16|f16|f32|s32)\[([\d,]+)\]", res)
+    arrays = re.findall(r"(bf16|f16|f32)\[([\d,]+)\]", res)  # K and V rows
     nbytes = sum(_array_bytes(t, dims) for t, dims in arrays)
     rows = sum(int(dims.split(",")[0]) for _, dims in arrays) // 2
     out.append((rows, nbytes))
@@ -358,7 +358,7 @@ def _abstract_state(cfg: TierConfig, carry: bool = True):
   positions per (layer, request, unit) in its carry: the step compiles one."""
   host, dev = _shardings()
   prefetch = None
-  if cfg.lookahead_cap is not None:
+  if carry and cfg.lookahead_cap is not None:
     prefetch = jnp.zeros((cfg.num_layers, cfg.num_requests, cfg.num_units,
                           cfg.lookahead_cap), jnp.int32)
   abstract = jax.eval_shape(

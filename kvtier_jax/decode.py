@@ -30,7 +30,6 @@ from kvtier_jax.selectors.base import (StepInputs, check_ranking, check_state_ca
                                        layer_slice)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
-from pallas_kernels import common
 
 
 @flax.struct.dataclass
@@ -213,12 +212,12 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
     outs = []
     for member in range(share):
       layer = first + member
-      if outs and not common.on_gpu():
+      if outs:
         # A sharing layer writes the hot cache that the layer before it read. In a
         # model its inputs come from that layer's output, which orders the two;
         # here they are given, and XLA:CPU (whose optimization barriers are gone
         # by copy insertion) copied the whole hot cache to keep the version read.
-        layer = layer_lib.ordered_after(layer, outs[-1], cfg.num_layers)
+        layer = layer_lib.after_attention(cfg, layer, outs[-1])
       out, carry = attend(layer, q_g[member], k_g[member], v_g[member], carry,
                           None if x_g is None else x_g[member], member)
       outs.append(out)

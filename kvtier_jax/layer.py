@@ -105,20 +105,23 @@ def _resolve(cfg: TierConfig, slot_pos, lru, score, selected, newest, ranks=None
 
 def ordered_after(layer, out, num_layers: int):
   """``layer`` (< ``num_layers``) as a value computed from ``out``: whatever ``out``
-  holds, ``min(layer, num_layers - 1 + isnan(out[0]))`` is ``layer``, but XLA must
-  wait for ``out`` to know it, so everything the layer index feeds runs after.
+  holds, ``min(layer, num_layers - 1 + any(isnan(out)))`` is ``layer``, but XLA
+  must wait for ``out`` to know it, so everything the layer index feeds runs after.
 
   For writes into the hot cache that must follow an attention's read of it: with
   nothing ordering the two, XLA keeps the version read by copying the whole
   cache, and XLA:CPU drops optimization barriers before it inserts copies."""
-  late = jnp.isnan(out.reshape(-1)[0]).astype(jnp.asarray(layer).dtype)
+  if isinstance(layer, int) and not 0 <= layer < num_layers:
+    raise ValueError(f"layer {layer} is outside [0, {num_layers})")
+  late = jnp.isnan(out).any().astype(jnp.asarray(layer).dtype)
   return jnp.minimum(layer, num_layers - 1 + late)
 
 
-def _after_attention(cfg: TierConfig, layer, out):
-  """The layer index for writes after this layer's attention (``ordered_after``
-  off GPU; on a GPU the prefetch's host gather should overlap the attention, and
-  XLA:GPU copies nothing there: experiments/hlo_audit.py)."""
+def after_attention(cfg: TierConfig, layer, out):
+  """The layer index for hot-cache writes after an attention whose output is
+  ``out``: ``ordered_after`` off GPU; on a GPU, ``layer`` (there the prefetch's host
+  gather should overlap the attention, and XLA:GPU copies nothing:
+  experiments/hlo_audit.py)."""
   return layer if common.on_gpu() else ordered_after(layer, out, cfg.num_layers)
 
 
@@ -248,7 +251,7 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   if prefetch is not None:
     (new_slot_pos, new_lru, new_score, hot_k, hot_v, pf_moved, prefetched,
      plan) = _prefetch(cfg, host_k, host_v, pages, hot_k, hot_v,
-                       _after_attention(cfg, layer, out), new_slot_pos,
+                       after_attention(cfg, layer, out), new_slot_pos,
                        new_lru, new_score, prefetch, newest_u, row_ok[:, None, None],
                        ranks)
     moved += pf_moved
@@ -325,7 +328,7 @@ def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, row_
   newest = jnp.broadcast_to(state.seq_len[:, None], (cfg.num_requests, cfg.num_units))
   slot_pos, lru, score, hot_k, hot_v, moved, prefetched, plan = _prefetch(
       cfg, state.host_k, state.host_v, state.page_table, state.hot_k, state.hot_v,
-      _after_attention(cfg, layer, after), state.slot_pos[layer], state.lru[layer],
+      after_attention(cfg, layer, after), state.slot_pos[layer], state.lru[layer],
       state.slot_score[layer], prefetch, newest, row_ok[:, None, None], ranks)
   old = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, share)
   keep = lambda new, x: jax.lax.dynamic_update_slice_in_dim(
@@ -357,7 +360,7 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
   if anchor.prefetch_pos is not None:
     hot_k, hot_v, moved = _fetch_for_layer(
         cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v,
-        _after_attention(cfg, layer, out), anchor.prefetch_pos, anchor.prefetch_slot,
+        after_attention(cfg, layer, out), anchor.prefetch_pos, anchor.prefetch_slot,
         anchor.prefetch_miss)
     fetched_rows = fetched_rows.at[layer].add(moved)
   return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v, fetched_rows=fetched_rows)

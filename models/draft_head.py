@@ -104,7 +104,7 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   """Trains a head on examples (N rows each); returns (head, per-step losses
   [steps, 3]: total, cross-entropy, feature term)."""
   head = DraftHead(cfg.embed_dim, tc.hidden_dim, rngs=nnx.Rngs(tc.seed))
-  optimizer_ = optimizer(head, tc)
+  opt = optimizer(head, tc)
 
   def loss_fn(head, weights, fp, tok, fn, lab):
     feat, logits = predict(cfg, weights, head, fp, tok)
@@ -116,17 +116,17 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   # embedded in the executable as constants (a 76 MB compile-cache entry for
   # SmolLM2's embedding, and 16 s to compress it).
   @nnx.jit
-  def step(head, optimizer, weights, fp, tok, fn, lab):
+  def step(head, opt, weights, fp, tok, fn, lab):
     (loss, (ce, pull)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
         head, weights, fp, tok, fn, lab)
-    optimizer.update(head, grads)
+    opt.update(head, grads)
     return jnp.stack([loss, ce, pull])
 
   rng = np.random.default_rng(tc.seed)
   history = []
   for _ in range(tc.steps):
     rows = rng.integers(0, label.shape[0], tc.batch)
-    history.append(np.asarray(step(head, optimizer_, weights, feat_prev[rows],
+    history.append(np.asarray(step(head, opt, weights, feat_prev[rows],
                                    token[rows], feat_next[rows], label[rows])))
   return head, np.stack(history)
 

@@ -495,15 +495,20 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
 
 
 @pytest.mark.parametrize("fetch, fetch_chunk, overlap, share, ahead, fused", [
-    ("xla", None, False, 1, False, False), ("xla", 8, False, 1, False, False),  # direct:
-    # an eighth of the lanes per chunk, or 8
-    ("xla", None, True, 1, False, False), ("xla", 8, True, 1, False, False),  # overlapped:
-    # staged in one gather, a loop
-    ("pallas", None, True, 1, False, False),  # overlapped, the zero-copy kernel
-    ("xla", None, False, 2, False, False), ("xla", None, True, 2, False, False),  # index
-    # sharing; the lookahead prefetch, which writes after the attention:
-    ("xla", None, False, 1, True, False), ("xla", None, True, 2, True, False),
-    ("xla", None, False, 1, True, True), ("xla", None, False, 2, True, True)])
+    # The direct fetch: an eighth of the lanes per chunk, or 8.
+    pytest.param("xla", None, False, 1, False, False, id="direct"),
+    pytest.param("xla", 8, False, 1, False, False, id="direct-chunk8"),
+    # The overlapped attention: staged in one gather, a loop; the zero-copy kernel.
+    pytest.param("xla", None, True, 1, False, False, id="overlap"),
+    pytest.param("xla", 8, True, 1, False, False, id="overlap-chunk8"),
+    pytest.param("pallas", None, True, 1, False, False, id="overlap-zero-copy"),
+    pytest.param("xla", None, False, 2, False, False, id="share2"),
+    pytest.param("xla", None, True, 2, False, False, id="share2-overlap"),
+    # The lookahead prefetch, which writes after the attention.
+    pytest.param("xla", None, False, 1, True, False, id="prefetch"),
+    pytest.param("xla", None, True, 2, True, False, id="prefetch-share2-overlap"),
+    pytest.param("xla", None, False, 1, True, True, id="prefetch-fused"),
+    pytest.param("xla", None, False, 2, True, True, id="prefetch-fused-share2")])
 def test_cpu_step_writes_the_hot_cache_in_place(fetch, fetch_chunk, overlap, share,
                                                 ahead, fused):
   """The compiled CPU step never copies the whole hot cache (a write after a read

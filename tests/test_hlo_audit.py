@@ -9,6 +9,7 @@ import pytest
 
 from experiments import deviceless, hlo_audit
 from kvtier_jax.state import TieredKVState
+from pallas_kernels import common
 
 # The cache's buffers (host tier K/V, page table, hot cache, metadata, counters).
 NUM_STATE = len(TieredKVState.__dataclass_fields__)
@@ -42,7 +43,9 @@ def test_decode_step_compiles_for_h200_without_whole_tier_copies(variant):
   # anchor: compute is scheduled while a host gather, or the gather on its own
   # stream, is in flight (with the latency-hiding scheduler the audit enables).
   # (A zero-copy fetch on the compute stream has no window to overlap.)
-  asynchronous = cfg.impl.fetch == "xla" or cfg.impl.fetch_stream is not None
+  with common.tracing_for_gpu():
+    zero_copy = common.use_kernel(cfg.impl.fetch, "fetch")
+  asynchronous = not zero_copy or cfg.impl.fetch_stream is not None
   assert (audit.overlapped_ops > 0) == (
       (cfg.overlap_hit_miss or cfg.index_share > 1) and asynchronous)
   if cfg.impl.fetch_stream is not None:  # the Pallas hit attention itself, not only
@@ -59,6 +62,23 @@ def test_prompt_write_through_writes_pages_in_place():
   _, cfg = hlo_audit.audit_configs(smoke=True)[0]
   copies, writes, aliased = hlo_audit.audit_prompt_write(cfg, chunk=2 * cfg.page_size)
   assert copies == 0 and writes > 0 and aliased == NUM_STATE
+
+
+def test_host_gather_rows_are_counted_per_row_of_k_and_v():
+  """One HostExecute gather (K and V), and one XLA merged from two (a sharing
+  layer's fetch and a prefetch): four results, twice the rows."""
+  tier = "bf16[2,33,64,1,2,64]{5,4,3,2,1,0:S(5)}"
+  rows = "bf16[64,2,64]{2,1,0}"
+  index = "s32[64,4]{1,0:S(5)}"
+  call = ('  %h{n} = (({ops}), ({res}), u32[]) custom-call-start(%a, %b), '
+          'custom_call_target="HostExecute"')
+  hlo = "\n".join([
+      call.format(n=1, ops=f"{tier}, {index}, {tier}", res=f"{rows}, {rows}"),
+      call.format(n=2, ops=f"{tier}, {index}, {index}, {tier}",
+                  res=", ".join([rows] * 4))])
+  row_bytes = 2 * 64 * 2  # Hg x D bf16
+  assert hlo_audit.host_execute_rows_bytes(hlo) == [(64, 64 * 2 * row_bytes),
+                                                    (128, 128 * 2 * row_bytes)]
 
 
 def test_audit_detects_a_whole_tier_copy():
