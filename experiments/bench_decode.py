@@ -10,7 +10,11 @@ machine (this shared CPU moves 2x between minutes) moves both sides together.
 Command (~1-2 min on a 2-core CPU):
   python -m experiments.bench_decode
 Defaults: 4 requests, 4 layers, 32K context, B=2048, k=512, 8 q / 2 KV heads, D=128,
-f32. ``--smoke`` runs in seconds. Results: results/bench_decode/<time>/.
+f32. ``--smoke`` runs in seconds. ``--variants`` adds the tiered step's options
+(``OPTIONS``: index sharing, the overlapped hit/miss attention, the lookahead
+prefetch of the exact next selection, the Pallas kernels interpreted), e.g.
+  python -m experiments.bench_decode --variants=full_kv,tiered,tiered_index_share2,tiered_overlap,tiered_lookahead
+Results: results/bench_decode/<time>/.
 """
 
 from __future__ import annotations
@@ -40,7 +44,16 @@ flags.DEFINE_integer("settle", 64, "Untimed rounds of every variant before the t
                      "that climb flatters the tiered step).")
 flags.DEFINE_integer("iters", 20, "Timed rounds (median); the variants alternate "
                      "step by step.")
-flags.DEFINE_list("variants", ["full_kv", "tiered"], "full_kv, tiered, tiered_pallas.")
+# The tiered step's options, each a TierConfig change (ratios in the same run).
+OPTIONS = {
+    "tiered": {},
+    "tiered_pallas": dict(impl="pallas"),
+    "tiered_index_share2": dict(index_share=2),
+    "tiered_overlap": dict(overlap_hit_miss=True),
+    "tiered_lookahead": dict(lookahead_cap=64),  # prefetches the exact next selection
+}
+flags.DEFINE_list("variants", ["full_kv", "tiered"],
+                  f"full_kv and any of {', '.join(OPTIONS)}.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, seconds.")
 flags.DEFINE_string("out_root", None, "Results root (default ./results).")
 
@@ -54,9 +67,9 @@ def build(cfg: TierConfig, variant: str, inputs: timing.StepInputs) -> dict:
   if variant == "full_kv":
     got = timing.time_full_kv(cfg, selector, inputs, FLAGS.warmup, 2)
   else:
-    if variant == "tiered_pallas":
-      cfg = cfg.replace(impl="pallas")
-    got = timing.time_tiered(cfg, selector, inputs, FLAGS.warmup, 2)
+    options = OPTIONS[variant]
+    got = timing.time_tiered(cfg.replace(**options), selector, inputs, FLAGS.warmup, 2,
+                             lookahead="lookahead_cap" in options)
   return dict(run=got["run"], stats=got.get("stats"),
               device_MiB=got["device_bytes"] / 2**20, host_MiB=got["host_bytes"] / 2**20)
 
@@ -81,6 +94,9 @@ def render(out, rows) -> str:
 
 def main(argv):
   del argv
+  unknown = set(FLAGS.variants) - set(OPTIONS) - {"full_kv"}
+  if unknown:
+    raise app.UsageError(f"unknown variants {sorted(unknown)}: full_kv or {list(OPTIONS)}")
   if FLAGS.smoke:
     FLAGS.contexts, FLAGS.hot_slots, FLAGS.top_k = ["1024"], 128, 64
     FLAGS.head_dim, FLAGS.iters, FLAGS.warmup, FLAGS.settle = 64, 3, 1, 2

@@ -28,9 +28,13 @@ def only_run(root, experiment):
 
 
 def test_bench_decode_smoke(tmp_path):
-  out = run("experiments.bench_decode", "--smoke", f"--out_root={tmp_path}")
+  variants = ["full_kv", "tiered", "tiered_index_share2", "tiered_overlap",
+              "tiered_lookahead"]
+  out = run("experiments.bench_decode", "--smoke", f"--out_root={tmp_path}",
+            f"--variants={','.join(variants)}")
   _, rows = only_run(tmp_path, "bench_decode")
-  assert {r["variant"] for r in rows} == {"full_kv", "tiered"}
+  assert [r["variant"] for r in rows] == variants
+  assert all(r["vs_full_kv"] > 0 for r in rows)
   tiered = next(r for r in rows if r["variant"] == "tiered")
   full = next(r for r in rows if r["variant"] == "full_kv")
   assert tiered["device_MiB"] < full["device_MiB"]
