@@ -480,6 +480,12 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
                                  is_miss, first_chunk_always=True)
     lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
     out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
+    if hits_first:
+      # The rows land in the cache the hit attention read, and nothing else orders
+      # that read first: XLA 0.11.2 copied the whole cache for it beside index
+      # sharing (deviceless H200). The streamed gather joins the two itself.
+      out_h, lse_h, hot_k, hot_v = jax.lax.optimization_barrier(
+          (out_h, lse_h, hot_k, hot_v))
     hot_k = fetch.scatter_rows(hot_k, rows.dest, rows.k)
     hot_v = fetch.scatter_rows(hot_v, rows.dest, rows.v)
     moved = rows.moved
