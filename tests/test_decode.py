@@ -532,6 +532,23 @@ def test_cpu_step_writes_the_hot_cache_in_place(fetch, fetch_chunk, overlap, sha
     assert f"= {typ}" in hlo  # the shape is matched at all
 
 
+def test_ordered_after_is_the_layer_whatever_the_output_holds():
+  """The layer index the off-GPU writes take after an attention: traced, with a
+  finite output, a NaN in it, or every entry NaN, it is the layer itself."""
+  from kvtier_jax.layer import ordered_after
+  rng = np.random.default_rng()
+  num_layers = int(rng.integers(1, 9))
+  got = jax.jit(ordered_after, static_argnums=2)
+  for layer in range(num_layers):
+    out = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    for poison in (None, (1, 2, 3), ...):
+      if poison is not None:
+        out[poison] = np.nan
+      assert int(got(jnp.int32(layer), jnp.asarray(out), num_layers)) == layer
+  with pytest.raises(ValueError, match="outside"):
+    ordered_after(num_layers, jnp.zeros(3), num_layers)
+
+
 def test_step_donates_state_and_does_not_retrace():
   cfg = make_cfg()
   h = Harness(cfg, [40, 50, 60])
