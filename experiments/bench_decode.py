@@ -10,9 +10,11 @@ machine (this shared CPU moves 2x between minutes) moves both sides together.
 Command (~1-2 min on a 2-core CPU):
   python -m experiments.bench_decode
 Defaults: 4 requests, 4 layers, 32K context, B=2048, k=512, 8 q / 2 KV heads, D=128,
-f32. ``--smoke`` runs in seconds. ``--variants`` adds the tiered step's options
-(``OPTIONS``: index sharing, the overlapped hit/miss attention, the lookahead
-prefetch of the exact next selection, the Pallas kernels interpreted), e.g.
+f32; full KV, the tiered step (XLA RESOLVE, the GPU's default) and the fused one
+(``ImplConfig(fused=True)``: on this CPU one native call per layer). ``--smoke``
+runs in seconds. ``--variants`` adds the tiered step's options (``OPTIONS``: index
+sharing, the overlapped hit/miss attention, the lookahead prefetch of the exact
+next selection, the Pallas kernels interpreted), e.g.
   python -m experiments.bench_decode --variants=full_kv,tiered,tiered_index_share2,tiered_overlap,tiered_lookahead
 Results: results/bench_decode/<time>/.
 """
@@ -23,7 +25,7 @@ from absl import app, flags
 import jax.numpy as jnp
 
 from experiments import common, timing
-from kvtier_jax.config import TierConfig
+from kvtier_jax.config import ImplConfig, TierConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("requests", 4, "R, requests decoded together.")
@@ -51,8 +53,9 @@ OPTIONS = {
     "tiered_index_share2": dict(index_share=2),
     "tiered_overlap": dict(overlap_hit_miss=True),
     "tiered_lookahead": dict(lookahead_cap=64),  # prefetches the exact next selection
+    "tiered_fused": dict(impl=ImplConfig(fused=True)),  # off GPU: one native call
 }
-flags.DEFINE_list("variants", ["full_kv", "tiered"],
+flags.DEFINE_list("variants", ["full_kv", "tiered", "tiered_fused"],
                   f"full_kv and any of {', '.join(OPTIONS)}.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, seconds.")
 flags.DEFINE_string("out_root", None, "Results root (default ./results).")

@@ -43,8 +43,11 @@ class ImplConfig:
       gathers every lane there (a loop into a staging buffer cost ~15%).
     fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
       writes and the metadata commit of a layer in two Pallas kernels
-      (``pallas_kernels/fused_resolve``; interpreted off GPU) instead of ~40 XLA
-      ops; ``resolve``, ``fetch`` and ``lookup`` are then unused. Every policy
+      (``pallas_kernels/fused_resolve``) instead of ~40 XLA ops; off GPU in one
+      native call per layer (``fused_resolve/native.py``, built on first use;
+      ``interpret=True`` runs the Pallas kernels interpreted instead, as does a
+      machine without a C++ compiler, with a warning); ``resolve``, ``fetch``
+      and ``lookup`` are then unused. Every policy
       (a keyed one adds a victim-key kernel and one XLA sort per row), index
       sharing (the commit kernel fetches for the sharing layers too) and the
       lookahead prefetch; not the overlapped attention or a mesh.

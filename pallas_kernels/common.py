@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import pathlib
 
 import jax
 from jax.experimental import pallas as pl
@@ -92,3 +94,12 @@ def next_power_of_2(n: int) -> int:
 
 
 cdiv = pl.cdiv
+
+
+def cache_dir() -> pathlib.Path:
+  """Where built artefacts are kept (the model load cache, the native CPU call):
+  ``$KVTIER_JAX_CACHE``, else ``$XDG_CACHE_HOME/kvtier-jax``, else ~/.cache/kvtier-jax."""
+  if os.environ.get("KVTIER_JAX_CACHE"):
+    return pathlib.Path(os.environ["KVTIER_JAX_CACHE"])
+  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+  return pathlib.Path(base) / "kvtier-jax"

@@ -15,6 +15,7 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.policies import PolicyConfig
 from pallas_kernels import common
+from pallas_kernels.fused_resolve import native
 from tests.util import (Harness, assert_same, draw_selection, random_kv, snapshot,
                         step_inputs, tier_cfg)
 
@@ -220,7 +221,10 @@ def test_capacity_exceeded_is_refused():
   np.testing.assert_array_equal(np.asarray(carry.tier.seq_len), before.seq_len)
 
 
+# The fused layer step: off GPU the native call (pallas_kernels/fused_resolve/
+# native.py), or the Pallas kernels interpreted.
 FUSED = ImplConfig(attention="xla", fused=True)
+FUSED_PALLAS = ImplConfig(attention="xla", fused=True, interpret=True)
 
 
 @pytest.mark.parametrize("impl", ["auto", FUSED])
@@ -367,18 +371,23 @@ def test_the_selector_updates_its_whole_state_in_place_as_in_the_sparse_backend(
     np.testing.assert_array_equal(np.asarray(carry.sel), sel - 1000)
 
 
-@pytest.mark.parametrize("per_kv_head,share,policy", [
-    (False, 1, "lru"), (True, 1, "rank"), (False, 2, "lru"), (False, 2, "freq")])
-def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share, policy):
-  """impl.fused (two kernels per layer, interpreted here): outputs bit-equal to
-  full-KV sparse attention (XLA attention on both sides), and every metadata array,
-  counter and the hot cache equal to the unfused step's (XLA RESOLVE, zero-copy fetch
-  kernel); with index sharing (share=2) the anchor's commit fetches for the layer
-  sharing its selection. Under a keyed policy (freq, rank) the victims, the LRU order
-  and the score EMA are the unfused keyed RESOLVE's."""
+@pytest.mark.parametrize("per_kv_head,share,policy,fused", [
+    (False, 1, "lru", FUSED), (True, 1, "rank", FUSED), (False, 2, "lru", FUSED),
+    (False, 2, "freq", FUSED), (False, 1, "lru", FUSED_PALLAS),
+    (True, 1, "rank", FUSED_PALLAS), (False, 2, "freq", FUSED_PALLAS)],
+    ids=["lru", "rank-per-head", "share2-lru", "share2-freq", "lru-pallas",
+         "rank-per-head-pallas", "share2-freq-pallas"])
+def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share, policy, fused):
+  """impl.fused (off GPU one native call per layer, or with interpret=True the two
+  Pallas kernels interpreted): outputs bit-equal to full-KV sparse attention (XLA
+  attention on both sides), and every metadata array, counter and the hot cache
+  equal to the unfused step's (XLA RESOLVE, zero-copy fetch kernel); with index
+  sharing (share=2) the anchor's commit fetches for the layer sharing its
+  selection. Under a keyed policy (freq, rank) the victims, the LRU order and the
+  score EMA are the unfused keyed RESOLVE's."""
   seed = int(np.random.default_rng().integers(2**31))
   cfgs = [make_cfg(impl=impl, per_kv_head=per_kv_head, index_share=share, policy=policy)
-          for impl in (FUSED, ImplConfig(resolve="xla", attention="xla", fetch="pallas"))]
+          for impl in (fused, ImplConfig(resolve="xla", attention="xla", fetch="pallas"))]
   fused, unfused = (Harness(c, [40, 100, 7], seed=seed) for c in cfgs)
   for _ in range(25):
     sel = draw_selection(fused.rng, cfgs[0], fused.decoder.seq_len, fused.prev)
@@ -439,7 +448,8 @@ def test_a_repeated_prefetch_position_takes_one_slot_on_every_path():
   the next hit). Every metadata array equal across the paths, outputs exact."""
   seed = int(np.random.default_rng().integers(2**31))
   impls = (ImplConfig.every("xla", fetch_chunk=3),
-           ImplConfig(resolve="pallas", attention="xla", fetch="pallas"), FUSED)
+           ImplConfig(resolve="pallas", attention="xla", fetch="pallas"), FUSED,
+           FUSED_PALLAS)
   cfgs = [make_cfg(impl=impl, lookahead_cap=6) for impl in impls]
   runs = [Harness(c, [60, 90, 70], seed=seed) for c in cfgs]
   for step in range(6):
@@ -507,6 +517,8 @@ def test_a_malformed_row_refuses_with_the_same_status_word_on_every_path():
     # The lookahead prefetch, which writes after the attention.
     pytest.param("xla", None, False, 1, True, False, id="prefetch"),
     pytest.param("xla", None, True, 2, True, False, id="prefetch-share2-overlap"),
+    pytest.param("xla", None, False, 1, False, True, id="fused"),
+    pytest.param("xla", None, False, 2, False, True, id="fused-share2"),
     pytest.param("xla", None, False, 1, True, True, id="prefetch-fused"),
     pytest.param("xla", None, False, 2, True, True, id="prefetch-fused-share2")])
 def test_cpu_step_writes_the_hot_cache_in_place(fetch, fetch_chunk, overlap, share,
@@ -519,12 +531,16 @@ def test_cpu_step_writes_the_hot_cache_in_place(fetch, fetch_chunk, overlap, sha
   cfg = make_cfg(impl=impl, overlap_hit_miss=overlap, index_share=share,
                  lookahead_cap=4 if ahead else None)
   selector = selectors.GivenSelector(cfg.top_k)
-  prefetch = jnp.zeros((4, 3, cfg.num_units, 6), jnp.int32) if ahead else None
-  carry = jax.eval_shape(lambda: decode.init_carry(cfg, kv_state.init_state(cfg),
-                                                   selector.init_state(4, 3, 0),
-                                                   prefetch=prefetch))
+  prefetch = (jax.ShapeDtypeStruct((4, 3, cfg.num_units, 6), jnp.int32) if ahead
+              else None)
+  state = jax.eval_shape(lambda: kv_state.init_state(cfg))
+  selections = jax.eval_shape(lambda: selector.init_state(4, 3, 0))
   q, kv = (jax.ShapeDtypeStruct((4, 3, h, 16), jnp.float32) for h in (4, 2))
-  hlo = driver._decode_step.lower(cfg, selector, carry, q, kv, kv).compile().as_text()
+  # The program TieredDecoder.step runs (the carry built inside it).
+  hlo = driver._decoder_step.lower(cfg, selector, state, q, kv, kv, selections,
+                                   prefetch).compile().as_text()
+  if fused:  # off GPU the fused step is the native call, where it builds
+    assert ("kvtier_resolve_fetch" in hlo) == native.available()
   for shape in (kv_state.hot_cache_shape(cfg), kv_state.host_tier_shape(cfg)):
     typ = f"f32[{','.join(map(str, shape))}]"
     copies = [l for l in hlo.splitlines() if f"= {typ}" in l and " copy(" in l]

@@ -12,6 +12,7 @@ from pallas_kernels.cache_resolve import cache_resolve
 from pallas_kernels.fetch import BlockSizes as FetchBlocks
 from pallas_kernels.fetch import (fetch_rows, fetch_rows_reference, gather_rows,
                                   gather_rows_reference)
+from pallas_kernels.fused_resolve import native
 from pallas_kernels.sparse_decode_attention import (BlockSizes, sparse_decode_attention,
                                                     sparse_decode_attention_reference)
 from tests import util
@@ -285,14 +286,24 @@ def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16,
               v_new=jnp.asarray(new_kv[1]))
 
 
+def _native_or_skip(on_gpu):
+  if on_gpu:
+    pytest.skip("the native fused step is the CPU's")
+  if not native.available() and native.unavailable_reason().startswith("no C++ compiler"):
+    pytest.skip(native.unavailable_reason())
+  assert native.available(), native.unavailable_reason()  # a compiler that fails: fail
+
+
+@pytest.mark.parametrize("impl", ["pallas", "native"])
 @pytest.mark.parametrize("scenario,status,share,keyed", [
     ("valid", 0, 1, False), ("duplicate", 2, 1, False), ("out_of_range", 1, 1, False),
     ("unpaged", 4, 1, False), ("capacity", 4, 1, False), ("refused_earlier", 2, 1, False),
     ("valid", 0, 2, False), ("unpaged", 4, 2, False), ("valid", 0, 1, True),
     ("valid", 0, 2, True)])
-def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, keyed):
+def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, keyed, impl):
   """share=2: layer 0 resolves for layers 0 and 1 (index sharing). keyed: a
-  retention key with many ties and the score EMA (a keyed policy)."""
+  retention key with many ties and the score EMA (a keyed policy). impl: the
+  Pallas kernels (interpreted off GPU) or the native CPU call (native_cpu.cc)."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
   args = _fused_problem(rng, scenario, layer=0 if share == 2 else 1)
@@ -301,11 +312,15 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
     args["key"] = jnp.asarray(rng.integers(0, 4, (4, 2, 12)), jnp.float32)
     static["score_decay"] = 0.75
   want = fused_resolve.resolve_fetch_reference(**args, **static)
-  # The position map may hold anything: stale lanes of other rows and steps.
-  stale = jnp.asarray(rng.integers(-2, 10, (8, 61 + 8)), jnp.int32)
-  got = fused_resolve.resolve_fetch(**args, scratch_map=stale, **static,
-                                    block_sizes=fused_resolve.BlockSizes(fetch_rows=2),
-                                    interpret=not on_gpu)
+  if impl == "native":
+    _native_or_skip(on_gpu)
+    got = native.resolve_fetch_native(**args, **static)
+  else:
+    # The position map may hold anything: stale lanes of other rows and steps.
+    stale = jnp.asarray(rng.integers(-2, 10, (8, 61 + 8)), jnp.int32)
+    got = fused_resolve.resolve_fetch(**args, scratch_map=stale, **static,
+                                      block_sizes=fused_resolve.BlockSizes(fetch_rows=2),
+                                      interpret=not on_gpu)
   for name, w, g in zip(want.cache._fields, want.cache, got.cache):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} {seed=}")
   # A row with a duplicate has unspecified slots (the step refuses; what its
@@ -361,6 +376,95 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
   assert moved[layer] == share * miss.sum() and moved.sum() == moved[layer]
   if keyed:
     _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype):
+  """Twelve chained steps of the native call, each against the reference from the
+  same state (fresh selections over held and unheld positions, every layer in
+  turn, a keyed policy on odd steps): every array equal, the hot cache bit for bit
+  in ``dtype`` (rows are copied as bytes), never-written slots still NaN."""
+  _native_or_skip(on_gpu)
+  seed = int(np.random.default_rng().integers(2**31))
+  rng = np.random.default_rng(seed)
+  args = _fused_problem(rng, "valid")
+  for name in ("host_k", "host_v", "k_new", "v_new"):
+    args[name] = args[name].astype(dtype)
+  args["cache"] = args["cache"]._replace(hot_k=args["cache"].hot_k.astype(dtype),
+                                         hot_v=args["cache"].hot_v.astype(dtype))
+  seq = np.asarray(args["seq_len"])
+  misses = 0
+  for step in range(12):
+    layer = step % 2
+    sel = np.full((4, 2, 8), -1, np.int32)
+    slot_pos = np.asarray(args["cache"].slot_pos)
+    for r, u in np.ndindex(4, 2):
+      held = [p for p in slot_pos[layer, r, u] if 0 <= p < seq[r]]
+      pool = list(dict.fromkeys(rng.permutation(held).tolist()[:4]
+                                + rng.permutation(seq[r] + 1).tolist()))[:8]
+      sel[r, u, rng.permutation(8)[:len(pool)]] = pool
+    args.update(layer=layer, selected=jnp.asarray(sel))
+    static = dict(max_len=60, page_size=8)
+    if step % 2:
+      args["key"] = jnp.asarray(rng.integers(0, 3, (4, 2, 12)), jnp.float32)
+      static["score_decay"] = 0.5
+    else:
+      args.pop("key", None)
+    want = fused_resolve.resolve_fetch_reference(**args, **static)
+    got = native.resolve_fetch_native(**args, **static)
+    for name, w, g in zip(want.cache._fields, want.cache, got.cache):
+      np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                    err_msg=f"{name} {step=} {seed=}")
+    for name in ("slot", "is_miss", "status", "target"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name),
+                                    err_msg=f"{name} {step=} {seed=}")
+    misses += int(np.asarray(got.is_miss).sum())
+    args["cache"] = got.cache
+  assert misses > 0, seed
+  # Slots no step wrote (never fetched, never installed) keep their NaN poison.
+  slot_pos = np.asarray(args["cache"].slot_pos)
+  hot = np.asarray(args["cache"].hot_k, np.float32)[:, :, :, :-1]
+  assert np.isnan(hot[slot_pos < 0]).all()
+
+
+def test_native_fused_step_refuses_corrupt_metadata_with_an_error():
+  """Metadata no step could have written (an LRU row that is not a permutation, a
+  page outside the host tier, a layer past the cache): an error, not a write out
+  of bounds."""
+  if common.on_gpu() or not native.available():
+    pytest.skip("the native fused step is the CPU's, and needs a C++ compiler")
+  rng = np.random.default_rng()
+  args = _fused_problem(rng, "valid")
+  static = dict(max_len=60, page_size=8)
+  lru = np.asarray(args["cache"].lru).copy()
+  lru[1, 1, 0, 0] = 12  # slot B is not a regular slot
+  bad_lru = dict(args, cache=args["cache"]._replace(lru=jnp.asarray(lru)))
+  with pytest.raises(Exception, match="names no slot"):
+    jax.block_until_ready(native.resolve_fetch_native(**bad_lru, **static))
+  table = np.asarray(args["page_table"]).copy()
+  table[1] = np.where(table[1] >= 0, 10_000, -1)  # request 1 has a certain miss
+  with pytest.raises(Exception, match="outside the host tier"):
+    jax.block_until_ready(native.resolve_fetch_native(
+        **dict(args, page_table=jnp.asarray(table)), **static))
+  with pytest.raises(Exception, match="outside the cache's layers"):
+    jax.block_until_ready(native.resolve_fetch_native(**dict(args, layer=1), **static,
+                                                      share=2))
+
+
+def test_fused_steps_fall_back_to_the_pallas_kernels_with_a_warning(monkeypatch):
+  """Off GPU the fused step runs natively unless the interpreter is asked for; a
+  machine where it cannot build warns once and runs the Pallas kernels."""
+  if common.on_gpu():
+    pytest.skip("the native fused step is the CPU's")
+  assert native.use_native(True) is False
+  assert native.use_native(None) is native.available()
+  monkeypatch.setattr(native, "_load", lambda: "no C++ compiler ($CXX or c++) on PATH")
+  native._warn_unavailable.cache_clear()
+  with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+    assert native.use_native(None) is False
+  with pytest.raises(RuntimeError, match="unavailable"):
+    native.resolve_fetch_native.__wrapped__(**_fused_problem(
+        np.random.default_rng(0), "valid"), max_len=60, page_size=8)
 
 
 def _ranking(rng, slot_pos, seq, m):

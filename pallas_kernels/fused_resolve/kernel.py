@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import common
 from pallas_kernels.fused_resolve.config import BlockSizes
 from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
+                                                    check_victim_inputs,
                                                     effective_slot_pos)
 
 _STATUS_BITS = (common.STATUS_OUT_OF_RANGE, common.STATUS_DUPLICATE,
@@ -431,17 +432,7 @@ def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheAr
   common.check_slots(num_slots, num_sel)
   if head_dim & (head_dim - 1):
     raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
-  if key is not None and order is not None:
-    raise ValueError("give a retention key or its victim order, not both")
-  if (key is None and order is None) != (score_decay is None):
-    raise ValueError("a retention key (or victim order) and score_decay go together "
-                     "(a keyed policy)")
-  if order is not None and order.shape != (num_req, num_units, num_slots):
-    raise ValueError(f"order {order.shape} must be {(num_req, num_units, num_slots)} "
-                     "(R, U, B)")
-  if key is not None and key.shape != (num_req, num_units, num_slots):
-    raise ValueError(f"key {key.shape} must be {(num_req, num_units, num_slots)} "
-                     "(R, U, B)")
+  check_victim_inputs(key, order, score_decay, (num_req, num_units, num_slots))
   rows = num_req * num_units
   slots_pad = common.next_power_of_2(num_slots)
   sel_pad = common.next_power_of_2(num_sel)

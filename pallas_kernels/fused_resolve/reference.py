@@ -66,6 +66,19 @@ def map_scratch_bytes(rows: int, max_len: int, top_k: int) -> int:
   return rows * (max_len + 1 + common.next_power_of_2(top_k)) * 4
 
 
+def check_victim_inputs(key, order, score_decay, shape) -> None:
+  """The fused steps' keyed-policy inputs: a retention ``key`` or its victim
+  ``order`` (each of ``shape`` (R, U, B)), given with ``score_decay``, or none."""
+  if key is not None and order is not None:
+    raise ValueError("give a retention key or its victim order, not both")
+  if (key is None and order is None) != (score_decay is None):
+    raise ValueError("a retention key (or victim order) and score_decay go together "
+                     "(a keyed policy)")
+  for name, x in (("key", key), ("order", order)):
+    if x is not None and x.shape != shape:
+      raise ValueError(f"{name} {x.shape} must be {shape} (R, U, B)")
+
+
 def _duplicates(sel):
   srt = jnp.sort(sel, axis=-1)
   return ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)

@@ -1,0 +1,170 @@
+"""The fused layer step as one native XLA FFI call on the CPU (``native_cpu.cc``).
+
+Same contract as ``reference.resolve_fetch_reference`` and the Pallas kernels
+(``kernel.resolve_fetch``), the cache updated in place: one call per layer where
+XLA:CPU would run ~140 small ops (the XLA RESOLVE) or the Pallas kernels'
+interpreted loops. The CPU's counterpart of SGLang's fused CUDA RESOLVE.
+
+The C++ source is compiled on first use with the system's C++ compiler (``$CXX``,
+else ``c++``) against the XLA FFI headers jaxlib ships, into ``cache_dir()`` keyed
+by the source, the flags and the jaxlib version; ``available()`` says whether that
+worked (no compiler: False, and the callers keep the Pallas kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from pallas_kernels import common
+from pallas_kernels.fused_resolve.kernel import victim_order
+from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
+                                                    check_victim_inputs)
+
+_SOURCE = pathlib.Path(__file__).with_name("native_cpu.cc")
+_TARGET = "kvtier_resolve_fetch"
+# -ffp-contract=off: no contraction the source does not write (its one FMA is explicit).
+_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+def _compiler() -> str | None:
+  return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def library_path() -> pathlib.Path:
+  """Where the compiled library for this source, these flags and this jaxlib lives."""
+  key = hashlib.sha256(_SOURCE.read_bytes())
+  key.update(" ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+  return common.cache_dir() / "native" / f"fused_resolve-{key.hexdigest()[:16]}.so"
+
+
+def _build(path: pathlib.Path, compiler: str) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # pytest workers: one compiles, the rest wait
+    if path.exists():
+      return
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+      out = pathlib.Path(tmp) / path.name
+      subprocess.run([compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(),
+                      str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
+                     text=True)
+      os.replace(out, path)
+
+
+@functools.cache
+def _load() -> str | None:
+  """Build (once per machine) and register the call; None, or why it failed."""
+  compiler = _compiler()
+  if compiler is None:
+    return "no C++ compiler ($CXX or c++) on PATH"
+  path = library_path()
+  try:
+    if not path.exists():
+      _build(path, compiler)
+    library = ctypes.cdll.LoadLibrary(str(path))
+  except subprocess.CalledProcessError as err:
+    return f"compiling {_SOURCE.name} failed:\n{err.stderr}"
+  except OSError as err:
+    return f"building or loading {path} failed: {err}"
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.KvtierResolveFetch),
+                              platform="cpu")
+  return None
+
+
+def available() -> bool:
+  """True when the native call is built and registered (compiling it if needed)."""
+  return _load() is None
+
+
+def unavailable_reason() -> str | None:
+  return _load()
+
+
+def use_native(interpret: bool | None) -> bool:
+  """Whether a fused layer step runs natively: off GPU, unless the Pallas
+  interpreter is asked for (``interpret=True``), when the call builds. When it
+  cannot, the Pallas kernels run interpreted (slower, the same results), with a
+  warning that says why."""
+  if common.on_gpu() or interpret:
+    return False
+  reason = _load()
+  if reason is not None:
+    _warn_unavailable(reason)
+  return reason is None
+
+
+@functools.cache
+def _warn_unavailable(reason: str) -> None:
+  warnings.warn(f"the native CPU fused step is unavailable ({reason}); the fused "
+                "Pallas kernels run interpreted instead", RuntimeWarning, stacklevel=3)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
+                                             "score_decay"))
+def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
+                         cache: CacheArrays, page_table, host_k, host_v, k_new, v_new,
+                         key=None, *, order=None, max_len: int, page_size: int,
+                         share: int = 1,
+                         score_decay: float | None = None) -> LayerResult:
+  """``resolve_fetch`` (kernel.py) as one CPU call; ``cache`` is updated in place.
+
+  ``key`` / ``order`` and ``score_decay`` as there: a keyed policy's victims come
+  in the order of one XLA sort per row (``victim_order``), or the given ``order``.
+  """
+  reason = _load()
+  if reason is not None:
+    raise RuntimeError(f"the native fused step is unavailable: {reason}")
+  num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
+  heads, head_dim = cache.hot_k.shape[-2:]
+  num_sel = selected.shape[-1]
+  common.check_slots(num_slots, num_sel)
+  check_victim_inputs(key, order, score_decay, (num_req, num_units, num_slots))
+  if host_k.dtype != cache.hot_k.dtype or host_v.dtype != cache.hot_v.dtype:
+    raise ValueError(f"the host tier ({host_k.dtype}) and the hot cache "
+                     f"({cache.hot_k.dtype}) must share a dtype: rows are copied as bytes")
+  for name in ("slot_pos", "lru", "hits", "misses", "fetched_rows", "slot_score"):
+    want = jnp.float32 if name == "slot_score" else jnp.int32
+    if getattr(cache, name).dtype != want:
+      raise ValueError(f"cache.{name} must be {jnp.dtype(want)}, got "
+                       f"{getattr(cache, name).dtype}")
+  if not 0 < share <= num_layers:
+    raise ValueError(f"{share=} must be in [1, L={num_layers}]")
+  layer = jnp.asarray(layer, jnp.int32).reshape(())
+  if key is not None:
+    order = victim_order(cache.slot_pos[layer], cache.lru[layer], key, seq_len)
+  if order is None:
+    order = jnp.zeros((num_req, num_units, num_slots), jnp.int32)  # unread under LRU
+  rows_new = lambda x: x.reshape(num_req, num_units * heads, head_dim).astype(
+      cache.hot_k.dtype)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  sel_shape = (num_req, num_units, num_sel)
+  call = jax.ffi.ffi_call(
+      _TARGET,
+      [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache]
+      + [i32(*sel_shape), jax.ShapeDtypeStruct(sel_shape, jnp.bool_), i32(),
+         i32(num_req, num_units)],
+      input_output_aliases={11 + i: i for i in range(len(cache))})
+  *updated, slot, is_miss, status, target = call(
+      layer, jnp.asarray(prior_status, jnp.int32).reshape(()),
+      jnp.asarray(active, bool).reshape(num_req), jnp.asarray(seq_len, jnp.int32),
+      jnp.asarray(selected, jnp.int32), order.astype(jnp.int32),
+      jnp.asarray(page_table, jnp.int32), host_k, host_v, rows_new(k_new),
+      rows_new(v_new), *cache,
+      max_len=np.int64(max_len), page_size=np.int64(page_size), share=np.int64(share),
+      keyed=np.int64(score_decay is not None),
+      score_decay=np.float32(0.0 if score_decay is None else score_decay))
+  return LayerResult(CacheArrays(*updated), slot, is_miss, status, target)

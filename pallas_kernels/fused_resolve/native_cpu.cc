@@ -1,0 +1,384 @@
+// One layer's cache step (validate + RESOLVE + fetch + commit) as one XLA FFI call
+// on the CPU: the contract of reference.py's ``resolve_fetch_reference``, in place.
+//
+// Why a native call: XLA:CPU runs the XLA RESOLVE as ~140 small ops per layer and
+// the Pallas kernels interpreted as a loop of them; the per-op cost, not the
+// bytes, is what keeps the CPU step above full KV. This is the CPU twin of the
+// fused Pallas kernels (kernel.py), the same algorithm per (request, unit) row,
+// O(B + k): a position -> slot map (entries set for the row's slots and cleared
+// after it), the walk of the slots in LRU order, SGLang's victim order. It
+// decides every row first and writes only when no row refused (a refused layer
+// changes nothing but slot B), as the two Pallas launches do.
+//
+// Shapes (glossary: kvtier_jax/shapes.py): L layers, R requests, U units per
+// request, B regular slots (+1 reserved for the newest token), k selected lanes,
+// T = max_len, Pg page size, NH host pages, Hg heads per unit, D head dim.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int32_t kStatusOutOfRange = 1;  // pallas_kernels/common.py
+constexpr int32_t kStatusDuplicate = 2;
+constexpr int32_t kStatusCapacity = 4;
+
+// What classify decides for one row; commit writes it when the layer is ok.
+struct RowPlan {
+  std::vector<int32_t> new_pos, new_lru;  // [B]
+  std::vector<float> new_score;           // [B] (the install slot's 1 included)
+  int32_t target = -1, hits = 0, misses = 0, status = 0;
+};
+
+struct RowCopy {
+  char* to;
+  const char* from;
+};
+
+// The fetch: rows scattered over the host tier, each read once, so latency-bound
+// (a TLB and a cache miss per row). Prefetching the next rows' lines keeps
+// several reads in flight: ~2x on this CPU at bench_decode's shape.
+void CopyRows(const std::vector<RowCopy>& copies, int64_t row_bytes) {
+  constexpr size_t kAhead = 8;
+  constexpr int64_t kLine = 64;
+  auto prefetch = [&](const char* from) {
+    for (int64_t b = 0; b < row_bytes; b += kLine) __builtin_prefetch(from + b);
+  };
+  for (size_t i = 0; i < std::min(kAhead, copies.size()); ++i) prefetch(copies[i].from);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (i + kAhead < copies.size()) prefetch(copies[i + kAhead].from);
+    std::memcpy(copies[i].to, copies[i].from, row_bytes);
+  }
+}
+
+template <typename T>
+T* Alias(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  // XLA aliases each output to its input (input_output_aliases); copy if not.
+  if (out->untyped_data() != in.untyped_data()) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+  return static_cast<T*>(out->untyped_data());
+}
+
+ffi::Error ResolveFetchImpl(
+    ffi::Buffer<ffi::S32> layer_buf,         // i32[]
+    ffi::Buffer<ffi::S32> prior_status_buf,  // i32[]
+    ffi::Buffer<ffi::PRED> active,           // bool[R]
+    ffi::Buffer<ffi::S32> seq_len,           // i32[R] newest position per request
+    ffi::Buffer<ffi::S32> selected,          // i32[R, U, k]
+    ffi::Buffer<ffi::S32> order,             // i32[R, U, B] victim order (keyed only)
+    ffi::Buffer<ffi::S32> page_table,        // i32[R, MP]
+    ffi::AnyBuffer host_k,                   // [L, NH+1, Pg, U, Hg, D]
+    ffi::AnyBuffer host_v,
+    ffi::AnyBuffer k_new,                    // [R, U*Hg, D] in the hot cache's dtype
+    ffi::AnyBuffer v_new,
+    ffi::AnyBuffer slot_pos_in,  // i32[L, R, U, B]
+    ffi::AnyBuffer lru_in,       // i32[L, R, U, B]
+    ffi::AnyBuffer score_in,     // f32[L, R, U, B]
+    ffi::AnyBuffer hits_in,      // i32[L, R, U]
+    ffi::AnyBuffer misses_in,    // i32[L, R, U]
+    ffi::AnyBuffer fetched_in,   // i32[L]
+    ffi::AnyBuffer hot_k_in,     // [L, R, U, B+1, Hg, D]
+    ffi::AnyBuffer hot_v_in,
+    ffi::Result<ffi::AnyBuffer> slot_pos_out, ffi::Result<ffi::AnyBuffer> lru_out,
+    ffi::Result<ffi::AnyBuffer> score_out, ffi::Result<ffi::AnyBuffer> hits_out,
+    ffi::Result<ffi::AnyBuffer> misses_out, ffi::Result<ffi::AnyBuffer> fetched_out,
+    ffi::Result<ffi::AnyBuffer> hot_k_out, ffi::Result<ffi::AnyBuffer> hot_v_out,
+    ffi::ResultBuffer<ffi::S32> slot_out,    // i32[R, U, k]
+    ffi::ResultBuffer<ffi::PRED> miss_out,   // bool[R, U, k]
+    ffi::ResultBuffer<ffi::S32> status_out,  // i32[]
+    ffi::ResultBuffer<ffi::S32> target_out,  // i32[R, U]
+    int64_t max_len, int64_t page_size, int64_t share, int64_t keyed,
+    float score_decay) {
+  const auto pos_dims = slot_pos_in.dimensions();
+  const int64_t num_layers = pos_dims[0], num_req = pos_dims[1], num_units = pos_dims[2],
+                num_slots = pos_dims[3];
+  const int64_t num_sel = selected.dimensions()[2];
+  const int64_t max_pages = page_table.dimensions()[1];
+  const auto host_dims = host_k.dimensions();
+  const int64_t host_pages = host_dims[1];
+  const int64_t row_bytes = hot_k_in.size_bytes() / (num_layers * num_req * num_units *
+                                                     (num_slots + 1));
+  const int32_t layer = layer_buf.typed_data()[0];
+  const int32_t prior_status = prior_status_buf.typed_data()[0];
+  if (layer < 0 || layer + share > num_layers) {
+    return ffi::Error::InvalidArgument("layer + share is outside the cache's layers");
+  }
+  if (host_dims[2] != page_size) {
+    return ffi::Error::InvalidArgument("the host tier's page axis is not page_size");
+  }
+
+  int32_t* slot_pos = Alias<int32_t>(slot_pos_in, slot_pos_out);
+  int32_t* lru = Alias<int32_t>(lru_in, lru_out);
+  float* score = Alias<float>(score_in, score_out);
+  int32_t* hits = Alias<int32_t>(hits_in, hits_out);
+  int32_t* misses = Alias<int32_t>(misses_in, misses_out);
+  int32_t* fetched = Alias<int32_t>(fetched_in, fetched_out);
+  char* hot_k = Alias<char>(hot_k_in, hot_k_out);
+  char* hot_v = Alias<char>(hot_v_in, hot_v_out);
+  const bool* act = active.typed_data();
+  const int32_t* seq = seq_len.typed_data();
+  const int32_t* sel_all = selected.typed_data();
+  const int32_t* pages = page_table.typed_data();
+  int32_t* slot_all = slot_out->typed_data();
+  bool* miss_all = miss_out->typed_data();
+  int32_t* target_all = target_out->typed_data();
+
+  const int64_t rows = num_req * num_units;
+  const int64_t meta = rows * num_slots;  // one layer of slot metadata
+  std::vector<RowPlan> plans(rows);
+  // Position -> slot holding it, -1 none; set per row, cleared after it.
+  std::vector<int32_t> slot_of(max_len + 1, -1);
+  std::vector<int32_t> sel(num_sel), held(num_sel);
+  std::vector<char> is_hit(num_slots), taken(num_slots);
+  std::vector<int32_t> rank(num_slots), by_rank(num_slots), eff(num_slots);
+  int32_t layer_status = 0;
+
+  // Classify: every row's verdict and new metadata, nothing written to the cache.
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t req = row / num_units;
+    const int32_t newest = seq[req];
+    const bool on = act[req];
+    const int64_t base = layer * meta + row * num_slots;
+    RowPlan& plan = plans[row];
+    bool bad = false, dup = false;
+    for (int64_t j = 0; j < num_sel; ++j) {
+      int32_t p = on ? sel_all[row * num_sel + j] : -1;
+      if (p < -1 || p > newest || p > max_len) {
+        bad = true;
+        p = -1;
+      }
+      sel[j] = p;
+    }
+    // Uncommitted positions (>= newest, left by a refused step) count as empty.
+    for (int64_t s = num_slots - 1; s >= 0; --s) {  // the lowest slot wins a tie
+      const int32_t p = slot_pos[base + s];
+      eff[s] = (p >= newest) ? -1 : p;
+      if (eff[s] >= 0 && eff[s] <= max_len) slot_of[eff[s]] = static_cast<int32_t>(s);
+    }
+    std::fill(is_hit.begin(), is_hit.end(), 0);
+    int32_t num_miss = 0, num_valid = 0;
+    for (int64_t j = 0; j < num_sel; ++j) {
+      const int32_t p = sel[j];
+      held[j] = (p >= 0 && p != newest) ? slot_of[p] : -1;
+      if (held[j] >= 0) is_hit[held[j]] = 1;
+      num_valid += p >= 0;
+      num_miss += p >= 0 && p != newest && held[j] < 0;
+    }
+    for (int64_t s = 0; s < num_slots; ++s) {
+      if (eff[s] >= 0 && eff[s] <= max_len) slot_of[eff[s]] = -1;
+    }
+    // Duplicates: the position map again, lane ids this time (positions <= newest).
+    for (int64_t j = 0; j < num_sel && !dup; ++j) {
+      const int32_t p = sel[j];
+      if (p < 0) continue;
+      if (slot_of[p] == -2) dup = true;
+      slot_of[p] = -2;
+    }
+    for (int64_t j = 0; j < num_sel; ++j) {
+      if (sel[j] >= 0) slot_of[sel[j]] = -1;
+    }
+
+    // Victims: the j-th miss (selection order) takes the j-th evictable slot in
+    // the victim order (LRU: the LRU order; keyed: the given order).
+    const int32_t* lru_row = lru + base;
+    int32_t num_evict = 0;
+    const int32_t* walk = keyed ? order.typed_data() + row * num_slots : lru_row;
+    std::fill(rank.begin(), rank.end(), static_cast<int32_t>(num_slots));
+    for (int64_t i = 0; i < num_slots; ++i) {
+      const int32_t s = walk[i];
+      if (s < 0 || s >= num_slots) {
+        return ffi::Error::InvalidArgument("an LRU or victim order names no slot");
+      }
+      if (!is_hit[s]) {
+        rank[s] = num_evict;
+        by_rank[num_evict++] = s;
+      }
+    }
+    for (int64_t s = 0; s < num_slots; ++s) taken[s] = !is_hit[s] && rank[s] < num_miss;
+    // New LRU order: [evictables kept, LRU order] ++ [victims, miss order] ++ [hits].
+    plan.new_lru.assign(num_slots, 0);
+    int32_t kept = 0, hit_rank = 0;
+    for (int64_t i = 0; i < num_slots; ++i) {
+      const int32_t s = lru_row[i];
+      if (s < 0 || s >= num_slots) {
+        return ffi::Error::InvalidArgument("an LRU order names no slot");
+      }
+      int32_t index;
+      if (is_hit[s]) {
+        index = num_evict + hit_rank++;
+      } else if (taken[s]) {
+        index = num_evict - num_miss + rank[s];
+      } else {
+        index = kept++;
+      }
+      if (index < 0 || index >= num_slots) {
+        return ffi::Error::InvalidArgument("an LRU row is not a permutation of its slots");
+      }
+      plan.new_lru[index] = s;
+    }
+    plan.new_pos.assign(eff.begin(), eff.end());
+    int32_t* slot = slot_all + row * num_sel;
+    bool unpaged = false;
+    for (int64_t j = 0, m = 0; j < num_sel; ++j) {
+      const int32_t p = sel[j];
+      const bool miss = p >= 0 && p != newest && held[j] < 0;
+      slot[j] = miss ? by_rank[m++]
+                : held[j] >= 0 ? held[j]
+                : (p >= 0 && p == newest) ? static_cast<int32_t>(num_slots) : -1;
+      if (miss) plan.new_pos[slot[j]] = p;
+      // The page as XLA's gather reads it (index clamped into the table).
+      const int64_t logical = std::clamp<int64_t>(p, 0, max_len - 1) / page_size;
+      const int32_t page = pages[req * max_pages + std::min(logical, max_pages - 1)];
+      unpaged |= miss && page < 0;
+      if (miss && page >= host_pages) {
+        return ffi::Error::InvalidArgument("a page table entry is outside the host tier");
+      }
+      miss_all[row * num_sel + j] = miss;  // masked by ok below
+    }
+    // Keyed policies' score EMA: every slot decays, a hit adds 1, a refill is 1.
+    // One fused multiply-add, rounded once: XLA:CPU contracts the reference's
+    // ``decay * score + hit`` into an FMA, and the scores must be equal bit for bit.
+    const float* old_score = score + base;
+    plan.new_score.assign(old_score, old_score + num_slots);
+    if (keyed) {
+      for (int64_t s = 0; s < num_slots; ++s) {
+        plan.new_score[s] = taken[s] ? 1.0f
+                                     : std::fma(score_decay, old_score[s],
+                                                is_hit[s] ? 1.0f : 0.0f);
+      }
+    }
+    // The newest token also takes the lowest-index empty slot left, most recent.
+    if (on) {
+      for (int64_t s = 0; s < num_slots; ++s) {
+        if (plan.new_pos[s] == -1) {
+          plan.target = static_cast<int32_t>(s);
+          break;
+        }
+      }
+    }
+    if (plan.target >= 0) {
+      auto it = std::find(plan.new_lru.begin(), plan.new_lru.end(), plan.target);
+      std::rotate(it, it + 1, plan.new_lru.end());
+      plan.new_pos[plan.target] = newest;
+      plan.new_score[plan.target] = 1.0f;
+    }
+    plan.hits = num_valid - num_miss;
+    plan.misses = num_miss;
+    plan.status = (bad ? kStatusOutOfRange : 0) | (dup ? kStatusDuplicate : 0) |
+                  ((on && newest >= max_len) || (unpaged && !bad && !dup)
+                       ? kStatusCapacity : 0);
+    layer_status |= plan.status;
+    target_all[row] = plan.target;
+  }
+
+  const bool ok = prior_status == 0 && layer_status == 0;
+  status_out->typed_data()[0] = prior_status | layer_status;
+  const int64_t head_rows = num_slots + 1;
+  auto hot_row = [&](char* hot, int64_t l, int64_t row, int64_t s) {
+    return hot + ((l * rows + row) * head_rows + s) * row_bytes;
+  };
+  const char* new_k = static_cast<const char*>(k_new.untyped_data());
+  const char* new_v = static_cast<const char*>(v_new.untyped_data());
+  const char* host_k_data = static_cast<const char*>(host_k.untyped_data());
+  const char* host_v_data = static_cast<const char*>(host_v.untyped_data());
+  std::vector<RowCopy> copies;  // the missed rows, host -> hot, copied last
+  copies.reserve(2 * share * rows * num_sel);
+  int64_t moved = 0;
+  // Commit: slot B always; the rest only when no row (and no earlier layer) refused.
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t req = row / num_units, unit = row % num_units;
+    RowPlan& plan = plans[row];
+    std::memcpy(hot_row(hot_k, layer, row, num_slots), new_k + row * row_bytes, row_bytes);
+    std::memcpy(hot_row(hot_v, layer, row, num_slots), new_v + row * row_bytes, row_bytes);
+    bool* miss = miss_all + row * num_sel;
+    if (!ok) {
+      std::fill(miss, miss + num_sel, false);
+      continue;
+    }
+    if (plan.target >= 0) {
+      std::memcpy(hot_row(hot_k, layer, row, plan.target), new_k + row * row_bytes,
+                  row_bytes);
+      std::memcpy(hot_row(hot_v, layer, row, plan.target), new_v + row * row_bytes,
+                  row_bytes);
+    }
+    const int32_t* sel_row = sel_all + row * num_sel;
+    const int32_t* slot = slot_all + row * num_sel;
+    for (int64_t j = 0; j < num_sel; ++j) {
+      if (!miss[j]) continue;
+      const int64_t p = sel_row[j];  // a miss: a valid position < newest <= max_len
+      const int64_t pg = pages[req * max_pages + p / page_size];
+      const int64_t host_row = ((pg * page_size + p % page_size) * num_units + unit);
+      for (int64_t j2 = 0; j2 < share; ++j2) {
+        const int64_t l = layer + j2;
+        const int64_t from = (l * host_pages * page_size * num_units + host_row) * row_bytes;
+        copies.push_back({hot_row(hot_k, l, row, slot[j]), host_k_data + from});
+        copies.push_back({hot_row(hot_v, l, row, slot[j]), host_v_data + from});
+      }
+    }
+    moved += plan.misses;
+    for (int64_t j2 = 0; j2 < share; ++j2) {
+      const int64_t l = layer + j2;
+      if (act[req]) {
+        const int64_t at = l * meta + row * num_slots;
+        std::copy(plan.new_pos.begin(), plan.new_pos.end(), slot_pos + at);
+        std::copy(plan.new_lru.begin(), plan.new_lru.end(), lru + at);
+        std::copy(plan.new_score.begin(), plan.new_score.end(), score + at);
+      }
+      hits[l * rows + row] += plan.hits;
+      misses[l * rows + row] += plan.misses;
+    }
+  }
+  CopyRows(copies, row_bytes);
+  if (ok) fetched[layer] += static_cast<int32_t>(share * moved);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvtierResolveFetch, ResolveFetchImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::PRED>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::AnyBuffer>()
+        .Ret<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::PRED>>()
+        .Ret<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::S32>>()
+        .Attr<int64_t>("max_len")
+        .Attr<int64_t>("page_size")
+        .Attr<int64_t>("share")
+        .Attr<int64_t>("keyed")
+        .Attr<float>("score_decay"));
