@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from absl import flags
 
+from kvtier_jax.config import ImplConfig
 from models.setup import DEFAULT_INDEXER, SELECTORS
 
 flags.DEFINE_string("prompt_file", None, "Text file for the prompt (default: Python's "
@@ -22,3 +23,19 @@ flags.DEFINE_integer("model_layers", None, "Keep only SmolLM2's first n decoder 
                      "their layer count.", lower_bound=1)
 flags.DEFINE_string("indexer_ckpt", None, "Distilled DSA indexer (default: "
                     f"{DEFAULT_INDEXER} if present; experiments/distill_indexer.py).")
+flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "fused"], "The tiered "
+                  "cache's implementation: per op (auto, xla, pallas; a keyed policy "
+                  "resolves in XLA), or fused: a layer's RESOLVE, fetch and cache writes "
+                  "in one step (on a CPU one native call per layer, on a GPU the fused "
+                  "Pallas kernels).")
+
+
+def tier_impl(keyed_policy: bool = False) -> ImplConfig:
+  """The ``ImplConfig`` that ``--impl`` names."""
+  if FLAGS.impl == "fused":
+    return ImplConfig(fused=True)
+  return ImplConfig(resolve="xla" if keyed_policy else FLAGS.impl,
+                    attention=FLAGS.impl, fetch=FLAGS.impl)
+
+
+FLAGS = flags.FLAGS

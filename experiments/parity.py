@@ -9,7 +9,8 @@ Command (~2-3 min on a 2-core CPU at the defaults):
   python -m experiments.parity --prompt_tokens=4096 --steps=128 --selector=quest \
       --hot_slots=512
 ``--policy=rank --rank_depth=1024`` runs the tiered side with the rank-aware
-victims (the selector ranks 1024 positions; the first --top_k are attended).
+victims (the selector ranks 1024 positions; the first --top_k are attended);
+``--impl=fused`` with the fused layer step (on a CPU one native call per layer).
 Last line: ``parity: TOKENS_MATCHED/TOKENS_TOTAL tokens, max_abs_logit_diff=X``;
 exit status 1 unless every token matches and X <= 1e-4.
 """
@@ -23,15 +24,13 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import model_setup  # noqa: F401 (shared flags)
-from kvtier_jax.config import ImplConfig
+from experiments import model_setup
 from kvtier_jax.policies import PolicyConfig
 from models import backends, setup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 128, "Decode steps.")
 flags.DEFINE_integer("hot_slots", None, "B (default 2k).")
-flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Tiered kernels.")
 flags.DEFINE_enum("policy", "lru", ["lru", "freq", "rank"], "Tiered replacement policy.")
 flags.DEFINE_integer("rank_depth", 1024, "policy=rank: positions the selector ranks "
                      "(it is built at this top_k; the first --top_k are attended).")
@@ -47,9 +46,8 @@ def main(argv):
   hot_slots = FLAGS.hot_slots or 2 * selector.top_k
   max_len = FLAGS.prompt_tokens + FLAGS.steps + 1
   tokens, lens = np.asarray(ids, np.int32)[None], np.array([FLAGS.prompt_tokens])
-  impl = ImplConfig(resolve="xla" if FLAGS.policy != "lru" else FLAGS.impl,
-                    attention=FLAGS.impl, fetch=FLAGS.impl)
-  options = dict(impl=impl, policy=PolicyConfig(FLAGS.policy))
+  options = dict(impl=model_setup.tier_impl(FLAGS.policy != "lru"),
+                 policy=PolicyConfig(FLAGS.policy))
   tiered_selector = selector
   if FLAGS.policy == "rank":  # the same selector, ranking rank_depth positions
     tiered_selector, _ = setup.build_selector(FLAGS.selector, model.cfg,

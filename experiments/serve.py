@@ -52,7 +52,7 @@ from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, model_setup, workloads  # noqa: F401 (model_setup: flags)
+from experiments import common, model_setup, workloads
 from kvtier_jax import sharding
 from kvtier_jax.serving import Engine, State, bench, snapshot
 from models import setup, text
@@ -119,7 +119,8 @@ def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
   backend = workloads.build_backend(
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
-      hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib, mesh=mesh)
+      hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib, mesh=mesh,
+      impl=model_setup.tier_impl())
   config = workloads.engine_config(backend, max_step_tokens=FLAGS.max_step_tokens,
                                    kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
                                    disk_budget_mib=disk_budget_mib,

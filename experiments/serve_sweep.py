@@ -40,7 +40,7 @@ from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, model_setup, workloads  # noqa: F401 (model_setup: flags)
+from experiments import common, model_setup, workloads
 from kvtier_jax.serving import State, bench
 from models import setup, text
 
@@ -159,7 +159,7 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
     return workloads.build_backend(
         model, cache, selector=selector, params=params, max_batch=slots, max_len=max_len,
         chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size, hot_slots=FLAGS.hot_slots,
-        host_budget_mib=FLAGS.host_budget_mib)
+        host_budget_mib=FLAGS.host_budget_mib, impl=model_setup.tier_impl())
   slots = FLAGS.max_batch
   if cache != "tiered":
     # Full KV arrays are allocated per slot: as many slots as the budget could ever

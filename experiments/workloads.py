@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvtier_jax.config import ImplConfig
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving.bench import Rollout, RequestSpec, drive
 from models import serving, sharded_serving
@@ -166,14 +167,18 @@ def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: 
 
 def build_backend(model, cache: str, *, selector, params, max_batch: int, max_len: int,
                   chunk_size: int, page_size: int, hot_slots: int,
-                  host_budget_mib: float, mesh=None, device=None) -> serving.ServingBackend:
+                  host_budget_mib: float, mesh=None, device=None,
+                  impl: ImplConfig | None = None) -> serving.ServingBackend:
   """``model`` with one cache backend (dense / sparse / tiered) over ``max_batch``
   slots (nothing is allocated until an engine starts on it); over a ``mesh`` the
-  slots and the host budget split over its data rows, the KV heads over ``model``."""
+  slots and the host budget split over its data rows, the KV heads over ``model``.
+  ``impl``: the tiered cache's implementation (default: the library's)."""
   extra = {}
   if cache == "tiered":
     extra = dict(hot_slots=hot_slots, host_pages=serving.ServingBackend.pages_for_bytes(
         model.cfg, page_size, host_budget_mib * 2**20))
+    if impl is not None:
+      extra["impl"] = impl
   if cache != "dense":
     extra.update(selector=selector, selector_params=params)
   if mesh is not None and mesh.size > 1:

@@ -93,14 +93,16 @@ def test_runner_rejects_bad_use(model_and_prompt):
     backends.Runner(model, "dense", model.cfg.max_context + 1)
 
 
-def test_parity_cli_prints_the_contract_line():
+@pytest.mark.parametrize("impl", ["auto", "fused"])
+def test_parity_cli_prints_the_contract_line(impl):
   """The parity runner on XLA:CPU's default codegen (the rest of the suite compiles
-  with the faster elemental emitters): tiered equals sparse there too."""
+  with the faster elemental emitters): tiered equals sparse there too, with the
+  default step and the fused one (``--impl=fused``: the native call here)."""
   env = default_codegen_env()
   assert "fusion_emitters" not in env["XLA_FLAGS"]
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.parity", "--prompt_tokens=200", "--steps=3",
-       "--selector=quest", "--top_k=32", "--hot_slots=32"],
+       "--selector=quest", "--top_k=32", "--hot_slots=32", f"--impl={impl}"],
       capture_output=True, text=True, timeout=600, env=env)
   if "SmolLM2" in proc.stderr and "not installed" in proc.stderr:
     pytest.skip("model not installed")
