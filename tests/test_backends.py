@@ -276,14 +276,15 @@ def test_model_step_is_the_library_step(model_and_prompt, name):
   assert int(lib_carry.tier.misses.sum()) > int(runner.carry.tier.misses.sum())
 
 
-@pytest.mark.parametrize("index_share, overlap", [(1, False), (2, False), (1, True),
-                                                  (2, True)])
-def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
+@pytest.mark.parametrize("index_share, overlap, fused", [
+    (1, False, False), (2, False, False), (1, True, False), (2, True, False),
+    (1, False, True), (2, False, True)])
+def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap, fused):
   """SmolLM2's tiered step (4 layers, abstract weights) compiled for this CPU copies
   no whole hot cache, with index sharing and the overlapped hit/miss attention:
   off GPU their writes go before the attention reads (a write after a read, with
   no data order, made XLA:CPU keep the read version by copying the cache: 4
-  copies per step)."""
+  copies per step); nor does the fused step (the native call, in place)."""
   from experiments import hlo_audit
   from kvtier_jax import state as kv_state
   from models.config import ModelConfig
@@ -294,7 +295,7 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
                                    q_per_kv=cfg.q_per_kv, head_dim=cfg.head_dim)
   tier_cfg = backends.tier_config(cfg, selector, num_req, max_len, 128,
                                   impl=ImplConfig(resolve="xla", attention="xla",
-                                                  fetch="xla"),
+                                                  fetch="xla", fused=fused),
                                   index_share=index_share, overlap_hit_miss=overlap)
   weights = {name: jax.ShapeDtypeStruct(dims, jnp.dtype(cfg.dtype))
              for name, dims in Transformer.param_shapes(cfg).items()}
@@ -302,6 +303,9 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap):
       cfg, tier_cfg, selector, weights, jax.ShapeDtypeStruct((num_req,), jnp.int32),
       hlo_audit.abstract_tiered_carry(cfg, tier_cfg, selector, weights)
   ).compile().as_text()
+  if fused:  # off GPU the native call, where it builds
+    from pallas_kernels.fused_resolve import native
+    assert ("kvtier_resolve_fetch" in hlo) == native.available()
   shape = kv_state.hot_cache_shape(tier_cfg)
   dtype = hlo_audit.hlo_dtype(tier_cfg)
   assert hlo_audit.count_copies(hlo, shape, dtype) == 0
