@@ -5,8 +5,9 @@
 // the Pallas kernels interpreted as a loop of them; the per-op cost, not the
 // bytes, is what keeps the CPU step above full KV. This is the CPU twin of the
 // fused Pallas kernels (kernel.py), the same algorithm per (request, unit) row,
-// O(B + k): a position -> slot map (entries set for the row's slots and cleared
-// after it), the walk of the slots in LRU order, SGLang's victim order. It
+// O(B + k): a position -> lane map of the selection (set per row, cleared after
+// it), probed with the slots' positions; the walk of the slots in LRU order,
+// SGLang's victim order. It
 // decides every row first and writes only when no row refused (a refused layer
 // changes nothing but slot B), as the two Pallas launches do.
 //
@@ -135,8 +136,8 @@ ffi::Error ResolveFetchImpl(
   const int64_t rows = num_req * num_units;
   const int64_t meta = rows * num_slots;  // one layer of slot metadata
   std::vector<RowPlan> plans(rows);
-  // Position -> slot holding it, -1 none; set per row, cleared after it.
-  std::vector<int32_t> slot_of(max_len + 1, -1);
+  // Position -> the selection lane naming it, -1 none; set per row, cleared after it.
+  std::vector<int32_t> lane_of(max_len + 1, -1);
   std::vector<int32_t> sel(num_sel), held(num_sel);
   std::vector<char> is_hit(num_slots), taken(num_slots);
   std::vector<int32_t> rank(num_slots), by_rank(num_slots), eff(num_slots);
@@ -158,33 +159,34 @@ ffi::Error ResolveFetchImpl(
       }
       sel[j] = p;
     }
-    // Uncommitted positions (>= newest, left by a refused step) count as empty.
+    // Index the selection by position (a lane seen twice: a duplicate), then
+    // probe it with the slots' positions: k writes and B reads, where indexing
+    // the slots would take B writes and k reads (B >= k).
+    for (int64_t j = 0; j < num_sel; ++j) {
+      const int32_t p = sel[j];
+      if (p < 0) continue;
+      dup |= lane_of[p] >= 0;
+      lane_of[p] = static_cast<int32_t>(j);
+    }
+    std::fill(held.begin(), held.end(), -1);
+    std::fill(is_hit.begin(), is_hit.end(), 0);
+    // Uncommitted positions (>= newest, left by a refused step) count as empty, so
+    // no slot matches the newest position's lanes.
     for (int64_t s = num_slots - 1; s >= 0; --s) {  // the lowest slot wins a tie
       const int32_t p = slot_pos[base + s];
       eff[s] = (p >= newest) ? -1 : p;
-      if (eff[s] >= 0 && eff[s] <= max_len) slot_of[eff[s]] = static_cast<int32_t>(s);
+      if (eff[s] < 0 || eff[s] > max_len) continue;
+      const int32_t lane = lane_of[eff[s]];
+      if (lane >= 0) held[lane] = static_cast<int32_t>(s);
     }
-    std::fill(is_hit.begin(), is_hit.end(), 0);
     int32_t num_miss = 0, num_valid = 0;
     for (int64_t j = 0; j < num_sel; ++j) {
       const int32_t p = sel[j];
-      held[j] = (p >= 0 && p != newest) ? slot_of[p] : -1;
-      if (held[j] >= 0) is_hit[held[j]] = 1;
-      num_valid += p >= 0;
-      num_miss += p >= 0 && p != newest && held[j] < 0;
-    }
-    for (int64_t s = 0; s < num_slots; ++s) {
-      if (eff[s] >= 0 && eff[s] <= max_len) slot_of[eff[s]] = -1;
-    }
-    // Duplicates: the position map again, lane ids this time (positions <= newest).
-    for (int64_t j = 0; j < num_sel && !dup; ++j) {
-      const int32_t p = sel[j];
       if (p < 0) continue;
-      if (slot_of[p] == -2) dup = true;
-      slot_of[p] = -2;
-    }
-    for (int64_t j = 0; j < num_sel; ++j) {
-      if (sel[j] >= 0) slot_of[sel[j]] = -1;
+      lane_of[p] = -1;
+      if (held[j] >= 0) is_hit[held[j]] = 1;
+      num_valid += 1;
+      num_miss += p != newest && held[j] < 0;
     }
 
     // Victims: the j-th miss (selection order) takes the j-th evictable slot in
