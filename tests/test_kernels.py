@@ -449,6 +449,11 @@ def test_native_fused_step_refuses_corrupt_metadata_with_an_error():
   with pytest.raises(Exception, match="outside the cache's layers"):
     jax.block_until_ready(native.resolve_fetch_native(**dict(args, layer=1), **static,
                                                       share=2))
+  # Shapes the call would index past: refused at trace time.
+  for name, bad in (("seq_len", args["seq_len"][:3]), ("host_k", args["host_k"][:, :, :4]),
+                    ("page_table", args["page_table"][:3])):
+    with pytest.raises(ValueError, match=name):
+      native.resolve_fetch_native(**dict(args, **{name: bad}), **static)
 
 
 def test_fused_steps_fall_back_to_the_pallas_kernels_with_a_warning(monkeypatch):

@@ -143,6 +143,26 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
                        f"{getattr(cache, name).dtype}")
   if not 0 < share <= num_layers:
     raise ValueError(f"{share=} must be in [1, L={num_layers}]")
+  # The call indexes raw buffers: every shape is checked here, at trace time.
+  hot_shape = (num_layers, num_req, num_units, num_slots + 1, heads, head_dim)
+  actual = dict(
+      cache=(cache.lru.shape, cache.slot_score.shape, cache.hits.shape,
+             cache.misses.shape, cache.fetched_rows.shape, cache.hot_k.shape,
+             cache.hot_v.shape),
+      seq_len=np.shape(seq_len), selected=selected.shape,
+      page_table=np.shape(page_table)[:1], host_k=host_k.shape[:1] + host_k.shape[2:],
+      host_v=host_v.shape, k_new=np.shape(k_new), v_new=np.shape(v_new))
+  expected = dict(
+      cache=(cache.slot_pos.shape, cache.slot_pos.shape, (num_layers, num_req, num_units),
+             (num_layers, num_req, num_units), (num_layers,), hot_shape, hot_shape),
+      seq_len=(num_req,), selected=(num_req, num_units, num_sel), page_table=(num_req,),
+      host_k=(num_layers, page_size, num_units, heads, head_dim), host_v=host_k.shape,
+      k_new=(num_req, num_units * heads, head_dim),
+      v_new=(num_req, num_units * heads, head_dim))
+  for name, shapes in actual.items():
+    if shapes != expected[name]:
+      raise ValueError(f"{name}: shapes {shapes} do not fit the cache's [L, R, U, B] = "
+                       f"{cache.slot_pos.shape} (expected {expected[name]})")
   layer = jnp.asarray(layer, jnp.int32).reshape(())
   if key is not None:
     order = victim_order(cache.slot_pos[layer], cache.lru[layer], key, seq_len)

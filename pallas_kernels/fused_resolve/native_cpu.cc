@@ -38,6 +38,11 @@ struct RowPlan {
   int32_t target = -1, hits = 0, misses = 0, status = 0;
 };
 
+// A position's page-table column as XLA's gather reads it (clamped into the table).
+int64_t LogicalPage(int64_t pos, int64_t max_len, int64_t page_size, int64_t max_pages) {
+  return std::min(std::clamp<int64_t>(pos, 0, max_len - 1) / page_size, max_pages - 1);
+}
+
 struct RowCopy {
   char* to;
   const char* from;
@@ -70,13 +75,13 @@ T* Alias(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 }
 
 ffi::Error ResolveFetchImpl(
-    ffi::Buffer<ffi::S32> layer_buf,         // i32[]
-    ffi::Buffer<ffi::S32> prior_status_buf,  // i32[]
-    ffi::Buffer<ffi::PRED> active,           // bool[R]
-    ffi::Buffer<ffi::S32> seq_len,           // i32[R] newest position per request
-    ffi::Buffer<ffi::S32> selected,          // i32[R, U, k]
-    ffi::Buffer<ffi::S32> order,             // i32[R, U, B] victim order (keyed only)
-    ffi::Buffer<ffi::S32> page_table,        // i32[R, MP]
+    ffi::BufferR0<ffi::S32> layer_buf,         // i32[]
+    ffi::BufferR0<ffi::S32> prior_status_buf,  // i32[]
+    ffi::BufferR1<ffi::PRED> active,           // bool[R]
+    ffi::BufferR1<ffi::S32> seq_len,           // i32[R] newest position per request
+    ffi::BufferR3<ffi::S32> selected,          // i32[R, U, k]
+    ffi::BufferR3<ffi::S32> order,             // i32[R, U, B] victim order (keyed only)
+    ffi::BufferR2<ffi::S32> page_table,        // i32[R, MP]
     ffi::AnyBuffer host_k,                   // [L, NH+1, Pg, U, Hg, D]
     ffi::AnyBuffer host_v,
     ffi::AnyBuffer k_new,                    // [R, U*Hg, D] in the hot cache's dtype
@@ -99,6 +104,11 @@ ffi::Error ResolveFetchImpl(
     ffi::ResultBuffer<ffi::S32> target_out,  // i32[R, U]
     int64_t max_len, int64_t page_size, int64_t share, int64_t keyed,
     float score_decay) {
+  if (slot_pos_in.dimensions().size() != 4 || host_k.dimensions().size() != 6 ||
+      hot_k_in.dimensions().size() != 6) {
+    return ffi::Error::InvalidArgument("slot metadata, host tier or hot cache of the "
+                                       "wrong rank");
+  }
   const auto pos_dims = slot_pos_in.dimensions();
   const int64_t num_layers = pos_dims[0], num_req = pos_dims[1], num_units = pos_dims[2],
                 num_slots = pos_dims[3];
@@ -106,6 +116,11 @@ ffi::Error ResolveFetchImpl(
   const int64_t max_pages = page_table.dimensions()[1];
   const auto host_dims = host_k.dimensions();
   const int64_t host_pages = host_dims[1];
+  if (num_layers < 1 || num_req < 1 || num_units < 1 || num_slots < 1 || max_len < 1 ||
+      page_size < 1 || share < 1) {
+    return ffi::Error::InvalidArgument("an empty cache, or max_len, page_size or share "
+                                       "below 1");
+  }
   const int64_t row_bytes = hot_k_in.size_bytes() / (num_layers * num_req * num_units *
                                                      (num_slots + 1));
   const int32_t layer = layer_buf.typed_data()[0];
@@ -115,6 +130,32 @@ ffi::Error ResolveFetchImpl(
   }
   if (host_dims[2] != page_size) {
     return ffi::Error::InvalidArgument("the host tier's page axis is not page_size");
+  }
+  // The Python wrapper checks every shape at trace time; a mismatch here is a caller
+  // that bypassed it, refused before any buffer is indexed.
+  const int64_t rows_all = num_req * num_units;
+  const auto hot_dims = hot_k_in.dimensions();
+  const bool sizes_ok =
+      hot_dims[0] == num_layers && hot_dims[1] == num_req && hot_dims[2] == num_units &&
+      hot_dims[3] == num_slots + 1 && row_bytes > 0 &&
+      hot_v_in.size_bytes() == hot_k_in.size_bytes() &&
+      host_v.size_bytes() == host_k.size_bytes() &&
+      host_k.size_bytes() ==
+          static_cast<size_t>(num_layers * host_pages * page_size * num_units * row_bytes) &&
+      k_new.size_bytes() == static_cast<size_t>(rows_all * row_bytes) &&
+      v_new.size_bytes() == k_new.size_bytes() &&
+      active.element_count() == static_cast<size_t>(num_req) &&
+      seq_len.element_count() == static_cast<size_t>(num_req) &&
+      selected.element_count() == static_cast<size_t>(rows_all * num_sel) &&
+      order.element_count() == static_cast<size_t>(rows_all * num_slots) &&
+      page_table.dimensions()[0] == num_req && max_pages > 0 &&
+      lru_in.size_bytes() == slot_pos_in.size_bytes() &&
+      score_in.size_bytes() == slot_pos_in.size_bytes() &&
+      hits_in.size_bytes() == static_cast<size_t>(4 * num_layers * rows_all) &&
+      misses_in.size_bytes() == hits_in.size_bytes() &&
+      fetched_in.size_bytes() == static_cast<size_t>(4 * num_layers);
+  if (!sizes_ok) {
+    return ffi::Error::InvalidArgument("buffer sizes do not fit the cache's shape");
   }
 
   int32_t* slot_pos = Alias<int32_t>(slot_pos_in, slot_pos_out);
@@ -237,9 +278,8 @@ ffi::Error ResolveFetchImpl(
                 : held[j] >= 0 ? held[j]
                 : (p >= 0 && p == newest) ? static_cast<int32_t>(num_slots) : -1;
       if (miss) plan.new_pos[slot[j]] = p;
-      // The page as XLA's gather reads it (index clamped into the table).
-      const int64_t logical = std::clamp<int64_t>(p, 0, max_len - 1) / page_size;
-      const int32_t page = pages[req * max_pages + std::min(logical, max_pages - 1)];
+      const int32_t page = pages[req * max_pages + LogicalPage(p, max_len, page_size,
+                                                               max_pages)];
       unpaged |= miss && page < 0;
       if (miss && page >= host_pages) {
         return ffi::Error::InvalidArgument("a page table entry is outside the host tier");
@@ -317,7 +357,8 @@ ffi::Error ResolveFetchImpl(
     for (int64_t j = 0; j < num_sel; ++j) {
       if (!miss[j]) continue;
       const int64_t p = sel_row[j];  // a miss: a valid position < newest <= max_len
-      const int64_t pg = pages[req * max_pages + p / page_size];
+      const int64_t pg = pages[req * max_pages + LogicalPage(p, max_len, page_size,
+                                                             max_pages)];
       const int64_t host_row = ((pg * page_size + p % page_size) * num_units + unit);
       for (int64_t j2 = 0; j2 < share; ++j2) {
         const int64_t l = layer + j2;
@@ -349,13 +390,13 @@ ffi::Error ResolveFetchImpl(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KvtierResolveFetch, ResolveFetchImpl,
     ffi::Ffi::Bind()
-        .Arg<ffi::Buffer<ffi::S32>>()
-        .Arg<ffi::Buffer<ffi::S32>>()
-        .Arg<ffi::Buffer<ffi::PRED>>()
-        .Arg<ffi::Buffer<ffi::S32>>()
-        .Arg<ffi::Buffer<ffi::S32>>()
-        .Arg<ffi::Buffer<ffi::S32>>()
-        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::BufferR0<ffi::S32>>()
+        .Arg<ffi::BufferR0<ffi::S32>>()
+        .Arg<ffi::BufferR1<ffi::PRED>>()
+        .Arg<ffi::BufferR1<ffi::S32>>()
+        .Arg<ffi::BufferR3<ffi::S32>>()
+        .Arg<ffi::BufferR3<ffi::S32>>()
+        .Arg<ffi::BufferR2<ffi::S32>>()
         .Arg<ffi::AnyBuffer>()
         .Arg<ffi::AnyBuffer>()
         .Arg<ffi::AnyBuffer>()
