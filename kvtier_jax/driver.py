@@ -23,7 +23,6 @@ from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF
 from kvtier_jax.selectors.base import check_ranking
 from kvtier_jax.selectors.synthetic import GivenSelector
 from kvtier_jax.state import TieredKVState
-from kvtier_jax.state import TieredKVState
 
 
 def describe_status(status: int) -> str:
@@ -57,7 +56,9 @@ class TieredDriver:
   Args:
     cfg: the cache's configuration.
     step: ``step(carry, *args) -> (out, carry)``, jitted with the carry donated,
-      ending in ``decode.commit_step``.
+      ending in ``decode.commit_step``. The carry in may also be what the step
+      builds its carry from (``TieredDecoder``: the state), the carry out is a
+      ``decode.TieredCarry``.
   """
 
   def __init__(self, cfg: TierConfig, step):

@@ -40,7 +40,7 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
 
 @pytest.mark.parametrize("name", ["quest", "quest_kv"])
 def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt, name):
-  """impl.fused (the kernels interpreted on CPU) on real weights: logits bit-equal to
+  """impl.fused (on CPU the native call) on real weights: logits bit-equal to
   sparse attention over the full KV (XLA attention on both sides), with misses."""
   model, ids = model_and_prompt
   selector, params = selector_for(name, model.cfg)

@@ -378,16 +378,18 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
     _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype):
+@pytest.mark.parametrize("dtype,slots", [(jnp.float32, 12), (jnp.bfloat16, 12),
+                                         (jnp.float32, 8)])
+def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype, slots):
   """Twelve chained steps of the native call, each against the reference from the
   same state (fresh selections over held and unheld positions, every layer in
   turn, a keyed policy on odd steps): every array equal, the hot cache bit for bit
-  in ``dtype`` (rows are copied as bytes), never-written slots still NaN."""
+  in ``dtype`` (rows are copied as bytes), never-written slots still NaN. B = k = 8:
+  a row can take every evictable slot."""
   _native_or_skip(on_gpu)
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
-  args = _fused_problem(rng, "valid")
+  args = _fused_problem(rng, "valid", B=slots)
   for name in ("host_k", "host_v", "k_new", "v_new"):
     args[name] = args[name].astype(dtype)
   args["cache"] = args["cache"]._replace(hot_k=args["cache"].hot_k.astype(dtype),
@@ -406,7 +408,7 @@ def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype):
     args.update(layer=layer, selected=jnp.asarray(sel))
     static = dict(max_len=60, page_size=8)
     if step % 2:
-      args["key"] = jnp.asarray(rng.integers(0, 3, (4, 2, 12)), jnp.float32)
+      args["key"] = jnp.asarray(rng.integers(0, 3, (4, 2, slots)), jnp.float32)
       static["score_decay"] = 0.5
     else:
       args.pop("key", None)
@@ -427,20 +429,26 @@ def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype):
   assert np.isnan(hot[slot_pos < 0]).all()
 
 
-def test_native_fused_step_refuses_corrupt_metadata_with_an_error():
-  """Metadata no step could have written (an LRU row that is not a permutation, a
-  page outside the host tier, a layer past the cache): an error, not a write out
-  of bounds."""
-  if common.on_gpu() or not native.available():
-    pytest.skip("the native fused step is the CPU's, and needs a C++ compiler")
+def test_native_fused_step_refuses_corrupt_metadata_with_an_error(on_gpu):
+  """Metadata no step could have written (an LRU row or a victim order that is not
+  a permutation, a page outside the host tier, a layer past the cache): an error,
+  not a read or write out of bounds; operands of the wrong shape or dtype: a
+  ValueError at trace time."""
+  _native_or_skip(on_gpu)
   rng = np.random.default_rng()
   args = _fused_problem(rng, "valid")
   static = dict(max_len=60, page_size=8)
-  lru = np.asarray(args["cache"].lru).copy()
-  lru[1, 1, 0, 0] = 12  # slot B is not a regular slot
-  bad_lru = dict(args, cache=args["cache"]._replace(lru=jnp.asarray(lru)))
-  with pytest.raises(Exception, match="names no slot"):
-    jax.block_until_ready(native.resolve_fetch_native(**bad_lru, **static))
+  for row in ([12] + list(range(1, 12)), [0, 0] + list(range(2, 12))):  # slot B; twice
+    lru = np.asarray(args["cache"].lru).copy()
+    lru[1, 1, 0] = row
+    bad_lru = dict(args, cache=args["cache"]._replace(lru=jnp.asarray(lru)))
+    with pytest.raises(Exception, match="not a permutation"):
+      jax.block_until_ready(native.resolve_fetch_native(**bad_lru, **static))
+  order = np.tile(np.arange(12, dtype=np.int32), (4, 2, 1))
+  order[3, 1, 5] = 4  # slot 4 twice, slot 5 never
+  with pytest.raises(Exception, match="not a permutation"):
+    jax.block_until_ready(native.resolve_fetch_native(
+        **args, order=jnp.asarray(order), score_decay=0.5, **static))
   table = np.asarray(args["page_table"]).copy()
   table[1] = np.where(table[1] >= 0, 10_000, -1)  # request 1 has a certain miss
   with pytest.raises(Exception, match="outside the host tier"):
@@ -451,19 +459,30 @@ def test_native_fused_step_refuses_corrupt_metadata_with_an_error():
                                                       share=2))
   # Shapes the call would index past: refused at trace time.
   for name, bad in (("seq_len", args["seq_len"][:3]), ("host_k", args["host_k"][:, :, :4]),
-                    ("page_table", args["page_table"][:3])):
+                    ("page_table", args["page_table"][:3]),
+                    ("page_table", args["page_table"][:, :-1]),  # a page of max_len short
+                    ("page_table", args["page_table"][0])):
     with pytest.raises(ValueError, match=name):
       native.resolve_fetch_native(**dict(args, **{name: bad}), **static)
+  hot_v = args["cache"].hot_v.astype(jnp.bfloat16)  # one dtype for every KV array
+  with pytest.raises(ValueError, match="one dtype"):
+    native.resolve_fetch_native(**dict(args, cache=args["cache"]._replace(hot_v=hot_v)),
+                                **static)
 
 
 def test_fused_steps_fall_back_to_the_pallas_kernels_with_a_warning(monkeypatch):
   """Off GPU the fused step runs natively unless the interpreter is asked for; a
-  machine where it cannot build warns once and runs the Pallas kernels."""
+  machine where it cannot build warns once and runs the Pallas kernels, or, with
+  KVTIER_REQUIRE_NATIVE=1 (CI), refuses."""
   if common.on_gpu():
     pytest.skip("the native fused step is the CPU's")
   assert native.use_native(True) is False
   assert native.use_native(None) is native.available()
   monkeypatch.setattr(native, "_load", lambda: "no C++ compiler ($CXX or c++) on PATH")
+  monkeypatch.setenv("KVTIER_REQUIRE_NATIVE", "1")
+  with pytest.raises(RuntimeError, match="KVTIER_REQUIRE_NATIVE"):
+    native.use_native(None)
+  monkeypatch.delenv("KVTIER_REQUIRE_NATIVE")
   native._warn_unavailable.cache_clear()
   with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
     assert native.use_native(None) is False

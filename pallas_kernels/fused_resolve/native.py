@@ -19,6 +19,8 @@ import functools
 import hashlib
 import os
 import pathlib
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,20 +40,26 @@ _SOURCE = pathlib.Path(__file__).with_name("native_cpu.cc")
 _TARGET = "kvtier_resolve_fetch"
 # -ffp-contract=off: no contraction the source does not write (its one FMA is explicit).
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+_BUILD_TIMEOUT_S = 300
 
 
-def _compiler() -> str | None:
-  return shutil.which(os.environ.get("CXX", "c++"))
+def _compiler() -> list[str] | None:
+  """``$CXX`` (a command, possibly with arguments: ``ccache g++``), else ``c++``."""
+  command = shlex.split(os.environ.get("CXX", "c++"))
+  path = shutil.which(command[0]) if command else None
+  return None if path is None else [path, *command[1:]]
 
 
 def library_path() -> pathlib.Path:
-  """Where the compiled library for this source, these flags and this jaxlib lives."""
+  """Where the library built from this source, with these flags, for this jaxlib
+  and this machine's architecture lives."""
   key = hashlib.sha256(_SOURCE.read_bytes())
-  key.update(" ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+  key.update(" ".join(_FLAGS).encode() + jaxlib.__version__.encode()
+             + platform.machine().encode())
   return common.cache_dir() / "native" / f"fused_resolve-{key.hexdigest()[:16]}.so"
 
 
-def _build(path: pathlib.Path, compiler: str) -> None:
+def _build(path: pathlib.Path, compiler: list[str]) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   with open(path.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # pytest workers: one compiles, the rest wait
@@ -59,29 +67,37 @@ def _build(path: pathlib.Path, compiler: str) -> None:
       return
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
       out = pathlib.Path(tmp) / path.name
-      subprocess.run([compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(),
+      subprocess.run([*compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(),
                       str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
-                     text=True)
+                     text=True, timeout=_BUILD_TIMEOUT_S)
       os.replace(out, path)
 
 
 @functools.cache
 def _load() -> str | None:
   """Build (once per machine) and register the call; None, or why it failed."""
+  if jax.default_backend() != "cpu":
+    return f"the call is the CPU's; this backend is {jax.default_backend()}"
   compiler = _compiler()
   if compiler is None:
     return "no C++ compiler ($CXX or c++) on PATH"
-  path = library_path()
   try:
+    path = library_path()
     if not path.exists():
       _build(path, compiler)
-    library = ctypes.cdll.LoadLibrary(str(path))
+    try:
+      symbol = ctypes.cdll.LoadLibrary(str(path)).KvtierResolveFetch
+    except (OSError, AttributeError):  # a truncated or foreign file: build it again
+      path.unlink(missing_ok=True)
+      _build(path, compiler)
+      symbol = ctypes.cdll.LoadLibrary(str(path)).KvtierResolveFetch
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(symbol), platform="cpu")
   except subprocess.CalledProcessError as err:
     return f"compiling {_SOURCE.name} failed:\n{err.stderr}"
-  except OSError as err:
-    return f"building or loading {path} failed: {err}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.KvtierResolveFetch),
-                              platform="cpu")
+  except subprocess.TimeoutExpired:
+    return f"compiling {_SOURCE.name} took over {_BUILD_TIMEOUT_S} s"
+  except Exception as err:  # noqa: BLE001 (any failure: fall back, and say why)
+    return f"building, loading or registering the call failed: {err!r}"
   return None
 
 
@@ -95,14 +111,18 @@ def unavailable_reason() -> str | None:
 
 
 def use_native(interpret: bool | None) -> bool:
-  """Whether a fused layer step runs natively: off GPU, unless the Pallas
-  interpreter is asked for (``interpret=True``), when the call builds. When it
-  cannot, the Pallas kernels run interpreted (slower, the same results), with a
-  warning that says why."""
-  if common.on_gpu() or interpret:
+  """Whether a fused layer step runs natively: on the CPU backend (not while
+  tracing for a GPU), unless the Pallas interpreter is asked for
+  (``interpret=True``), when the call builds. When it cannot, the Pallas kernels
+  run interpreted (slower, the same results), with a warning that says why; with
+  ``$KVTIER_REQUIRE_NATIVE=1`` (CI) that is an error instead."""
+  if common.on_gpu() or interpret or jax.default_backend() != "cpu":
     return False
   reason = _load()
   if reason is not None:
+    if os.environ.get("KVTIER_REQUIRE_NATIVE") == "1":
+      raise RuntimeError(f"KVTIER_REQUIRE_NATIVE=1 and the native CPU fused step is "
+                         f"unavailable: {reason}")
     _warn_unavailable(reason)
   return reason is None
 
@@ -133,9 +153,10 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
   num_sel = selected.shape[-1]
   common.check_slots(num_slots, num_sel)
   check_victim_inputs(key, order, score_decay, (num_req, num_units, num_slots))
-  if host_k.dtype != cache.hot_k.dtype or host_v.dtype != cache.hot_v.dtype:
-    raise ValueError(f"the host tier ({host_k.dtype}) and the hot cache "
-                     f"({cache.hot_k.dtype}) must share a dtype: rows are copied as bytes")
+  if len({host_k.dtype, host_v.dtype, cache.hot_k.dtype, cache.hot_v.dtype}) != 1:
+    raise ValueError(f"the host tier ({host_k.dtype}, {host_v.dtype}) and the hot cache "
+                     f"({cache.hot_k.dtype}, {cache.hot_v.dtype}) must share one dtype: "
+                     "rows are copied as bytes")
   for name in ("slot_pos", "lru", "hits", "misses", "fetched_rows", "slot_score"):
     want = jnp.float32 if name == "slot_score" else jnp.int32
     if getattr(cache, name).dtype != want:
@@ -143,19 +164,26 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
                        f"{getattr(cache, name).dtype}")
   if not 0 < share <= num_layers:
     raise ValueError(f"{share=} must be in [1, L={num_layers}]")
-  # The call indexes raw buffers: every shape is checked here, at trace time.
+  # The call indexes raw buffers: every operand's shape is checked here, at trace
+  # time (the call checks sizes again, and refuses, before any access).
+  if max_len < 1 or page_size < 1:
+    raise ValueError(f"{max_len=} and {page_size=} must be >= 1")
+  pages_needed = -(-max_len // page_size)
   hot_shape = (num_layers, num_req, num_units, num_slots + 1, heads, head_dim)
   actual = dict(
       cache=(cache.lru.shape, cache.slot_score.shape, cache.hits.shape,
              cache.misses.shape, cache.fetched_rows.shape, cache.hot_k.shape,
              cache.hot_v.shape),
       seq_len=np.shape(seq_len), selected=selected.shape,
-      page_table=np.shape(page_table)[:1], host_k=host_k.shape[:1] + host_k.shape[2:],
+      page_table=(np.shape(page_table)[0], np.shape(page_table)[1] >= pages_needed)
+      if np.ndim(page_table) == 2 else np.shape(page_table),
+      host_k=host_k.shape[:1] + host_k.shape[2:],
       host_v=host_v.shape, k_new=np.shape(k_new), v_new=np.shape(v_new))
   expected = dict(
       cache=(cache.slot_pos.shape, cache.slot_pos.shape, (num_layers, num_req, num_units),
              (num_layers, num_req, num_units), (num_layers,), hot_shape, hot_shape),
-      seq_len=(num_req,), selected=(num_req, num_units, num_sel), page_table=(num_req,),
+      seq_len=(num_req,), selected=(num_req, num_units, num_sel),
+      page_table=(num_req, True),  # [R, MP], a column for every page of max_len
       host_k=(num_layers, page_size, num_units, heads, head_dim), host_v=host_k.shape,
       k_new=(num_req, num_units * heads, head_dim),
       v_new=(num_req, num_units * heads, head_dim))

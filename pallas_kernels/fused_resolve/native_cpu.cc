@@ -7,9 +7,11 @@
 // fused Pallas kernels (kernel.py), the same algorithm per (request, unit) row,
 // O(B + k): a position -> lane map of the selection (set per row, cleared after
 // it), probed with the slots' positions; the walk of the slots in LRU order,
-// SGLang's victim order. It
+// SGLang's victim order (per call, the map's O(T) allocation and fill). It
 // decides every row first and writes only when no row refused (a refused layer
-// changes nothing but slot B), as the two Pallas launches do.
+// changes nothing but slot B), as the two Pallas launches do. Metadata no step
+// writes (an LRU or victim order that is not a permutation, a page past the host
+// tier, buffers that do not fit the shapes) is an error before any write.
 //
 // Shapes (glossary: kvtier_jax/shapes.py): L layers, R requests, U units per
 // request, B regular slots (+1 reserved for the newest token), k selected lanes,
@@ -37,6 +39,22 @@ struct RowPlan {
   std::vector<float> new_score;           // [B] (the install slot's 1 included)
   int32_t target = -1, hits = 0, misses = 0, status = 0;
 };
+
+// ``counter += n`` modulo 2^32, as XLA's int32 add wraps (a signed overflow is
+// undefined behaviour in C++; fetched_rows of a long-lived server may get there).
+void WrappingAdd(int32_t& counter, int64_t n) {
+  counter = static_cast<int32_t>(static_cast<uint32_t>(counter) + static_cast<uint32_t>(n));
+}
+
+// Whether ``ids`` (n slot ids) names every slot in [0, n) once; ``seen``: scratch [n].
+bool IsPermutation(const int32_t* ids, int64_t n, std::vector<char>& seen) {
+  std::fill(seen.begin(), seen.end(), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= n || seen[ids[i]]) return false;
+    seen[ids[i]] = 1;
+  }
+  return true;
+}
 
 // A position's page-table column as XLA's gather reads it (clamped into the table).
 int64_t LogicalPage(int64_t pos, int64_t max_len, int64_t page_size, int64_t max_pages) {
@@ -137,7 +155,7 @@ ffi::Error ResolveFetchImpl(
   const auto hot_dims = hot_k_in.dimensions();
   const bool sizes_ok =
       hot_dims[0] == num_layers && hot_dims[1] == num_req && hot_dims[2] == num_units &&
-      hot_dims[3] == num_slots + 1 && row_bytes > 0 &&
+      hot_dims[3] == num_slots + 1 && row_bytes > 0 && num_sel <= num_slots &&
       hot_v_in.size_bytes() == hot_k_in.size_bytes() &&
       host_v.size_bytes() == host_k.size_bytes() &&
       host_k.size_bytes() ==
@@ -182,6 +200,7 @@ ffi::Error ResolveFetchImpl(
   std::vector<int32_t> sel(num_sel), held(num_sel);
   std::vector<char> is_hit(num_slots), taken(num_slots);
   std::vector<int32_t> rank(num_slots), by_rank(num_slots), eff(num_slots);
+  std::vector<char> seen(num_slots);
   int32_t layer_status = 0;
 
   // Classify: every row's verdict and new metadata, nothing written to the cache.
@@ -191,6 +210,14 @@ ffi::Error ResolveFetchImpl(
     const bool on = act[req];
     const int64_t base = layer * meta + row * num_slots;
     RowPlan& plan = plans[row];
+    // Metadata no step writes: refused before anything of the row is touched.
+    const int32_t* lru_row = lru + base;
+    const int32_t* walk = keyed ? order.typed_data() + row * num_slots : lru_row;
+    if (!IsPermutation(lru_row, num_slots, seen) ||
+        (keyed && !IsPermutation(walk, num_slots, seen))) {
+      return ffi::Error::InvalidArgument("an LRU or victim order row is not a "
+                                         "permutation of the slots");
+    }
     bool bad = false, dup = false;
     for (int64_t j = 0; j < num_sel; ++j) {
       int32_t p = on ? sel_all[row * num_sel + j] : -1;
@@ -232,15 +259,9 @@ ffi::Error ResolveFetchImpl(
 
     // Victims: the j-th miss (selection order) takes the j-th evictable slot in
     // the victim order (LRU: the LRU order; keyed: the given order).
-    const int32_t* lru_row = lru + base;
     int32_t num_evict = 0;
-    const int32_t* walk = keyed ? order.typed_data() + row * num_slots : lru_row;
-    std::fill(rank.begin(), rank.end(), static_cast<int32_t>(num_slots));
     for (int64_t i = 0; i < num_slots; ++i) {
       const int32_t s = walk[i];
-      if (s < 0 || s >= num_slots) {
-        return ffi::Error::InvalidArgument("an LRU or victim order names no slot");
-      }
       if (!is_hit[s]) {
         rank[s] = num_evict;
         by_rank[num_evict++] = s;
@@ -252,9 +273,6 @@ ffi::Error ResolveFetchImpl(
     int32_t kept = 0, hit_rank = 0;
     for (int64_t i = 0; i < num_slots; ++i) {
       const int32_t s = lru_row[i];
-      if (s < 0 || s >= num_slots) {
-        return ffi::Error::InvalidArgument("an LRU order names no slot");
-      }
       int32_t index;
       if (is_hit[s]) {
         index = num_evict + hit_rank++;
@@ -263,10 +281,7 @@ ffi::Error ResolveFetchImpl(
       } else {
         index = kept++;
       }
-      if (index < 0 || index >= num_slots) {
-        return ffi::Error::InvalidArgument("an LRU row is not a permutation of its slots");
-      }
-      plan.new_lru[index] = s;
+      plan.new_lru[index] = s;  // a permutation: every index in [0, B) once
     }
     plan.new_pos.assign(eff.begin(), eff.end());
     int32_t* slot = slot_all + row * num_sel;
@@ -307,7 +322,7 @@ ffi::Error ResolveFetchImpl(
         }
       }
     }
-    if (plan.target >= 0) {
+    if (plan.target >= 0) {  // (new_lru is a permutation: the target is in it)
       auto it = std::find(plan.new_lru.begin(), plan.new_lru.end(), plan.target);
       std::rotate(it, it + 1, plan.new_lru.end());
       plan.new_pos[plan.target] = newest;
@@ -376,12 +391,12 @@ ffi::Error ResolveFetchImpl(
         std::copy(plan.new_lru.begin(), plan.new_lru.end(), lru + at);
         std::copy(plan.new_score.begin(), plan.new_score.end(), score + at);
       }
-      hits[l * rows + row] += plan.hits;
-      misses[l * rows + row] += plan.misses;
+      WrappingAdd(hits[l * rows + row], plan.hits);
+      WrappingAdd(misses[l * rows + row], plan.misses);
     }
   }
   CopyRows(copies, row_bytes);
-  if (ok) fetched[layer] += static_cast<int32_t>(share * moved);
+  if (ok) WrappingAdd(fetched[layer], share * moved);
   return ffi::Error::Success();
 }
 

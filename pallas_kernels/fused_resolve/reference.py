@@ -58,7 +58,9 @@ class LayerResult(NamedTuple):
   slot: jax.Array
   is_miss: jax.Array  # bool[R, U, k] fetched this step (False unless committed)
   status: jax.Array  # i32[] prior_status | this layer's word (0: nothing wrong)
-  target: jax.Array  # i32[R, U] slot that also keeps the newest token, -1 none
+  # i32[R, U] slot that also keeps the newest token, -1 none; unspecified in a row
+  # whose selection is malformed, as ``slot``.
+  target: jax.Array
 
 
 def map_scratch_bytes(rows: int, max_len: int, top_k: int) -> int:
