@@ -54,6 +54,7 @@ OPTIONS = {
     "tiered_overlap": dict(overlap_hit_miss=True),
     "tiered_lookahead": dict(lookahead_cap=64),  # prefetches the exact next selection
     "tiered_fused": dict(impl=ImplConfig(fused=True)),  # off GPU: one native call
+    "tiered_fused_index_share2": dict(impl=ImplConfig(fused=True), index_share=2),
 }
 flags.DEFINE_list("variants", ["full_kv", "tiered", "tiered_fused"],
                   f"full_kv and any of {', '.join(OPTIONS)}.")

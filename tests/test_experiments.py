@@ -29,7 +29,7 @@ def only_run(root, experiment):
 
 def test_bench_decode_smoke(tmp_path):
   variants = ["full_kv", "tiered", "tiered_index_share2", "tiered_overlap",
-              "tiered_lookahead", "tiered_fused"]
+              "tiered_lookahead", "tiered_fused", "tiered_fused_index_share2"]
   out = run("experiments.bench_decode", "--smoke", f"--out_root={tmp_path}",
             f"--variants={','.join(variants)}")
   _, rows = only_run(tmp_path, "bench_decode")

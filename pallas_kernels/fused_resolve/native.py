@@ -7,8 +7,9 @@ interpreted loops. The CPU's counterpart of SGLang's fused CUDA RESOLVE.
 
 The C++ source is compiled on first use with the system's C++ compiler (``$CXX``,
 else ``c++``) against the XLA FFI headers jaxlib ships, into ``cache_dir()`` keyed
-by the source, the flags and the jaxlib version; ``available()`` says whether that
-worked (no compiler: False, and the callers keep the Pallas kernels).
+by the source, the flags, the jaxlib version and the architecture; ``available()``
+says whether that worked (no compiler: False, and the callers keep the Pallas
+kernels).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
+  """Why the native call is unavailable (None: it is available)."""
   return _load()
 
 
