@@ -8,6 +8,8 @@ from absl import flags
 from kvtier_jax.config import ImplConfig
 from models.setup import DEFAULT_INDEXER, SELECTORS
 
+FLAGS = flags.FLAGS
+
 flags.DEFINE_string("prompt_file", None, "Text file for the prompt (default: Python's "
                     "pydoc_data.topics, shipped with CPython; 'heldout': stdlib "
                     "docstrings, disjoint from it, models.text.load_heldout_text).")
@@ -37,5 +39,3 @@ def tier_impl(keyed_policy: bool = False) -> ImplConfig:
   return ImplConfig(resolve="xla" if keyed_policy else FLAGS.impl,
                     attention=FLAGS.impl, fetch=FLAGS.impl)
 
-
-FLAGS = flags.FLAGS

@@ -47,9 +47,8 @@ class ImplConfig:
       native call per layer (``fused_resolve/native.py``, built on first use;
       ``interpret=True`` runs the Pallas kernels interpreted instead, as does a
       machine without a C++ compiler, with a warning); ``resolve``, ``fetch``
-      and ``lookup`` are then unused. Every policy
-      (a keyed one adds a victim-key kernel, natively XLA's key, and one XLA sort
-      per row), index
+      and ``lookup`` are then unused. Every policy (a keyed one adds a
+      victim-key kernel, natively XLA's key, and one XLA sort per row), index
       sharing (the commit kernel fetches for the sharing layers too) and the
       lookahead prefetch; not the overlapped attention or a mesh.
     fetch_stream: with ``overlap_hit_miss`` and the zero-copy fetch, gather the
