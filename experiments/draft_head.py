@@ -10,6 +10,8 @@ reference (``models.text.load_text``) and evaluated on windows of stdlib docstri
 (``load_heldout_text``), teacher-forced. Per position p, drafts of x_{p+1}:
 * ``draft head``: from f_{p-1} and x_p (what is known when step p starts);
 * ``prompt lookup``: from the tokens up to x_p (the same moment, no model);
+* ``prompt lookup (n >= 2), else draft head``: the lookup where a bigram or longer
+  matched, the head elsewhere (``models.backends.lookup_or_head``);
 * ``model's next token``: the model's own LM head on f_p, known only once step p
   has run: the ceiling of any draft (100% acceptance in greedy decoding).
 Acceptance is reported against the text's next token and against the model's own
@@ -104,6 +106,10 @@ def main(argv):
   own = greedy_tokens(cfg, weights, feat_next)
   drafts["prompt lookup"] = np.array([backends.ngram_draft(t[:p + 1])
                                       for t in eval_t for p in range(1, window - 1)])
+  head_at = iter(drafts["draft head"].tolist())  # the same positions, in order
+  drafts["prompt lookup (n >= 2), else draft head"] = np.array([
+      backends.lookup_or_head(t[:p + 1], next(head_at))
+      for t in eval_t for p in range(1, window - 1)])
   drafts["model's next token (after the step)"] = own
   label = np.asarray(label)
   rows = [dict(draft=name, acceptance_vs_text=float((d == label).mean()),

@@ -11,8 +11,9 @@ On SmolLM2-135M over pydoc text (dense attention, teacher-forced), per step:
   current query), (b) the selection of a prompt-lookup draft token run one
   position ahead without committing (no draft model); with ``--draft_ckpt``
   also (c) a trained draft head's token (``experiments.draft_head``: from the
-  previous step's features and the current token, known when the step starts)
-  and (d) the model's own next token (known only after the step: the ceiling of a
+  previous step's features and the current token, known when the step starts),
+  (c') the prompt lookup where a bigram or longer matched, else the head's token
+  (``backends.lookup_or_head``), and (d) the model's own next token (known only after the step: the ceiling of a
   draft); the offline ceiling of prefetch itself, (e) the next step's selection;
 * critical-path misses of an LRU hot cache (B = 2k) without prefetch and with
   each predictor's positions prefetched after the step (at most ``--cap`` rows per
@@ -177,7 +178,7 @@ def main(argv):
         jnp.asarray(tokens[prompt:prompt + steps])))
     own_drafts = np.asarray(jnp.argmax(lm_head(cfg, weights,
                                                feats[prompt:prompt + steps]), -1))
-    draft_kinds += ["draft head", "model's next token"]
+    draft_kinds += ["draft head", "lookup, else head", "model's next token"]
   drafted = {kind: [np.full_like(t, -1) for t in true] for kind in draft_kinds}
   recall = np.zeros((steps, len(selectors)), np.float32)
   draft_hits = dict.fromkeys(draft_kinds, 0)
@@ -191,6 +192,8 @@ def main(argv):
     drafts = {"draft token": backends.ngram_draft(tokens[:position + 1].tolist())}
     if FLAGS.draft_ckpt:
       drafts.update({"draft head": int(head_drafts[t]),
+                     "lookup, else head": backends.lookup_or_head(
+                         tokens[:position + 1].tolist(), head_drafts[t]),
                      "model's next token": int(own_drafts[t])})
     for kind, draft in drafts.items():
       draft_hits[kind] += int(draft == tokens[position + 1])

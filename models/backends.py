@@ -105,9 +105,10 @@ def sparse_attend(selector, index_share: int = 1):
   return attend
 
 
-def ngram_draft(history, max_n: int = 3) -> int:
-  """Prompt-lookup drafting: the token that followed the latest earlier occurrence
-  of the longest recent n-gram (n <= max_n); no model. Falls back to the last token."""
+def ngram_match(history, max_n: int = 3) -> tuple[int, int]:
+  """Prompt lookup: (the token that followed the latest earlier occurrence of the
+  longest recent n-gram, n <= max_n; that n), or (the last token, 0) when not even
+  the last token occurred before."""
   tokens = list(history)
   for n in range(max_n, 0, -1):
     if len(tokens) <= n:
@@ -115,8 +116,21 @@ def ngram_draft(history, max_n: int = 3) -> int:
     tail = tokens[-n:]
     for start in range(len(tokens) - n - 1, -1, -1):
       if tokens[start:start + n] == tail:
-        return tokens[start + n]
-  return tokens[-1]
+        return tokens[start + n], n
+  return tokens[-1], 0
+
+
+def ngram_draft(history, max_n: int = 3) -> int:
+  """Prompt-lookup drafting: ``ngram_match``'s token; no model."""
+  return ngram_match(history, max_n)[0]
+
+
+def lookup_or_head(history, head_token: int, min_match: int = 2) -> int:
+  """The prompt-lookup draft where an n-gram of at least ``min_match`` tokens
+  matched, else ``head_token`` (a trained draft head's): on held-out text each
+  is right where the other is weakest (WORKSPACE_NOTES.md, twenty-first session)."""
+  token, n = ngram_match(history)
+  return token if n >= min_match else int(head_token)
 
 
 # Jitted steps (configs and selector static; the carry donated). --------------

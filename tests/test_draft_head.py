@@ -94,6 +94,28 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
     draft_head.load(path)
 
 
+def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
+  """``ngram_match`` on random short-alphabet histories against a brute force: the
+  longest n <= 3 whose last n tokens occurred earlier, the token after the latest
+  such occurrence (or the last token, n = 0); ``lookup_or_head`` takes the head's
+  token exactly where n < min_match."""
+  from models import backends
+  rng = np.random.default_rng()
+  for _ in range(300):
+    history = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(1, 30))).tolist()
+    want = (history[-1], 0)
+    for n in (3, 2, 1):
+      starts = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
+      if len(history) > n and starts:
+        want = (history[max(starts) + n], n)
+        break
+    assert backends.ngram_match(history) == want, history
+    assert backends.ngram_draft(history) == want[0]
+    for min_match in (1, 2, 3):
+      got = backends.lookup_or_head(history, -7, min_match)
+      assert got == (want[0] if want[1] >= min_match else -7), (history, min_match)
+
+
 def test_heldout_text_is_disjoint_from_the_training_text():
   heldout = text.load_heldout_text()
   assert len(heldout) > 100_000
@@ -144,7 +166,8 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   layers = f"--model_layers={SMOKE_LAYERS}"
   run("experiments.draft_head", "--smoke", layers, f"--out_root={tmp_path}")
   by = {r["draft"]: r for r in rows_of(tmp_path, "draft_head")}
-  assert set(by) == {"draft head", "prompt lookup", "model's next token (after the step)"}
+  assert set(by) == {"draft head", "prompt lookup", "prompt lookup (n >= 2), else draft head",
+                     "model's next token (after the step)"}
   assert by["model's next token (after the step)"]["acceptance_vs_greedy"] == 1.0
   # Its first and last losses average disjoint steps (6 smoke steps: 3 and 3).
   assert by["draft head"]["train_loss_first"] != by["draft head"]["train_loss_last"]
@@ -154,7 +177,7 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
               f"--draft_ckpt={run_dir / 'draft_head'}")
   run(*prefetch, layers)
   rows = {r["variant"]: r for r in rows_of(tmp_path, "prefetch")}
-  for kind in ("draft token", "draft head", "model's next token"):
+  for kind in ("draft token", "draft head", "lookup, else head", "model's next token"):
     assert 0.0 < rows[f"prefetch: {kind}"]["agreement"] <= 1.0
     assert rows[f"prefetch: {kind}"]["critical_miss_rate"] >= 0.0
   # A perfect predictor: every row it prefetched is used, and fewer misses stay.
