@@ -127,8 +127,9 @@ def ngram_draft(history, max_n: int = 3) -> int:
 
 def lookup_or_head(history, head_token: int, min_match: int = 2) -> int:
   """The prompt-lookup draft where an n-gram of at least ``min_match`` tokens
-  matched, else ``head_token`` (a trained draft head's): on held-out text each
-  is right where the other is weakest (WORKSPACE_NOTES.md, twenty-first session)."""
+  matched, else ``head_token`` (a trained draft head's): on held-out text it
+  beats either alone, where a shorter match is mostly a guess from the last
+  token (WORKSPACE_NOTES.md, twenty-first session)."""
   token, n = ngram_match(history)
   return token if n >= min_match else int(head_token)
 
