@@ -151,7 +151,7 @@ ffi::Error ResolveFetchImpl(
   }
   // The Python wrapper checks every shape at trace time; a mismatch here is a caller
   // that bypassed it, refused before any buffer is indexed.
-  const int64_t rows_all = num_req * num_units;
+  const int64_t rows = num_req * num_units;
   const auto hot_dims = hot_k_in.dimensions();
   const bool sizes_ok =
       hot_dims[0] == num_layers && hot_dims[1] == num_req && hot_dims[2] == num_units &&
@@ -160,16 +160,16 @@ ffi::Error ResolveFetchImpl(
       host_v.size_bytes() == host_k.size_bytes() &&
       host_k.size_bytes() ==
           static_cast<size_t>(num_layers * host_pages * page_size * num_units * row_bytes) &&
-      k_new.size_bytes() == static_cast<size_t>(rows_all * row_bytes) &&
+      k_new.size_bytes() == static_cast<size_t>(rows * row_bytes) &&
       v_new.size_bytes() == k_new.size_bytes() &&
       active.element_count() == static_cast<size_t>(num_req) &&
       seq_len.element_count() == static_cast<size_t>(num_req) &&
-      selected.element_count() == static_cast<size_t>(rows_all * num_sel) &&
-      order.element_count() == static_cast<size_t>(rows_all * num_slots) &&
+      selected.element_count() == static_cast<size_t>(rows * num_sel) &&
+      order.element_count() == static_cast<size_t>(rows * num_slots) &&
       page_table.dimensions()[0] == num_req && max_pages > 0 &&
       lru_in.size_bytes() == slot_pos_in.size_bytes() &&
       score_in.size_bytes() == slot_pos_in.size_bytes() &&
-      hits_in.size_bytes() == static_cast<size_t>(4 * num_layers * rows_all) &&
+      hits_in.size_bytes() == static_cast<size_t>(4 * num_layers * rows) &&
       misses_in.size_bytes() == hits_in.size_bytes() &&
       fetched_in.size_bytes() == static_cast<size_t>(4 * num_layers);
   if (!sizes_ok) {
@@ -192,7 +192,6 @@ ffi::Error ResolveFetchImpl(
   bool* miss_all = miss_out->typed_data();
   int32_t* target_all = target_out->typed_data();
 
-  const int64_t rows = num_req * num_units;
   const int64_t meta = rows * num_slots;  // one layer of slot metadata
   std::vector<RowPlan> plans(rows);
   // Position -> the selection lane naming it, -1 none; set per row, cleared after it.
