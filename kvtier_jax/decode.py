@@ -83,8 +83,8 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
   With ``cfg.index_share`` N > 1 the caller runs groups of N layers and passes the
   static ``member`` (0 = the anchor, which selects and resolves). ``draft``: an
   uncommitted look-ahead pass; each anchor reads what is resident plus at most
-  ``cfg.lookahead_cap`` fetched rows per unit (``layer.cap_misses``); finish it
-  with ``finish_draft``.
+  ``cfg.lookahead_cap`` fetched rows per unit (``layer.cap_misses``; None: no
+  cap); finish it with ``finish_draft``.
   """
 
   def attend(layer, q, k_new, v_new, carry: TieredCarry, x=None, member: int = 0):
@@ -114,9 +114,8 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     # first top_k are attended, the whole row steers victims.
     ranks = picked if cfg.policy.name == "rank" else None
     selected = picked[..., :cfg.top_k]
-    if draft:
-      selected = layer_lib.cap_misses(cfg, tier, layer, selected,
-                                      cfg.lookahead_cap or 0)
+    if draft and cfg.lookahead_cap is not None:  # None: every miss is fetched
+      selected = layer_lib.cap_misses(cfg, tier, layer, selected, cfg.lookahead_cap)
     if carry.prefetch is not None and carry.prefetch.shape[:3] != (
         cfg.num_layers, cfg.num_requests, cfg.num_units):  # [layer] would clamp
       raise ValueError(f"prefetch {carry.prefetch.shape} must be [L={cfg.num_layers}, "

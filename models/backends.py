@@ -217,8 +217,8 @@ class Runner:
       the selection (sparse and tiered; the tiered anchor also fetches the shared
       layers' misses ahead of their attention).
     lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
-      a prompt-lookup draft token prefetches up to ``lookahead_cap`` (default 64)
-      rows per layer and unit for the next step.
+      a prompt-lookup draft token prefetches up to ``lookahead_cap`` (default 64;
+      None: no cap) rows per layer and unit for the next step.
     tier_overrides: extra TierConfig fields (impl, warm start, lookahead_cap,
       policy...). For the "rank" policy build the selector at ``top_k = m`` and
       pass ``top_k=k, policy=PolicyConfig("rank", rank_depth=m)``.

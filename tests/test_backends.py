@@ -310,3 +310,27 @@ def test_cpu_model_step_writes_the_hot_cache_in_place(index_share, overlap, fuse
   dtype = hlo_audit.hlo_dtype(tier_cfg)
   assert hlo_audit.count_copies(hlo, shape, dtype) == 0
   assert f"{dtype}[{','.join(map(str, shape))}]" in hlo  # the shape is matched at all
+
+
+def test_draft_lookahead_without_a_cap_fetches_every_miss():
+  """``lookahead_cap=None`` means no cap (TierConfig's docstring), not a cap of 0:
+  the draft pass then prefetches what a cap of k would, and more than a cap of 1.
+  Random weights: this checks the traffic, not the numbers."""
+  from flax import nnx
+  from models import transformer as tfm
+  from models.config import ModelConfig
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                 ffn_hidden_dim=48, name="tiny")
+  model = tfm.Transformer(cfg, rngs=nnx.Rngs(0))
+  selector, _ = selector_for("quest", cfg)
+  tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, 200))
+  prefetched = {}
+  for cap in (None, selector.top_k, 1):
+    runner = backends.Runner(model, "tiered", 216, selector=selector, hot_slots=96,
+                             lookahead="draft", lookahead_cap=cap)
+    logits = runner.prefill(tokens, [200, 180])
+    for _ in range(6):
+      logits = runner.step(jnp.argmax(logits, -1))
+    prefetched[cap] = runner.cache_stats()["prefetched"]
+  assert prefetched[None] == prefetched[selector.top_k] > prefetched[1] > 0, prefetched
