@@ -172,6 +172,10 @@ class TierConfig:
     if self.num_layers % self.index_share:
       raise ValueError(f"index_share={self.index_share} must divide "
                        f"num_layers={self.num_layers}")
+    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+      raise ValueError(f"dtype={self.dtype} must be a floating KV dtype (K/V are cast)")
+    if isinstance(self.mesh_axes, str) or not all(isinstance(a, str) for a in self.mesh_axes):
+      raise ValueError(f"mesh_axes={self.mesh_axes!r} must be a tuple of axis names")
     if self.lookahead_cap is not None and self.lookahead_cap < 0:
       raise ValueError(f"{self.lookahead_cap=} must be >= 0 (or None)")
     if self.policy.keyed and self.impl.resolve == "pallas":

@@ -21,6 +21,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvtier_jax import fetch, layer as layer_lib, layer_scan
 from kvtier_jax.config import TierConfig
@@ -293,6 +294,29 @@ def warm_positions(cfg: TierConfig, prompt_lens):
   return jnp.where(pos < lens, pos, EMPTY)
 
 
+def check_prompt(cfg: TierConfig, k_prompt, v_prompt, prompt_lens) -> None:
+  """``prefill``'s inputs against ``cfg``: K/V [L, R, P, Hkv, D] with P <= max_len,
+  lengths i32[R]; their values too where they are concrete (not traced)."""
+  want = (cfg.num_layers, cfg.num_requests, "P", cfg.num_kv_heads, cfg.head_dim)
+  for name, x in (("k_prompt", k_prompt), ("v_prompt", v_prompt)):
+    if (np.ndim(x) != 5 or np.shape(x) != np.shape(k_prompt)
+        or any(w != "P" and n != w for n, w in zip(np.shape(x), want))):
+      raise ValueError(f"{name} {np.shape(x)} must be [L, R, P, Hkv, D] = "
+                       f"{list(want)}, as k_prompt {np.shape(k_prompt)}")
+  plen = np.shape(k_prompt)[2]
+  if plen > cfg.max_len:
+    raise ValueError(f"prompt length {plen} exceeds the host tier (max_len={cfg.max_len})")
+  dtype = (prompt_lens if hasattr(prompt_lens, "dtype") else np.asarray(prompt_lens)).dtype
+  if np.shape(prompt_lens) != (cfg.num_requests,) or np.dtype(dtype).kind not in "iu":
+    raise ValueError(f"prompt_lens {dtype}{list(np.shape(prompt_lens))} must be "
+                     f"{cfg.num_requests} integers (R)")
+  if not isinstance(prompt_lens, jax.core.Tracer):
+    lens = np.asarray(prompt_lens)
+    if ((lens < 0) | (lens > plen)).any():
+      raise ValueError(f"prompt_lens {lens.tolist()} must be in [0, {plen}] (the "
+                       "prompt K/V given)")
+
+
 def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_lens):
   """Write prompts into the host tier and warm the hot cache from device KV.
 
@@ -302,10 +326,12 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
       but never read.
 
   Returns the state with seq_len = prompt_lens, metadata reset (LRU = slot order).
+  Raises ValueError on shapes that do not fit ``cfg`` and, where ``prompt_lens`` is
+  concrete, on a length outside [0, P]: a longer one would mark slots resident
+  that hold copies of the prompt's last row.
   """
+  check_prompt(cfg, k_prompt, v_prompt, prompt_lens)
   num_layers, num_req, plen = k_prompt.shape[:3]
-  if plen > cfg.max_len:
-    raise ValueError(f"prompt length {plen} exceeds the host tier (max_len={cfg.max_len})")
   shape6 = (num_layers, num_req, plen, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
   k6 = k_prompt.reshape(shape6).astype(state.host_k.dtype)
   v6 = v_prompt.reshape(shape6).astype(state.host_v.dtype)

@@ -155,9 +155,7 @@ class TieredDecoder:
 
   def prefill(self, state: TieredKVState, k_prompt, v_prompt, prompt_lens):
     lens = np.asarray(prompt_lens)
-    if (lens > self.cfg.max_len).any() or (lens > k_prompt.shape[2]).any():
-      raise ValueError(f"prompt_lens {lens} exceed the prompt ({k_prompt.shape[2]}) "
-                       f"or the host tier (max_len={self.cfg.max_len})")
+    decode.check_prompt(self.cfg, k_prompt, v_prompt, lens)  # before any donation
     self._check_prompt_pages(np.asarray(state.page_table), lens)
     state = _prefill(self.cfg, state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
     self._driver.start(lens)
@@ -213,6 +211,9 @@ class TieredDecoder:
       self._driver.check_room()
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
       selections = jnp.asarray(sel, jnp.int32)
+    elif selections is not None:  # it would be ignored
+      raise ValueError(f"{type(self.selector).__name__} picks the positions itself: "
+                       "selections must be None")
     self._check_traces(state, q, k_new, v_new, selections, prefetch)
     try:
       out, carry = self._driver.step(state, q, k_new, v_new, selections, prefetch)

@@ -165,6 +165,21 @@ def test_bad_selection_is_refused_before_any_change(bad, match):
   assert_same(before, snapshot(h.state))
 
 
+def test_a_stateless_selector_refuses_given_selections():
+  """Selections given to a decoder whose selector picks its own would be ignored."""
+  cfg = make_cfg(top_k=8)
+  churn = selectors.ChurnSelector(40, cfg.select_width, cfg.num_units)
+  decoder = driver.TieredDecoder(cfg, churn)
+  rng = np.random.default_rng()
+  kp, vp = random_kv(rng, cfg, 40)
+  state = decoder.prefill(kv_state.init_state(cfg), kp, vp, [40, 40, 40])
+  sel = np.zeros((cfg.num_layers, 3, cfg.num_units, 8), np.int32)
+  with pytest.raises(ValueError, match="ChurnSelector picks the positions itself"):
+    decoder.step(state, *step_inputs(rng, cfg), sel)
+  out, state = decoder.step(state, *step_inputs(rng, cfg))  # state not donated
+  assert decoder.seq_len.tolist() == [41, 41, 41] and np.isfinite(out).all()
+
+
 def test_a_trace_time_error_leaves_the_callers_state():
   """Errors found while tracing the step (a prefetch wider than B, a query of
   another head count, float selections) are raised before the state is donated:
@@ -672,6 +687,10 @@ def test_config_rejects_bad_shapes():
     make_cfg(impl=ImplConfig(fetch="cuda"))
   with pytest.raises(ValueError, match="index_share"):
     make_cfg(index_share=3)
+  with pytest.raises(ValueError, match="floating"):  # K/V would be cast to ints
+    make_cfg(dtype=jnp.int8)
+  with pytest.raises(ValueError, match="mesh_axes"):  # not the axes "d", "a", "t", "a"
+    make_cfg(mesh_axes="data")
   for alpha in (0.0, 1.0):  # an EMA that never decays, or forgets at once
     with pytest.raises(ValueError, match="freq_alpha"):
       PolicyConfig("freq", freq_alpha=alpha)
@@ -822,6 +841,29 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
   out, after = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 2), state, q,
                                            k_new, k_new, picks)
   assert out.shape == (1, 2, 4, 4) and after.seq_len.tolist() == [9, 6]
+
+
+def test_tiered_prefill_refuses_what_the_reference_refuses_before_any_donation():
+  """``TieredDecoder.prefill`` and ``decode.prefill`` refuse lengths outside [0, P],
+  a count that is not R and K/V of other shapes; the donated state is untouched.
+  (A length past P marked slots resident that held copies of the last row.)"""
+  from kvtier_jax.config import TierConfig  # noqa: PLC0415
+  cfg = TierConfig(num_layers=1, num_requests=2, max_len=16, num_q_heads=4, num_kv_heads=2,
+                   head_dim=4, hot_slots=4, top_k=4, per_kv_head=True, dtype=jnp.float32)
+  rng = np.random.default_rng()
+  kp = jnp.asarray(rng.standard_normal((1, 2, 8, 2, 4)), jnp.float32)
+  decoder = driver.TieredDecoder(cfg)
+  state = kv_state.init_state(cfg)
+  bad = [(kp, kp, [9, 3]), (kp, kp, [3, -1]), (kp, kp, [3]), (kp, kp, [3.0, 2.0]),
+         (kp[:, :1], kp[:, :1], [3, 3]), (kp, kp[..., :2], [3, 3]),
+         (kp[:, :, :, :1], kp[:, :, :, :1], [3, 3])]
+  for k, v, lens in bad:
+    with pytest.raises(ValueError, match="prompt_lens|k_prompt|v_prompt"):
+      decoder.prefill(state, k, v, lens)
+    with pytest.raises(ValueError, match="prompt_lens|k_prompt|v_prompt"):
+      decode.prefill(cfg, state, k, v, np.asarray(lens))
+  state = decoder.prefill(state, kp, kp, [8, 0])  # not donated by the refusals
+  assert decoder.seq_len.tolist() == [8, 0] and state.seq_len.tolist() == [8, 0]
 
 
 def test_counters_and_the_prefetch_cap_from_hand_worked_values():
