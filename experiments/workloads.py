@@ -31,6 +31,7 @@ import numpy as np
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving.bench import Rollout, RequestSpec, drive
+from kvtier_jax.serving.request import is_int
 from models import serving, sharded_serving
 
 
@@ -103,17 +104,21 @@ def load_jsonl(path: str | pathlib.Path, tokenizer) -> list[RequestSpec | Rollou
     row = json.loads(line)
     where = f"{path}:{n + 1}"
     if "session" in row:
+      if "stop_ids" in row:
+        raise ValueError(f"{where}: a session turn takes no stop_ids (sessions stop at "
+                         "max_new_tokens or the engine's eos_ids)")
       ids = _ids(row, "append", tokenizer, where)
-      turn = (str(row.get("id", f"r{n}")), ids, int(row["max_new_tokens"]),
-              _sampling(row))
+      turn = (str(row.get("id", f"r{n}")), ids, _int(row, "max_new_tokens", where),
+              _sampling(row, where))
       if row["session"] not in sessions:
         sessions[row["session"]] = [float(row.get("arrival_s", 0.0))]
         out.append(row["session"])  # a placeholder, in file order
       sessions[row["session"]].append(turn)
       continue
     out.append(RequestSpec(str(row.get("id", f"r{n}")), _ids(row, "prompt", tokenizer, where),
-                           int(row["max_new_tokens"]), float(row.get("arrival_s", 0.0)),
-                           _sampling(row), tuple(int(t) for t in row.get("stop_ids", ()))))
+                           _int(row, "max_new_tokens", where),
+                           float(row.get("arrival_s", 0.0)), _sampling(row, where),
+                           _int_list(row.get("stop_ids", ()), "stop_ids", where)))
   for i, item in enumerate(out):
     if isinstance(item, str):
       arrival, *turns = sessions[item]
@@ -128,16 +133,31 @@ def load_jsonl(path: str | pathlib.Path, tokenizer) -> list[RequestSpec | Rollou
 
 def _ids(row: dict, name: str, tokenizer, where: str) -> tuple[int, ...]:
   if f"{name}_ids" in row:
-    return tuple(int(t) for t in row[f"{name}_ids"])
+    return _int_list(row[f"{name}_ids"], f"{name}_ids", where)
   if name in row:
     return tuple(tokenizer.encode(row[name], add_special_tokens=False).ids)
   raise ValueError(f"{where}: a request needs {name!r} or '{name}_ids'")
 
 
-def _sampling(row: dict) -> SamplingParams:
+def _int_list(values, key: str, where: str) -> tuple[int, ...]:
+  """Integer ids as given: int() would truncate 1.9 into the id 1 silently."""
+  if not isinstance(values, (list, tuple)) or not all(map(is_int, values)):
+    raise ValueError(f"{where}: {key} must be a list of integers, not {values!r}")
+  return tuple(values)
+
+
+def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
+  value = row.get(key, default)
+  if not is_int(value):
+    raise ValueError(f"{where}: {key} must be an integer, not {value!r}")
+  return value
+
+
+def _sampling(row: dict, where: str) -> SamplingParams:
   return SamplingParams(temperature=float(row.get("temperature", 0.0)),
-                        top_k=int(row.get("top_k", 0)), top_p=float(row.get("top_p", 1.0)),
-                        seed=int(row.get("seed", 0)))
+                        top_k=_int(row, "top_k", where, 0),
+                        top_p=float(row.get("top_p", 1.0)),
+                        seed=_int(row, "seed", where, 0))
 
 
 def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: int,

@@ -47,6 +47,10 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A (data, model) mesh over the first ``data * model`` devices."""
+  unknown = set(shape) - set(AXES)
+  sizes = [shape.get(axis, 1) for axis in AXES]
+  if unknown or not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sizes):
+    raise ValueError(f"mesh {shape}: axes are {AXES} (missing ones are 1), sizes >= 1")
   devices = list(jax.devices() if devices is None else devices)
   need = shape.get(DATA, 1) * shape.get(MODEL, 1)
   if need > len(devices):

@@ -227,7 +227,7 @@ class ServingBackend:
                **tier_overrides):
     check_backend(backend, selector, hot_slots)
     warn_past_context(model.cfg, max_len)
-    if chunk_size % page_size:
+    if backend == "tiered" and chunk_size % page_size:
       raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="
                        f"{page_size} (a chunk writes whole host pages)")
     cfg = model.cfg
@@ -390,14 +390,20 @@ class ServingBackend:
   def prefill(self, state: ServingState, slot: int, tokens: np.ndarray, start: int,
               count: int):
     self._check_slot(slot)
+    if not (is_int(start) and is_int(count) and start >= 0):
+      raise ValueError(f"start={start!r} and count={count!r} must be ints, start >= 0")
     if start + count > self.max_len:
       raise ValueError(f"positions {start}..{start + count - 1} pass max_len={self.max_len}")
+    if np.shape(tokens) != (self.chunk_size,):
+      raise ValueError(f"tokens {np.shape(tokens)} must be one chunk, zero-padded: "
+                       f"({self.chunk_size},)")
     if start % self.chunk_size or not 0 < count <= self.chunk_size:
       # The staging writes and the host write-through are whole chunks: another
       # start would be clamped onto the wrong rows.
       raise ValueError(f"a prefill chunk starts at a multiple of chunk_size="
                        f"{self.chunk_size} and holds 1..{self.chunk_size} tokens: "
                        f"start={start}, count={count}")
+    check_tokens(np.asarray(tokens)[:count], self.vocab_size)
     logits, staging = _prefill(self.cfg, self.weights, state.staging,
                                jnp.asarray(tokens, jnp.int32), jnp.int32(start),
                                jnp.int32(count))

@@ -5,6 +5,8 @@ so the test workers split the experiment smokes (each is a subprocess of ~1 min)
 import json
 import re
 
+import pytest
+
 from tests.test_experiments import only_run, run
 from tests.util import SMOKE_LAYERS, default_codegen_env
 
@@ -103,3 +105,30 @@ def test_serve_stops_at_a_snapshot_and_another_process_goes_on_exactly(tmp_path)
   # snapshot; every request's tokens are checked.
   window = 4 - int(states.get("finished", 0))
   assert re.search(rf"requests={window} .* exact=4/4 ", last), last
+
+
+def test_workload_files_refuse_ids_and_counts_that_are_not_integers(tmp_path):
+  """``load_jsonl`` keeps integer ids as given and refuses a float (int() would
+  truncate 1.9 into the id 1) or a session turn's stop ids (a Rollout has none),
+  naming the line."""
+  from experiments import workloads  # noqa: PLC0415
+  path = tmp_path / "w.jsonl"
+  good = [dict(id="a", prompt_ids=[5, 6, 7], max_new_tokens=2, stop_ids=[9], top_k=3),
+          dict(id="s1", session="s", append_ids=[1, 2], max_new_tokens=3),
+          dict(id="s2", session="s", append_ids=[4], max_new_tokens=1)]
+  path.write_text("\n".join(map(json.dumps, good)) + "\n")
+  spec, session = workloads.load_jsonl(path, tokenizer=None)
+  assert (spec.prompt, spec.max_new_tokens, spec.stop_ids) == ((5, 6, 7), 2, (9,))
+  assert spec.sampling.top_k == 3
+  assert (session.prompt, session.max_new_tokens, session.env_tokens) == (
+      (1, 2), (3, 1), ((4,),))
+  for change, match in ((dict(prompt_ids=[5, 6.9]), "prompt_ids"),
+                        (dict(max_new_tokens=2.5), "max_new_tokens"),
+                        (dict(stop_ids=[1.9]), "stop_ids"), (dict(stop_ids=3), "stop_ids"),
+                        (dict(top_k=2.5), "top_k"), (dict(seed="1"), "seed")):
+    path.write_text(json.dumps(dict(good[0], **change)) + "\n")
+    with pytest.raises(ValueError, match=f"w.jsonl:1: {match}"):
+      workloads.load_jsonl(path, tokenizer=None)
+  path.write_text(json.dumps(dict(good[1], stop_ids=[9])) + "\n")
+  with pytest.raises(ValueError, match="w.jsonl:1: a session turn takes no stop_ids"):
+    workloads.load_jsonl(path, tokenizer=None)

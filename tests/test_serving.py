@@ -236,10 +236,15 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
   bad = [(([], 4), "empty"), (([1, 2], 0), "max_new_tokens"),
          (([1, VOCAB], 4), "vocabulary"), (([1, 61.9], 4), "not integer ids"),
          (([True, 2], 4), "not integer ids"), (([1] * 90, 10), "exceeds the context"),
-         (([1] * 80, 15), "device bytes")]
+         (([1] * 80, 15), "device bytes"), (([1, 2], 4.0), "max_new_tokens"),
+         (([1, 2], True), "max_new_tokens")]
   for (prompt, new), match in bad:
     with pytest.raises(ValueError, match=match):
       engine.submit(prompt, new)
+  with pytest.raises(ValueError, match="stop ids"):  # not truncated to the id 2
+    engine.submit([1, 2], 4, stop_ids=[2.7])
+  with pytest.raises(ValueError, match="eos_ids"):
+    EngineConfig(eos_ids=(2.7,))
   for sp, match in [(SamplingParams(temperature=-1), "temperature"),
                     (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-2), "top_k"),
                     (SamplingParams(seed=2**40), "seed")]:
@@ -247,7 +252,8 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
       engine.submit([1, 2, 3], 4, sp)
   with pytest.raises(ValueError, match="host pages"):
     Engine(FakeModel(num_host_pages=5)).submit([1] * 30, 4)
-  req = engine.submit([5, 6, 7], 4)
+  req = engine.submit([5, 6, 7], np.int64(4))  # a numpy count is an int
+  assert type(req.max_new_tokens) is int
   with pytest.raises(ValueError, match="already exists"):
     engine.submit([1], 1, request_id=req.id)
   engine.run()

@@ -234,6 +234,11 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   # another slot's rows or drop the write): refused before any donated call.
   for call, match in ((lambda: tiered.prefill(state, 3, tokens, 0, 64), "slot=3"),
                       (lambda: tiered.prefill(state, 0, tokens, 256, 64), "pass max_len"),
+                      (lambda: tiered.prefill(state, 0, tokens, -64, 64), "start=-64"),
+                      (lambda: tiered.prefill(state, 0, tokens, 0.0, 64), "start=0.0"),
+                      (lambda: tiered.prefill(state, 0, tokens[:32], 0, 32), "one chunk"),
+                      (lambda: tiered.prefill(state, 0, tokens + model.cfg.vocab_size,
+                                              0, 8), "token ids"),
                       (lambda: tiered.start_decoding(state, -1, 10), "slot=-1"),
                       (lambda: tiered.start_decoding(state, 0, 257), "length=257"),
                       (lambda: tiered.load_prefix(state, 0, 300), "length=300"),
@@ -259,6 +264,8 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   assert all((a == b).all() for a, b in zip(tiered.read_pages(state, [3]), page))
   selector, _ = setup.build_selector("quest", model.cfg, 32)
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
+  # Pages are the tiered backend's: any chunk size serves a full-KV backend.
+  serving.ServingBackend(model, "sparse", 3, 256, selector=selector, chunk_size=24)
   assert dense.device_bytes(100) == serving.ServingBackend(model, "dense", 3,
                                                            256).device_bytes(100)
 

@@ -21,6 +21,10 @@ def test_parse_mesh_and_clear_errors():
       sharding.parse_mesh(bad)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     sharding.make_mesh({"data": 64})
+  for bad in ({"Data": 4}, {"data": 0}, {"model": 1.5}):  # not a 1x1 mesh, silently
+    with pytest.raises(ValueError, match="axes are"):
+      sharding.make_mesh(bad)
+  assert sharding.make_mesh({"data": 1}).shape == {"data": 1, "model": 1}
 
 
 def test_sharded_step_equals_the_one_device_step_on_4_devices():

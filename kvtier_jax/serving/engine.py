@@ -71,7 +71,7 @@ from kvtier_jax.serving.model import ServingModel
 from kvtier_jax.serving.pages import PagePool
 from kvtier_jax.serving.radix import RadixCache
 from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
-                                        check_prompt)
+                                        check_prompt, is_int)
 
 
 PREFILL_POLICIES = ("decode_first", "blocking")
@@ -153,6 +153,8 @@ class EngineConfig:
       raise ValueError(f"lpm_window={self.lpm_window} must be >= 1")
     if self.max_step_tokens <= 0:
       raise ValueError(f"max_step_tokens={self.max_step_tokens} must be positive")
+    if not all(map(is_int, self.eos_ids)):
+      raise ValueError(f"eos_ids={self.eos_ids!r} must be integer ids")
 
 
 class Engine:
@@ -223,8 +225,9 @@ class Engine:
     handed off may come back under its id (its old record goes)."""
     model = self.model
     ids = check_prompt(prompt, model.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens={max_new_tokens} must be a positive int")
+    if not is_int(max_new_tokens) or max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    max_new_tokens = int(max_new_tokens)  # a numpy int would not go into a snapshot
     sampling_params.check()
     total = len(ids) + max_new_tokens
     if total > model.max_len:
@@ -238,6 +241,9 @@ class Engine:
     if budget is not None and model.device_bytes(total) + model.staging_bytes() > budget:
       raise ValueError(f"{total} positions need {model.device_bytes(total)} device bytes;"
                        f" the KV budget is {budget} (staging {model.staging_bytes()})")
+    stop_ids = list(stop_ids)
+    if not all(map(is_int, stop_ids)):  # int() would truncate 2.7 into a stop id
+      raise ValueError(f"stop ids {stop_ids} must be integer ids")
     stops = frozenset(int(t) for t in stop_ids) | frozenset(self.config.eos_ids)
     if any(not 0 <= t < model.vocab_size for t in stops):
       raise ValueError(f"stop ids {sorted(stops)} must be in the vocabulary")
