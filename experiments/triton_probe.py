@@ -5,7 +5,9 @@ reference layout").
 One representative kernel, in the Triton language (``triton_probe_kernel.py``): a per-row RESOLVE miss pass
 (membership by a position table, compaction of the misses in selection order by
 ``tl.cumsum``, a miss counter by ``tl.atomic_add``) plus the zero-copy gather of the
-missed rows from a host-tier array. Three checks, none needing a GPU:
+missed rows from a host-tier array. Three checks need no GPU (``--check=all`` runs
+the first two, each in its own process, and ``pallas`` with ``lower``); a fourth
+times it on one:
 
 * ``interpret``: Triton's own interpreter runs it on this CPU over numpy arrays
   (a small torch-free shim, ``HostTensor``), on fresh random inputs with
@@ -14,8 +16,8 @@ missed rows from a host-tier array. Three checks, none needing a GPU:
   and the deviceless H200 client (experiments/deviceless.py) compiles the jitted
   call, the rows' source in ``pinned_host``: one ``triton_kernel_call`` custom call
   and no whole-host-tier copy (the audit's counter).
-* ``pallas``: the library's Pallas Triton gather (``pallas_kernels/fetch``) through
-  the same deviceless compile, for comparison.
+* ``pallas`` (part of ``lower``): the library's Pallas Triton gather
+  (``pallas_kernels/fetch``) through the same deviceless compile, for comparison.
 * ``device`` (a CUDA GPU only; ``--check=device``, run by ``gpu_check``'s ``triton``
   section): the probe kernel and its Pallas twin (``miss_fetch_pallas``, the same
   algorithm in Pallas Triton), both compiled, their outputs checked against numpy,
@@ -23,7 +25,7 @@ missed rows from a host-tier array. Three checks, none needing a GPU:
   part 4's "how fast is it on the device". The GPU image has Triton; only jax-triton
   (a 17 kB wheel) has to be carried there.
 
-Command (~1 min; needs ``pip install -e ".[audit,triton]"``, ~1 GB for Triton):
+Command (~10 s; needs ``pip install -e ".[audit,triton]"``, ~1 GB for Triton):
   python -m experiments.triton_probe
 Writes config.json, rows.jsonl and table.md under results/triton_probe/<stamp>/.
 What it decides is in WORKSPACE_NOTES.md ("A kernel in Triton itself").

@@ -3,9 +3,10 @@
 ``ModelConfig`` fixes every shape of the decoder in ``transformer.py`` and is the
 static argument of its jitted functions, so it is a frozen, hashable dataclass.
 The presets follow the flax gemma ``TransformerConfig`` style (one classmethod
-per model, keyword overrides). Only ``smollm2_135m`` is runnable; the other
-presets exist so capacity planning (host tier and hot-cache bytes per token)
-uses the real per-token record sizes of the models HiSparse targets.
+per model, keyword overrides). ``smollm2_135m`` runs with its real weights and
+``qwen3_8b_like`` with dummy weights (performance runs only); the other presets
+exist so capacity planning (host tier and hot-cache bytes per token) uses the
+real per-token record sizes of the models HiSparse targets.
 
 This module imports neither JAX nor Flax, so ``make_fixture.py`` can use it in a
 torch-only environment.

@@ -15,7 +15,7 @@
   that ran no prompt chunk: what a decode instance of a P/D deployment, where
   HiSparse runs, sustains) and its mean batch; TTFT, TPOT, ITL and end-to-end latency as mean /
   median / P90 / P99; peak device bytes (the requests' charges; the fixed
-  staging buffer is not in them) and host bytes; makespan.
+  staging buffer is not in them) and host bytes; the run's length (``duration_s``).
 
 Times are the engine's clock (seconds); workload times are relative to the start
 of ``drive``. A request's arrival (what its TTFT counts from) is its scheduled send
