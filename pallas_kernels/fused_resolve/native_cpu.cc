@@ -6,10 +6,11 @@
 // bytes, is what keeps the CPU step above full KV. This is the CPU twin of the
 // fused Pallas kernels (kernel.py), the same algorithm per (request, unit) row,
 // O(B + k): a position -> lane map of the selection (set per row, cleared after
-// it), probed with the slots' positions; the walk of the slots in LRU order,
-// SGLang's victim order (per call, the map's O(T) allocation and fill). It
-// decides every row first and writes only when no row refused (a refused layer
-// changes nothing but slot B), as the two Pallas launches do. Metadata no step
+// it, one map per thread kept across calls), probed with the slots' positions;
+// the walk of the slots in LRU order, SGLang's victim order. It decides every row
+// first and writes only when no row refused (a refused layer changes nothing but
+// slot B), as the two Pallas launches do. Rows, then the copies of missed rows,
+// run on the calling thread and XLA's intra-op pool (``ParallelFor``). Metadata no step
 // writes (an LRU or victim order that is not a permutation, a page past the host
 // tier, buffers that do not fit the shapes) is an error before any write.
 //
@@ -18,9 +19,12 @@
 // T = max_len, Pg page size, NH host pages, Hg heads per unit, D head dim.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -38,6 +42,7 @@ struct RowPlan {
   std::vector<int32_t> new_pos, new_lru;  // [B]
   std::vector<float> new_score;           // [B] (the install slot's 1 included)
   int32_t target = -1, hits = 0, misses = 0, status = 0;
+  const char* error = nullptr;  // metadata no step writes: the call fails
 };
 
 // ``counter += n`` modulo 2^32, as XLA's int32 add wraps (a signed overflow is
@@ -69,18 +74,64 @@ struct RowCopy {
 // The fetch: rows scattered over the host tier, each read once, so latency-bound
 // (a TLB and a cache miss per row). Prefetching the next rows' lines keeps
 // several reads in flight (bench_decode's shape, 4 layers' calls: 0.80 -> ~0.68
-// ms on the 2-core CI VM; 16 or 32 rows ahead read no better).
-void CopyRows(const std::vector<RowCopy>& copies, int64_t row_bytes) {
+// ms on the 2-core CI VM; 16 or 32 rows ahead read no better); chunks of rows
+// run on both cores.
+void CopyRows(const RowCopy* copies, size_t n, int64_t row_bytes) {
   constexpr size_t kAhead = 8;
   constexpr int64_t kLine = 64;
   auto prefetch = [&](const char* from) {
     for (int64_t b = 0; b < row_bytes; b += kLine) __builtin_prefetch(from + b);
   };
-  for (size_t i = 0; i < std::min(kAhead, copies.size()); ++i) prefetch(copies[i].from);
-  for (size_t i = 0; i < copies.size(); ++i) {
-    if (i + kAhead < copies.size()) prefetch(copies[i + kAhead].from);
+  for (size_t i = 0; i < std::min(kAhead, n); ++i) prefetch(copies[i].from);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(copies[i + kAhead].from);
     std::memcpy(copies[i].to, copies[i].from, row_bytes);
   }
+}
+
+// fn(i) for every i in [0, n), on the calling thread and up to one thread fewer
+// than XLA's intra-op pool has (one thread a core: the caller is the last).
+// Items are claimed from a shared counter, so the caller waits only for items a
+// helper already claimed, never for a helper that has not started (a busy pool
+// means the caller does more). The counters outlive the call: a helper that
+// starts late claims nothing and never touches ``fn``.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [n](Counters& c, const F* f) {
+    for (int64_t i = c.next.fetch_add(1); i < n; i = c.next.fetch_add(1)) {
+      (*f)(i);
+      c.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([counters, work, f = &fn] { work(*counters, f); });
+  }
+  work(*counters, &fn);
+  while (counters->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// One thread's classify scratch, kept across calls. ``lane_of`` (position -> the
+// selection lane naming it, -1 none) is set per row and cleared after it, so it
+// is all -1 between rows; it grows with max_len.
+struct Scratch {
+  std::vector<int32_t> lane_of, sel, held, rank, by_rank, eff;
+  std::vector<char> is_hit, taken, seen;
+};
+
+Scratch& ThreadScratch(int64_t max_len, int64_t num_sel, int64_t num_slots) {
+  thread_local Scratch scratch;
+  if (static_cast<int64_t>(scratch.lane_of.size()) < max_len + 1) {
+    scratch.lane_of.resize(max_len + 1, -1);
+  }
+  for (auto* v : {&scratch.sel, &scratch.held}) v->resize(num_sel);
+  for (auto* v : {&scratch.rank, &scratch.by_rank, &scratch.eff}) v->resize(num_slots);
+  for (auto* v : {&scratch.is_hit, &scratch.taken, &scratch.seen}) v->resize(num_slots);
+  return scratch;
 }
 
 template <typename T>
@@ -121,7 +172,7 @@ ffi::Error ResolveFetchImpl(
     ffi::ResultBuffer<ffi::S32> status_out,  // i32[]
     ffi::ResultBuffer<ffi::S32> target_out,  // i32[R, U]
     int64_t max_len, int64_t page_size, int64_t share, int64_t keyed,
-    float score_decay) {
+    float score_decay, ffi::ThreadPool pool) {
   if (slot_pos_in.dimensions().size() != 4 || host_k.dimensions().size() != 6 ||
       hot_k_in.dimensions().size() != 6) {
     return ffi::Error::InvalidArgument("slot metadata, host tier or hot cache of the "
@@ -194,16 +245,17 @@ ffi::Error ResolveFetchImpl(
 
   const int64_t meta = rows * num_slots;  // one layer of slot metadata
   std::vector<RowPlan> plans(rows);
-  // Position -> the selection lane naming it, -1 none; set per row, cleared after it.
-  std::vector<int32_t> lane_of(max_len + 1, -1);
-  std::vector<int32_t> sel(num_sel), held(num_sel);
-  std::vector<char> is_hit(num_slots), taken(num_slots);
-  std::vector<int32_t> rank(num_slots), by_rank(num_slots), eff(num_slots);
-  std::vector<char> seen(num_slots);
-  int32_t layer_status = 0;
 
   // Classify: every row's verdict and new metadata, nothing written to the cache.
-  for (int64_t row = 0; row < rows; ++row) {
+  // Rows are independent: they run on both cores (ParallelFor), each thread with
+  // its own scratch.
+  auto classify = [&](int64_t row) {
+    Scratch& scratch = ThreadScratch(max_len, num_sel, num_slots);
+    std::vector<int32_t>& lane_of = scratch.lane_of;
+    std::vector<int32_t>&sel = scratch.sel, &held = scratch.held, &rank = scratch.rank,
+                         &by_rank = scratch.by_rank, &eff = scratch.eff;
+    std::vector<char>&is_hit = scratch.is_hit, &taken = scratch.taken,
+                      &seen = scratch.seen;
     const int64_t req = row / num_units;
     const int32_t newest = seq[req];
     const bool on = act[req];
@@ -214,8 +266,8 @@ ffi::Error ResolveFetchImpl(
     const int32_t* walk = keyed ? order.typed_data() + row * num_slots : lru_row;
     if (!IsPermutation(lru_row, num_slots, seen) ||
         (keyed && !IsPermutation(walk, num_slots, seen))) {
-      return ffi::Error::InvalidArgument("an LRU or victim order row is not a "
-                                         "permutation of the slots");
+      plan.error = "an LRU or victim order row is not a permutation of the slots";
+      return;
     }
     bool bad = false, dup = false;
     for (int64_t j = 0; j < num_sel; ++j) {
@@ -296,7 +348,8 @@ ffi::Error ResolveFetchImpl(
                                                                max_pages)];
       unpaged |= miss && page < 0;
       if (miss && page >= host_pages) {
-        return ffi::Error::InvalidArgument("a page table entry is outside the host tier");
+        plan.error = "a page table entry is outside the host tier";
+        return;
       }
       miss_all[row * num_sel + j] = miss;  // masked by ok below
     }
@@ -332,8 +385,13 @@ ffi::Error ResolveFetchImpl(
     plan.status = (bad ? kStatusOutOfRange : 0) | (dup ? kStatusDuplicate : 0) |
                   ((on && newest >= max_len) || (unpaged && !bad && !dup)
                        ? kStatusCapacity : 0);
-    layer_status |= plan.status;
     target_all[row] = plan.target;
+  };
+  ParallelFor(pool, rows, classify);
+  int32_t layer_status = 0;
+  for (const RowPlan& plan : plans) {  // the first row's error, as a serial loop
+    if (plan.error != nullptr) return ffi::Error::InvalidArgument(plan.error);
+    layer_status |= plan.status;
   }
 
   const bool ok = prior_status == 0 && layer_status == 0;
@@ -394,7 +452,13 @@ ffi::Error ResolveFetchImpl(
       WrappingAdd(misses[l * rows + row], plan.misses);
     }
   }
-  CopyRows(copies, row_bytes);
+  // The copies, in chunks over both cores (each chunk prefetches ahead).
+  constexpr int64_t kChunk = 64;
+  const int64_t num_copies = static_cast<int64_t>(copies.size());
+  ParallelFor(pool, (num_copies + kChunk - 1) / kChunk, [&](int64_t chunk) {
+    const int64_t at = chunk * kChunk;
+    CopyRows(copies.data() + at, std::min(kChunk, num_copies - at), row_bytes);
+  });
   if (ok) WrappingAdd(fetched[layer], share * moved);
   return ffi::Error::Success();
 }
@@ -439,4 +503,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("page_size")
         .Attr<int64_t>("share")
         .Attr<int64_t>("keyed")
-        .Attr<float>("score_decay"));
+        .Attr<float>("score_decay")
+        .Ctx<ffi::ThreadPool>());
