@@ -798,3 +798,42 @@ def test_disk_tier_needs_the_prefix_cache():
     EngineConfig(disk_pages=8)
   with pytest.raises(ValueError, match="disk_policy"):
     EngineConfig(prefix_cache=True, disk_pages=8, disk_policy="sometimes")
+
+
+def test_data_parallel_a_request_off_its_prefix_device_leaves_the_disk_part_alone():
+  """Prefix P cached on device 0 with its second half spilled to disk; a request
+  for P placed on device 1 shares nothing. It must not lock the disk node (the lock
+  reached device 0's pages above it, which then could not be evicted), and its
+  pages must not be adopted by that node: P's path would mix the two devices, and
+  device 0 could never cache its own copy of P's second half."""
+  engine = Engine(TwoDeviceModel(num_host_pages=40),
+                  EngineConfig(prefix_cache=True, disk_pages=8, disk_policy="recompute"))
+  part = engine.pool.page_partition
+  prefix = list(range(1, 33))  # 4 chunks of 8: 8 pages
+
+  def until_decoding(*reqs):
+    while any(r.state is not State.DECODING for r in reqs):
+      engine.step()
+
+  first = engine.submit(prefix + [40], 20)
+  until_decoding(first)
+  engine.abort(first.id)
+  split = engine.submit(prefix[:16] + [60] * 10, 20)  # splits P's node at 16
+  until_decoding(split)
+  engine.abort(split.id)
+  engine._evict(1, 0)  # device 0's least recently used leaf: P[16:32] to disk
+  pages, node = engine.radix.match_prefix(prefix)
+  assert len(pages) == 4 and node.disk and not node.pages and {part(p) for p in pages} == {0}
+  fillers = [engine.submit(prefix[:8] + [46 + i] * 12, 60) for i in range(2)]
+  until_decoding(*fillers)
+  assert {engine.pool.slot_partition(f.slot) for f in fillers} == {0}
+  evictable = engine.radix.evictable_pages(lambda p: part(p[0])).get(0, [])
+  away = engine.submit(prefix + [41], 5)
+  engine.step()
+  assert engine.pool.slot_partition(away.slot) == 1 and away.metrics.cached_tokens == 0
+  assert engine.radix.evictable_pages(lambda p: part(p[0])).get(0, []) == evictable
+  engine.run(lambda: away.state.done)
+  assert away.output == solo(TwoDeviceModel, away.prompt, 5)
+  pages, node = engine.radix.match_prefix(prefix)
+  assert {part(p) for p in pages} == {0} and node.disk  # P's path is device 0's
+  engine.pool.check(engine.radix.held_pages())

@@ -304,6 +304,10 @@ class Engine:
       if req.state is not State.DECODING or not self._host_pages(req.total_length):
         raise ValueError(f"request {request_id!r} has no host pages to send "
                          f"({req.state.value}); export with kv='none'")
+      if end == 0:
+        raise ValueError(f"request {request_id!r} has no whole prompt chunk of "
+                         f"{self.model.chunk_size} positions to send; export with "
+                         "kv='all' or kv='none'")
       if start % size or not 0 <= start < end:
         raise ValueError(f"start={start} must be page-aligned and below {end}")
       pages = self.pool.table[req.slot, start // size:-(-end // size)].tolist()
@@ -804,6 +808,15 @@ class Engine:
     if not length:
       return
     pages = self.pool.table[req.slot, :length // self.model.page_size].tolist()
+    cached, node = self.radix.match_prefix(req.prompt[:length])
+    part = self.pool.slot_partition(req.slot)
+    if self.radix.disk_path(node) and any(self.pool.page_partition(p) != part
+                                          for p in cached):
+      # Data parallel, a request placed off its prefix's device: the path's nodes
+      # on disk would take this device's pages below another device's prefix, a
+      # path no device could share whole (and its own device could not cache
+      # those chunks again). Not cached.
+      return
     adopted, node = self.radix.insert(req.prompt[:length], pages)
     self.pool.retain(adopted)
     # Lock the deepest node whose pages this request holds. Where the tree kept its

@@ -180,9 +180,9 @@ class RadixCache:
 
   def holds(self, node: Node, pages: Sequence[int]) -> bool:
     """Whether ``node``'s host pages are those ``pages`` (a path's pages from the
-    root) has at its depth."""
+    root) has at its depth. A node on disk holds none: nothing to share."""
     start = self._pages_of(self.depth(node) - len(node.key))
-    return node.pages == list(pages[start:start + len(node.pages)])
+    return bool(node.pages) and node.pages == list(pages[start:start + len(node.pages)])
 
   def lock(self, node: Node) -> None:
     while node is not None:
