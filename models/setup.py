@@ -28,8 +28,9 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
   """(selector, selector params) for a model config.
 
   ``quest_kv`` is Quest per KV head; ``dsa`` loads the distilled indexer from
-  ``indexer_ckpt`` (default ``DEFAULT_INDEXER``; experiments/distill_indexer.py),
-  else a random one with a warning.
+  ``indexer_ckpt`` (default ``DEFAULT_INDEXER``, under the working directory as
+  experiments/distill_indexer.py writes it; where that is missing, a random one
+  with a warning). A given ``indexer_ckpt`` that does not exist is an error.
   """
   group = cfg.num_q_heads // cfg.num_kv_heads
   heads = dict(num_kv_heads=cfg.num_kv_heads, q_per_kv=group, head_dim=cfg.head_dim)
@@ -44,6 +45,9 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
     return sel_lib.OracleSelector(top_k=top_k, **heads), None
   if name == "dsa":
     path = pathlib.Path(indexer_ckpt) if indexer_ckpt else DEFAULT_INDEXER
+    if indexer_ckpt and not path.exists():  # not a random indexer in its name
+      raise FileNotFoundError(f"no distilled indexer at {path} (python -m "
+                              "experiments.distill_indexer writes one)")
     if path.exists():
       from kvtier_jax.selectors.distill import load_indexer
       params = load_indexer(path.resolve())

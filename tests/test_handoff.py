@@ -99,6 +99,12 @@ def test_handoff_wire_format_and_refusals():
   with pytest.raises(ValueError, match="no host pages"):  # a waiting request has none
     engine.export(req.id, kv="all")
   assert engine.export(req.id, kv="none").output == [] and req.state is State.HANDED_OFF
+  short = engine.submit([1, 2, 3], 20)  # shorter than a chunk: no whole one to send
+  while short.state is not State.DECODING:
+    engine.step()
+  with pytest.raises(ValueError, match="no whole prompt chunk"):
+    engine.export(short.id, kv="prompt")
+  assert short.state is State.DECODING
 
 
 def test_malformed_frames_are_refused_clearly():
@@ -119,6 +125,15 @@ def test_malformed_frames_are_refused_clearly():
     with pytest.raises(ValueError):
       handoff_lib.Handoff.from_bytes(data)
   assert handoff_lib.Handoff.from_bytes(frame(header)) == good
+  # Frames that parse but hold the wrong types: refused by the receiver's check as
+  # ValueErrors (not a TypeError or IndexError from deep inside), nothing queued.
+  engine = Engine(FakeModel())
+  for change, body in ((dict(max_new_tokens=None), b""), (dict(output=5), b""),
+                       (dict(stop_ids=[[1]]), b""), (dict(prompt="12"), b""),
+                       (dict(kv_end=2, kv=[dict(dtype="int64", shape=[])]), b"\0" * 8)):
+    with pytest.raises(ValueError):
+      engine.accept(handoff_lib.Handoff.from_bytes(frame(dict(header, **change), body)))
+  assert not engine.requests
 
 
 def test_relayed_tokens_must_be_ids_and_the_receivers_eos_ends_them():

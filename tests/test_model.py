@@ -305,6 +305,8 @@ def test_a_cut_model_gets_the_first_layers_of_a_distilled_indexer(tmp_path):
     setup.build_selector("dsa", ModelConfig.smollm2_135m(embed_dim=dm, num_layers=6,
                                                          name="deeper"),
                          16, tmp_path / "indexer")
+  with pytest.raises(FileNotFoundError, match="no distilled indexer"):  # a typo
+    setup.build_selector("dsa", cfg, 16, tmp_path / "indexr")
 
 
 # Tokenizer -------------------------------------------------------------------

@@ -147,14 +147,17 @@ def _read(sock: socket.socket, size: int) -> bytes:
 def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> None:
   """Clear errors for a handoff an engine cannot continue; ``stop_ids``: the
   receiver's own (its eos ids), which end a request as the handoff's do."""
+  for name in ("prompt", "output", "stop_ids"):  # a frame from the wire: any JSON
+    ids = getattr(handoff, name)
+    if not isinstance(ids, (list, tuple)) or not all(map(is_int, ids)):
+      raise ValueError(f"the handoff's {name} {ids!r:.80}: not integer ids in a list")
   if not handoff.prompt:
     raise ValueError("the handoff's prompt is empty")
-  not_ids = [t for t in handoff.output if not is_int(t)]
-  if not_ids:
-    raise ValueError(f"relayed tokens {not_ids[:5]} are not integer ids")
-  for name in ("kv_start", "kv_end"):
+  for name in ("max_new_tokens", "kv_start", "kv_end"):
     if not is_int(getattr(handoff, name)):
       raise ValueError(f"{name}={getattr(handoff, name)!r} must be an int")
+  if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in handoff.kv):
+    raise ValueError("the handoff's page fields must be arrays of pages (ndim >= 1)")
   if len(handoff.output) >= handoff.max_new_tokens:
     raise ValueError(f"request {handoff.request_id!r} already has its "
                      f"{handoff.max_new_tokens} tokens: nothing to continue")
