@@ -157,7 +157,7 @@ def _sampling(row: dict, where: str) -> SamplingParams:
   return SamplingParams(temperature=float(row.get("temperature", 0.0)),
                         top_k=_int(row, "top_k", where, 0),
                         top_p=float(row.get("top_p", 1.0)),
-                        seed=_int(row, "seed", where, 0))
+                        seed=_int(row, "seed", where) if "seed" in row else None)
 
 
 def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: int,

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
 from kvtier_jax.serving import sampling
+from kvtier_jax.serving.request import is_int
 
 VOCAB = 64
 POISON = VOCAB - 1  # FakeModel's logits turn NaN once this token is in a sequence
@@ -454,3 +455,32 @@ def test_engine_books_at_their_boundaries():
   pool.release(0)
   pool.grow(1, 3)
   assert pool.table[1, :3].tolist() == [3, 4, 0]
+
+
+def test_sampled_requests_without_a_seed_draw_differently_and_repeat_by_id():
+  """``seed=None`` (the default) is derived from the request id at submission:
+  four requests with one prompt at temperature 1 do not all draw alike (with
+  seed 0 for all they did), the same ids repeat the same tokens in a fresh
+  engine, and the request keeps the derived seed (a handoff carries it, so a
+  receiver that renames the request continues the same stream)."""
+  prompt, sp = list(range(1, 20)), SamplingParams(temperature=1.0)
+  def run(ids):
+    engine = Engine(FakeModel())
+    reqs = [engine.submit(prompt, 8, sp, request_id=i) for i in ids]
+    engine.run()
+    return engine, reqs
+  ids = ["a", "b", "c", "d"]
+  engine, reqs = run(ids)
+  assert len({tuple(r.output) for r in reqs}) > 1
+  assert all(is_int(r.sampling.seed) for r in reqs)
+  assert [r.output for r in run(ids)[1]] == [r.output for r in reqs]
+  sender = Engine(FakeModel())
+  moved = sender.submit(prompt, 8, sp, request_id="a")
+  while len(moved.output) < 3:
+    sender.step()
+  handoff = sender.export("a", kv="none")
+  receiver = Engine(FakeModel())
+  renamed = receiver.accept(handoff, request_id="renamed")
+  receiver.run()
+  assert renamed.sampling.seed == reqs[0].sampling.seed
+  assert renamed.output == reqs[0].output

@@ -256,8 +256,8 @@ class Engine:
                        + ("; accept(..., request_id=) takes it under another id"
                           if returning else ""))
     self.requests.pop(request_id, None)
-    req = Request(request_id, ids, max_new_tokens, sampling_params, stops,
-                  Metrics(self.now() if arrival is None else arrival), on_token)
+    req = Request(request_id, ids, max_new_tokens, sampling_params.resolved(request_id),
+                  stops, Metrics(self.now() if arrival is None else arrival), on_token)
     self.requests[request_id] = req
     self.waiting.append(req)
     return req

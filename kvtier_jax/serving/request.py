@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -29,12 +30,15 @@ class SamplingParams:
   """Greedy when ``temperature == 0``; else softmax(logits / temperature) over the
   ``top_k`` most likely tokens (0: all) whose cumulative probability first reaches
   ``top_p``. ``seed`` fixes the draws: the token at position p depends only on
-  (seed, p, logits), never on the rest of the batch."""
+  (seed, p, logits), never on the rest of the batch. None (the default): the
+  engine derives one from the request's id at submission (``resolved``), so
+  requests with the same prompt draw differently and a rerun with the same ids
+  repeats; the request keeps the derived seed (snapshots, handoffs)."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  seed: int = 0
+  seed: int | None = None
 
   def __post_init__(self):
     # numpy scalars become Python numbers (they travel as JSON in handoffs and
@@ -55,8 +59,14 @@ class SamplingParams:
       raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no limit)")
     if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-    if not is_int(self.seed) or not 0 <= self.seed < 2**31:
-      raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31)")
+    if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**31):
+      raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31) or None")
+
+  def resolved(self, request_id: str) -> "SamplingParams":
+    """These parameters with a seed: the given one, else a stable hash of the id."""
+    if self.seed is not None:
+      return self
+    return dataclasses.replace(self, seed=zlib.crc32(request_id.encode()) & 0x7FFFFFFF)
 
 
 @dataclasses.dataclass
