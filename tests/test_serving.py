@@ -159,6 +159,33 @@ def test_page_pool_hands_out_and_takes_back_every_page():
   pool.check()
 
 
+def test_page_pool_hands_out_the_lowest_free_ids_after_any_drops():
+  """Random grows, shares and releases on two partitions against a brute-force
+  free set: every page handed out is its partition's lowest free id (the order
+  snapshots and tests rely on), whatever order pages came back in."""
+  rng = np.random.default_rng()
+  pool = PagePool(40, num_slots=4, pages_per_slot=12, partitions=2)
+  free = [set(range(20)), set(range(20, 40))]
+  for _ in range(300):
+    slot = int(rng.integers(4))
+    part = pool.slot_partition(slot)
+    row = pool.table[slot]
+    if rng.random() < 0.4 and (row >= 0).any():
+      pages = row[row >= 0].tolist()
+      pool.release(slot)
+      free[part] |= {p for p in pages if pool.refs[p] == 0}
+      continue
+    held = int((row >= 0).sum())
+    want = held + int(rng.integers(1, 4))
+    expected = sorted(free[part])[:want - held]
+    if pool.grow(slot, want):
+      assert row[held:want].tolist() == expected
+      free[part] -= set(expected)
+    else:
+      assert len(expected) < want - held or want > row.shape[0]
+    pool.check()
+
+
 def test_sampling_draws_depend_on_seed_and_position_not_on_the_batch():
   rng = np.random.default_rng()
   logits = rng.standard_normal((4, 300)).astype(np.float32)

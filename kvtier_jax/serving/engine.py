@@ -653,10 +653,23 @@ class Engine:
 
   def _ensure_pages(self) -> None:
     """Every decoding request gets the page of the position it writes next,
-    preempting the newest running requests while the pool is empty."""
-    for req in sorted((r for r in self.slots if r is not None and r.state is State.DECODING),
-                      key=lambda r: r.admit_order):
-      if req.slot is None or not self._host_pages(req.total_length):
+    preempting the newest running requests while the pool is empty. The pages the
+    step lacks are evicted at once per device (one walk of the prefix tree, not
+    one per page)."""
+    growing = [r for r in sorted((r for r in self.slots if r is not None and
+                                  r.state is State.DECODING), key=lambda r: r.admit_order)
+               if r.slot is not None and self._host_pages(r.total_length)]
+    if self.radix is not None:
+      short = collections.Counter()
+      for req in growing:
+        held = int((self.pool.table[req.slot] >= 0).sum())
+        short[self.pool.slot_partition(req.slot)] += max(
+            0, req.cached // self.model.page_size + 1 - held)
+      for part, need in short.items():
+        if need > self.pool.free_in(part):
+          self._evict(need - self.pool.free_in(part), part)
+    for req in growing:
+      if req.slot is None:  # preempted below for an earlier request
         continue
       need = req.cached // self.model.page_size + 1
       part = self.pool.slot_partition(req.slot)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from kvtier_jax.shapes import EMPTY
@@ -26,8 +28,8 @@ class PagePool:
                        f"the {num_pages} host pages")
     self.num_pages, self.partitions = num_pages, partitions
     self._slots_per, self._pages_per = num_slots // partitions, num_pages // partitions
-    # One stack per partition: pop() = its lowest id.
-    self._free = [list(range((p + 1) * self._pages_per - 1, p * self._pages_per - 1, -1))
+    # One min-heap per partition: heappop() = its lowest id (a sorted list is a heap).
+    self._free = [list(range(p * self._pages_per, (p + 1) * self._pages_per))
                   for p in range(partitions)]
     self.table = np.full((num_slots, pages_per_slot), EMPTY, np.int32)
     self.refs = np.zeros((num_pages,), np.int64)
@@ -62,7 +64,7 @@ class PagePool:
     if need > len(free) or num_pages > row.shape[0]:
       return False
     for j in range(held, num_pages):
-      row[j] = free.pop()
+      row[j] = heapq.heappop(free)
       self.refs[row[j]] = 1
     self.dirty = True
     return True
@@ -96,10 +98,8 @@ class PagePool:
       self.refs[page] -= 1
       if self.refs[page] == 0:
         freed.append(int(page))
-    for page in freed:
-      self._free[self.page_partition(page)].append(page)
-    for free in self._free:
-      free.sort(reverse=True)
+    for page in freed:  # O(log n) each: no re-sort of a million-page list per drop
+      heapq.heappush(self._free[self.page_partition(page)], page)
     return sum(partition is None or self.page_partition(p) == partition for p in freed)
 
   def release(self, slot: int) -> None:

@@ -216,7 +216,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
   if len(free) != pool.partitions:
     raise ValueError(f"the snapshot's pool has {len(free)} partitions, this engine's "
                      f"{pool.partitions}")
-  pool._free = [list(stack) for stack in free]
+  pool._free = [sorted(stack) for stack in free]  # a heap (older snapshots: a stack)
   for spec in books["requests"]:
     metrics = Metrics(**spec["metrics"])
     req = Request(spec["id"], spec["prompt"], spec["max_new_tokens"],
