@@ -588,6 +588,12 @@ def test_disk_tier_reads_back_every_byte(tmp_path):
     disk.read([ids[1]])
   with pytest.raises(AssertionError, match="freed twice"):
     disk.free([ids[1]])
+  def failing_write(ids, fields):
+    raise OSError("disk full")
+  disk.write_at, free = failing_write, disk.num_free
+  with pytest.raises(OSError):  # an I/O error loses no ids
+    disk.write([k[:2], tokens[:2]])
+  assert disk.num_free == free
   assert os.listdir(tmp_path)
 
 

@@ -107,7 +107,11 @@ class DiskTier:
       raise ValueError(f"{count} pages do not fit the disk tier ({len(self._free)} free)")
     self._check(fields)
     ids = [self._free.pop() for _ in range(count)]
-    self.write_at(ids, fields)
+    try:
+      self.write_at(ids, fields)
+    except BaseException:  # an I/O error: the ids are free again, none lost
+      self._free.extend(reversed(ids))
+      raise
     return ids
 
   def _check_open(self) -> None:
