@@ -181,11 +181,24 @@ class TierConfig:
     if self.policy.keyed and self.impl.resolve == "pallas":
       raise ValueError(f"the {self.policy.name} policy has no Pallas RESOLVE kernel: "
                        "impl.resolve='xla'")
+    if self.head_dim & (self.head_dim - 1):
+      self._kernels_off_for_head_dim()
     if self.impl.fetch_stream is not None and not self.overlap_hit_miss:
       raise ValueError("impl.fetch_stream overlaps the miss fetch with the attention "
                        "over resident rows: it needs overlap_hit_miss=True")
     if self.impl.fused:
       self._check_fused()
+
+  def _kernels_off_for_head_dim(self):
+    """The Pallas fetch and attention kernels load rows as power-of-2 blocks of
+    head_dim: "auto" takes XLA for them (on a GPU it would pick the kernels and
+    fail at trace time); asking for a kernel is refused here."""
+    asked = [op for op in ("fetch", "attention") if getattr(self.impl, op) == "pallas"]
+    if asked or self.impl.fetch_stream is not None:
+      raise ValueError(f"head_dim={self.head_dim} is not a power of 2: the Pallas "
+                       f"{asked or ['fetch']} kernels (and fetch_stream) need one")
+    object.__setattr__(self, "impl", dataclasses.replace(self.impl, fetch="xla",
+                                                         attention="xla"))
 
   def _check_fused(self):
     unsupported = {"overlap_hit_miss": self.overlap_hit_miss,

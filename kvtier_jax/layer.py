@@ -458,8 +458,10 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
   flight (off GPU it runs after the fetched rows' writes, below); with the
   host-gather fetch, or the zero-copy gather on its own stream
   (``impl.fetch_stream``), the miss partial reads the fetched rows straight from
-  the staging buffer. Exact to f32 rounding (only the summation order changes).
+  the staging buffer. Exact to f32 rounding (only the summation order changes):
+  both partials are computed and merged in f32 and rounded to q's dtype once.
   """
+  q_dtype, q = q.dtype, q.astype(jnp.float32)
   hot_k = fetch.scatter_rows(hot_k, dest, new_k)  # newest -> slot B (+ install slot)
   hot_v = fetch.scatter_rows(hot_v, dest, new_v)
   hit_slot = jnp.where(res.is_miss, EMPTY, res.slot)
@@ -503,4 +505,4 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
     if not streamed and not hits_first:
       out_h, lse_h = attention.hot_attention(cfg, q, hot_k, hot_v, layer, hit_slot)
   out, lse = merge_partials(out_h, lse_h, out_m, lse_m)
-  return out, lse, hot_k, hot_v, moved
+  return out.astype(q_dtype), lse, hot_k, hot_v, moved

@@ -61,8 +61,9 @@ class ChurnSelector:
   HiSparse paper measured 13.4% with LRU at B=2k). Positions are distinct by
   construction; with ``include_newest`` the last entry is the newest position.
   Stateless: the step counter is the position being decoded. Positions are prompt
-  positions, so they are valid from ``newest >= prompt_len - 1`` on (decoding
-  after the prompt); earlier, some lie past ``newest`` and the step refuses.
+  positions, so they are valid from ``newest >= prompt_len`` on (decoding after
+  the prompt); earlier, some lie past ``newest``, or the newest is in the window
+  twice, and the step refuses.
   """
 
   prompt_len: int

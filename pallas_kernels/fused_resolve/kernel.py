@@ -402,8 +402,12 @@ def keyed_victim_order(layer, seq_len, slot_pos, lru, score, ranks=None,
 def victim_order(slot_pos, lru, key, seq_len):
   """i32[R, U, B] each row's slot ids in the order misses take them: empty slots
   (uncommitted included) first, then by ``key`` ascending, ties in LRU order; hits
-  are skipped by the kernel. One stable sort per row, in XLA."""
+  are skipped by the kernel. One stable sort per row, in XLA. A NaN or +inf key
+  ranks as the largest finite one (ties in LRU order), as in the reference."""
   empty = effective_slot_pos(slot_pos, seq_len) < 0
+  key = key.astype(jnp.promote_types(key.dtype, jnp.float32))
+  top = jnp.finfo(key.dtype).max
+  key = jnp.where(jnp.isnan(key), top, jnp.minimum(key, top))
   key_lru = jnp.take_along_axis(jnp.where(empty, -jnp.inf, key), lru, axis=-1)
   # One sort carrying the slot ids (no argsort + gather: one launch fewer).
   _, order = jax.lax.sort((key_lru, lru), dimension=-1, is_stable=True, num_keys=1)

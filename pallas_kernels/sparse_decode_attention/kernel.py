@@ -39,8 +39,14 @@ def _attention_kernel(layer_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
   group = q_ref.shape[2]
   q = q_ref[r, pl.program_id(1), jnp.minimum(jnp.arange(group_pad), group - 1), :]
   num_q, head_dim = q.shape  # [Gp, D]
-  # f32 stays exact (IEEE dots); bf16/f16 use tensor cores with f32 accumulation.
-  precision = HIGHEST if q.dtype == jnp.float32 else None
+  # Logits: bf16 q and K use tensor cores (exact products, f32 accumulation); an
+  # f32 operand makes both f32 with IEEE dots. The weights p stay f32 for p @ V
+  # (IEEE, V upcast), as in the reference: rounding p to bf16 for tensor cores
+  # moved bf16-KV outputs by ~1e-3, past f32 rounding (a small dot: decode is
+  # bound by the row loads).
+  qk_dtype = jnp.promote_types(q.dtype, k_ref.dtype)
+  precision = HIGHEST if qk_dtype == jnp.float32 else None
+  q = q.astype(qk_dtype)
 
   def body(i, carry):
     o, m, l = carry
@@ -52,7 +58,8 @@ def _attention_kernel(layer_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
     v = v_ref[layer, r, u, idx, h, :]
     k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
     v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+    s = jax.lax.dot_general(q, k.astype(qk_dtype), (((1,), (1,)), ((), ())),
+                            precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [Gp, bk]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
@@ -61,7 +68,7 @@ def _attention_kernel(layer_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
     p = jnp.exp(s - m_safe[:, None])
     l = alpha * l + p.sum(axis=1)
     o = alpha[:, None] * o + jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+        p, v.astype(jnp.float32), (((1,), (0,)), ((), ())), precision=HIGHEST,
         preferred_element_type=jnp.float32)
     return o, m_new, l
 
