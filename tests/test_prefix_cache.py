@@ -68,10 +68,12 @@ def test_radix_matches_the_longest_cached_prefix_brute_force():
     else:
       before = tree_state(tree)
       measured = tree.prefix_length(tokens)
+      peeked = tree.peek(tokens)
       assert tree_state(tree) == before  # measuring touches nothing
       got, _ = tree.match_prefix(tokens)
       assert got == expected(tokens)
       assert measured == len(got) * PAGE
+      assert peeked == (measured, got, False)  # nothing on disk in this tree
   assert sorted(tree.held_pages()) == sorted(p for v in cached.values() for p in v)
   with pytest.raises(ValueError, match="whole units"):
     tree.insert([1, 2, 3], [0])
@@ -830,6 +832,7 @@ def test_data_parallel_a_request_off_its_prefix_device_leaves_the_disk_part_alon
   engine._evict(1, 0)  # device 0's least recently used leaf: P[16:32] to disk
   pages, node = engine.radix.match_prefix(prefix)
   assert len(pages) == 4 and node.disk and not node.pages and {part(p) for p in pages} == {0}
+  assert engine.radix.peek(prefix) == (32, pages, True)
   fillers = [engine.submit(prefix[:8] + [46 + i] * 12, 60) for i in range(2)]
   until_decoding(*fillers)
   assert {engine.pool.slot_partition(f.slot) for f in fillers} == {0}

@@ -821,10 +821,9 @@ class Engine:
     if not length:
       return
     pages = self.pool.table[req.slot, :length // self.model.page_size].tolist()
-    cached, node = self.radix.match_prefix(req.prompt[:length])
+    _, cached, on_disk = self.radix.peek(req.prompt[:length])
     part = self.pool.slot_partition(req.slot)
-    if self.radix.disk_path(node) and any(self.pool.page_partition(p) != part
-                                          for p in cached):
+    if on_disk and any(self.pool.page_partition(p) != part for p in cached):
       # Data parallel, a request placed off its prefix's device: the path's nodes
       # on disk would take this device's pages below another device's prefix, a
       # path no device could share whole (and its own device could not cache

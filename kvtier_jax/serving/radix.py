@@ -109,18 +109,25 @@ class RadixCache:
     """Tokens of the longest cached prefix of ``tokens`` in whole units (host or
     disk), read without touching the tree (no split, no LRU stamp): what a
     scheduler may ask about every waiting request."""
+    return self.peek(tokens)[0]
+
+  def peek(self, tokens: Sequence[int]) -> tuple[int, list[int], bool]:
+    """(tokens, host pages, whether part of it is on disk) of the longest cached
+    prefix of ``tokens`` in whole units, read without touching the tree."""
     tokens = list(tokens[:len(tokens) // self.unit * self.unit])
-    node, at = self.root, 0
+    node, at, pages, on_disk = self.root, 0, [], False
     while at < len(tokens):
       child = node.children.get(self._first(tokens, at))
       if child is None:
         break
       same = self._edge_match(child, tokens, at)
       at += same
+      pages += child.pages[:self._pages_of(same)]
+      on_disk |= bool(child.disk) and same > 0
       if same < len(child.key):
         break
       node = child
-    return at
+    return at, pages, on_disk
 
   def _split(self, child: Node, length: int) -> Node:
     """Cut ``child``'s edge after ``length`` tokens; returns the new upper node."""
