@@ -710,3 +710,29 @@ def test_the_tiered_step_refuses_a_ranking_or_a_state_it_cannot_use():
                StepInputs(None, jnp.zeros((2, HQ, D)), jnp.zeros((2, HKV, D)),
                           jnp.array([3, 4])),
                selectors.layer_slice(random_indexer_params(0), 0))
+
+
+@pytest.mark.parametrize("prompt_len", [16, 100, 4096])
+def test_churn_selector_slides_a_window_of_distinct_positions(prompt_len):
+  """``ChurnSelector`` (the benchmarks' selection stream), brute force: from
+  ``newest = prompt_len`` on, each row is k distinct prompt positions plus the
+  newest; from one step to the next exactly ``round(churn * (k - 1))`` positions
+  leave and as many enter; streams of other layers and requests differ (at
+  prompt_len 16 they all coincided once)."""
+  k, churn = 8, 0.25
+  sel = selectors.ChurnSelector(prompt_len, k, num_units=2, churn=churn)
+  shift = round(churn * (k - 1))
+  def picks(layer, newest):
+    inputs = selectors.StepInputs(None, None, None, jnp.asarray(newest, jnp.int32))
+    return np.asarray(sel.select(None, layer, inputs)[0])
+  rows = {}
+  for layer in range(3):
+    before = picks(layer, [prompt_len] * 4)
+    after = picks(layer, [prompt_len + 1] * 4)
+    for r, u in np.ndindex(4, 2):
+      old, new = before[r, u], after[r, u]
+      assert old[-1] == prompt_len and new[-1] == prompt_len + 1
+      assert len(set(old)) == k and ((0 <= old[:-1]) & (old[:-1] < prompt_len)).all()
+      assert len(set(old[:-1]) - set(new[:-1])) == shift
+      rows[layer, r, u] = tuple(old[:-1])
+  assert len(set(rows.values())) > len(rows) // 2

@@ -99,10 +99,13 @@ class ChurnSelector:
     step = jnp.maximum(newest - prompt_len, 0)  # [R]
     r = jnp.arange(num_req)[:, None, None]
     u = jnp.arange(self.num_units)[None, :, None]
-    salt = (layer * 7 + r * 131 + u * 17) * 40503  # per-stream offset
+    salt = (layer * 7 + r * 131 + u * 17) * 40503  # per-stream window offset
     start = (salt + step[:, None, None] * shift) % prompt_len
     idx = (start + jnp.arange(window)[None, None, :]) % prompt_len
-    pos = (mult * idx + salt % prompt_len) % prompt_len
+    # One permutation for every stream, each at its own offset. (An offset added
+    # after the multiplication too cancelled the window's when mult = -1 mod
+    # prompt_len: every stream then selected the same positions.)
+    pos = (mult * idx) % prompt_len
     if self.include_newest:
       last = jnp.broadcast_to(newest[:, None, None], (num_req, self.num_units, 1))
       pos = jnp.concatenate([pos, last], axis=-1)
