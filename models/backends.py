@@ -35,6 +35,7 @@ from kvtier_jax.selectors.base import (StepInputs, check_state_capacity, layer_s
                                        prefill_state)
 from models import cache as cache_lib
 from models.config import ModelConfig
+from models.draft_head import draft_tokens
 from models.transformer import Transformer, apply_decode, apply_prefill_with_inputs
 
 BACKENDS = ("dense", "sparse", "tiered")
@@ -152,15 +153,17 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens,
   return logits, carry.replace(kv=cache_lib.advance(carry.kv))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector", "features"),
                    donate_argnames=("carry",))
 def tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, tokens,
-                carry: kv_decode.TieredCarry):
-  """One model decode step through the tiered cache: (logits f32[R, V], carry)."""
+                carry: kv_decode.TieredCarry, features: bool = False):
+  """One model decode step through the tiered cache: (logits f32[R, V], carry);
+  ``features``: ((logits, the last layer's hidden state [R, E]), carry)."""
   carry = kv_decode.begin_step(tier_cfg, carry)
-  logits, carry = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
-                               kv_decode.tiered_attend(tier_cfg, selector))
-  return logits, kv_decode.commit_step(carry)
+  logits, carry, *hidden = apply_decode(cfg, weights, tokens, carry.tier.seq_len, carry,
+                                        kv_decode.tiered_attend(tier_cfg, selector),
+                                        return_features=features)
+  return (logits, *hidden) if features else logits, kv_decode.commit_step(carry)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
@@ -217,8 +220,11 @@ class Runner:
       the selection (sparse and tiered; the tiered anchor also fetches the shared
       layers' misses ahead of their attention).
     lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
-      a prompt-lookup draft token prefetches up to ``lookahead_cap`` (default 64;
-      None: no cap) rows per layer and unit for the next step.
+      a draft token prefetches up to ``lookahead_cap`` (default 64; None: no cap)
+      rows per layer and unit for the next step. The draft is prompt lookup's
+      (``ngram_draft``), or with ``draft_head`` ``lookup_or_head``'s: the head
+      reads the previous step's features and the token being decoded, both known
+      when the step starts (models/draft_head.py).
     tier_overrides: extra TierConfig fields (impl, warm start, lookahead_cap,
       policy...). For the "rank" policy build the selector at ``top_k = m`` and
       pass ``top_k=k, policy=PolicyConfig("rank", rank_depth=m)``.
@@ -226,11 +232,17 @@ class Runner:
 
   def __init__(self, model: Transformer, backend: str, max_len: int, *, selector=None,
                selector_params=None, hot_slots: int | None = None,
-               index_share: int = 1, lookahead: str = "none", **tier_overrides):
+               index_share: int = 1, lookahead: str = "none", draft_head=None,
+               **tier_overrides):
     check_backend(backend, selector, hot_slots)
     warn_past_context(model.cfg, max_len)
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
+    if draft_head is not None and lookahead != "draft":
+      raise ValueError("a draft_head drafts for lookahead='draft'")
+    self.draft_head = draft_head
+    self.features = None  # f_{p-1} [R, E] for the draft head
+    self.last_draft = None  # the draft tokens of the last look-ahead pass
     self.model, self.backend, self.max_len = model, backend, max_len
     self.selector, self.params = selector, selector_params
     self.hot_slots, self.index_share, self.lookahead = hot_slots, index_share, lookahead
@@ -263,7 +275,8 @@ class Runner:
       raise ValueError(f"prompt lengths {lens_np.tolist()} must be in [1, "
                        f"{tokens.shape[1]}] (the tokens given)")
     lens = jnp.asarray(lens_np, jnp.int32)
-    logits, k, v, h = apply_prefill_with_inputs(cfg, self.weights, tokens, lens)
+    logits, k, v, h, self.features = apply_prefill_with_inputs(
+        cfg, self.weights, tokens, lens, return_features=True)
     if self.backend == "dense":
       self.carry = cache_lib.dense_from_prefill(k, v, lens, self.max_len)
     else:
@@ -281,7 +294,8 @@ class Runner:
                              lens)
         self.carry = kv_decode.init_carry(self.tier_cfg, tier, sel, params)
         self.driver = TieredDriver(self.tier_cfg, functools.partial(
-            _run_tiered, cfg, self.tier_cfg, self.selector, self.weights))
+            _run_tiered, cfg, self.tier_cfg, self.selector, self.weights,
+            features=self.draft_head is not None))
         self.driver.start(lens_np)
     self.seq_len = lens_np.copy()
     self.history = [np.asarray(tokens)[r, :n].tolist() for r, n in enumerate(lens_np)]
@@ -304,18 +318,29 @@ class Runner:
       logits, self.carry = _sparse_step(cfg, self.selector, self.index_share,
                                         self.weights, tokens, self.carry)
     else:
+      feats_before = self.features
       try:
-        logits, self.carry = self.driver.step(self.carry, tokens)
+        out, self.carry = self.driver.step(self.carry, tokens)
       except StepRefused as err:
         self.carry = err.state
         raise
+      logits, *feats = out if self.draft_head is not None else (out,)
     self.seq_len += 1
     for hist, token in zip(self.history, np.asarray(tokens).tolist()):
       hist.append(token)
     if self.lookahead == "draft" and (self.seq_len < self.max_len).all():
-      draft = jnp.asarray([ngram_draft(h) for h in self.history], jnp.int32)
+      if self.draft_head is None:
+        drafts = [ngram_draft(h) for h in self.history]
+      else:  # what the head knew as this step began: f_{p-1} and x_p
+        heads = np.asarray(draft_tokens(cfg, self.weights, self.draft_head, feats_before,
+                                        tokens)).tolist()
+        drafts = [lookup_or_head(h, t) for h, t in zip(self.history, heads)]
+        self.features = feats[0]
+      self.last_draft = drafts
       self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
-                                      draft, self.carry)
+                                      jnp.asarray(drafts, jnp.int32), self.carry)
+    elif self.draft_head is not None:
+      self.features = feats[0]
     return logits
 
   def cache_stats(self) -> dict:
@@ -338,5 +363,5 @@ class Runner:
     return stats
 
 
-def _run_tiered(cfg, tier_cfg, selector, weights, carry, tokens):
-  return tiered_step(cfg, tier_cfg, selector, weights, tokens, carry)
+def _run_tiered(cfg, tier_cfg, selector, weights, carry, tokens, *, features=False):
+  return tiered_step(cfg, tier_cfg, selector, weights, tokens, carry, features)

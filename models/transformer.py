@@ -476,14 +476,18 @@ def apply_prefill(cfg: ModelConfig, weights, tokens, lens,
   return _lm_head(cfg, weights, last), k, v
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block"))
+@functools.partial(jax.jit, static_argnames=("cfg", "block", "return_features"))
 def apply_prefill_with_inputs(cfg: ModelConfig, weights, tokens, lens,
-                              block: int = DEFAULT_BLOCK):
+                              block: int = DEFAULT_BLOCK, return_features: bool = False):
   """``apply_prefill`` that also returns every layer's normalised attention input
-  ``h [L, R, P, E]``, from which selectors build their resident state (DSA keys)."""
+  ``h [L, R, P, E]``, from which selectors build their resident state (DSA keys);
+  ``return_features``: and the last layer's hidden state at ``lens - 1`` [R, E]
+  (before the final norm: a draft head's input)."""
   x, (k, v, h) = _prompt_layers(cfg, weights, tokens, block, keep_kv=True,
                                 keep_inputs=True)
   last = x[jnp.arange(tokens.shape[0]), lens - 1]
+  if return_features:
+    return _lm_head(cfg, weights, last), k, v, h, last
   return _lm_head(cfg, weights, last), k, v, h
 
 
@@ -563,10 +567,14 @@ class LayerTrace(NamedTuple):
   out: jax.Array  # [L, R, Hq, D] what ``attend`` returned
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "return_trace"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "return_trace",
+                                             "return_features"))
 def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
-                 attend: AttendFn, return_trace: bool = False):
-  """``Transformer.decode`` on a weights dict (same arguments and results)."""
+                 attend: AttendFn, return_trace: bool = False,
+                 return_features: bool = False):
+  """``Transformer.decode`` on a weights dict (same arguments and results);
+  ``return_features``: (logits, carry, the last layer's hidden state [R, E] before
+  the final norm), a draft head's input."""
   x = weights["embed"][tokens]  # [R, E]
   cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [R, D/2]
 
@@ -611,9 +619,13 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
   firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
   (x, carry), traces = jax.lax.scan(layers, (x, carry), (weights_l, firsts))
   logits = _lm_head(cfg, weights, x)
+  if return_trace and return_features:
+    raise ValueError("return_trace or return_features, not both")
   if return_trace:
     flat = lambda t: t.reshape((cfg.num_layers,) + t.shape[2:])
     return logits, carry, LayerTrace(*(flat(t) for t in traces))
+  if return_features:
+    return logits, carry, x
   return logits, carry
 
 

@@ -334,3 +334,58 @@ def test_draft_lookahead_without_a_cap_fetches_every_miss():
       logits = runner.step(jnp.argmax(logits, -1))
     prefetched[cap] = runner.cache_stats()["prefetched"]
   assert prefetched[None] == prefetched[selector.top_k] > prefetched[1] > 0, prefetched
+
+
+def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
+  """``Runner(lookahead="draft", draft_head=...)``: each step's draft is
+  ``lookup_or_head(history, head token)``, the head fed the features of the
+  position before the one decoded and that position's token (known as the step
+  begins), checked against features from a teacher-forced forward pass
+  (``apply_features``); logits stay those of the plain tiered run. Random weights
+  and a random head: this checks the plumbing, not the draft's quality."""
+  from flax import nnx
+  from models import draft_head as draft_lib
+  from models import transformer as tfm
+  from models.config import ModelConfig
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                 ffn_hidden_dim=48, name="tiny")
+  model = tfm.Transformer(cfg, rngs=nnx.Rngs(0))
+  head = draft_lib.DraftHead(cfg.embed_dim, 24, rngs=nnx.Rngs(1))
+  head.down.kernel[...] = jax.random.normal(jax.random.key(2), head.down.kernel.shape)
+  # The oracle over k >= every position: sparse attention is dense (to f32
+  # rounding), so teacher-forced dense features are the decode's.
+  selector = sel_lib.OracleSelector(top_k=128, num_kv_heads=2, q_per_kv=2, head_dim=16)
+  rng = np.random.default_rng()
+  prompt = rng.integers(0, cfg.vocab_size, (2, 120))
+  lens = [120, 97]
+  runners = [backends.Runner(model, "tiered", 140, selector=selector, hot_slots=128,
+                             lookahead="draft", **extra)
+             for extra in ({}, dict(draft_head=head))]
+  for r in runners:
+    r.prefill(prompt, lens)
+  weights = model.weights()
+  seqs = [list(prompt[r, :n]) for r, n in enumerate(lens)]
+  from_head = 0
+  for _ in range(6):
+    # Random tokens (teacher forcing): a random model's greedy text loops, and its
+    # loops are prompt lookup's.
+    tokens = rng.integers(0, cfg.vocab_size, 2)
+    logits = [r.step(tokens) for r in runners]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-5,
+                               rtol=0)
+    for r in range(2):
+      seqs[r].append(int(tokens[r]))
+    # Teacher-forced features of each sequence; f_{p-1} is the one before the token
+    # just decoded (at p = len - 1).
+    want = []
+    for r, seq in enumerate(seqs):
+      feats = tfm.apply_features(cfg, weights, jnp.asarray([seq]))[0]
+      head_token = int(draft_lib.draft_tokens(cfg, weights, head, feats[len(seq) - 2],
+                                              jnp.asarray(seq[-1])))
+      from_head += backends.ngram_match(seq)[1] < 2
+      want.append(backends.lookup_or_head(seq, head_token))
+    assert runners[1].last_draft == want
+  assert from_head > 6, from_head  # most drafts were the head's
+  with pytest.raises(ValueError, match="draft_head"):
+    backends.Runner(model, "tiered", 140, selector=selector, hot_slots=128, draft_head=head)
