@@ -335,12 +335,11 @@ class Runner:
         heads = np.asarray(draft_tokens(cfg, self.weights, self.draft_head, feats_before,
                                         tokens)).tolist()
         drafts = [lookup_or_head(h, t) for h, t in zip(self.history, heads)]
-        self.features = feats[0]
       self.last_draft = drafts
       self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
                                       jnp.asarray(drafts, jnp.int32), self.carry)
-    elif self.draft_head is not None:
-      self.features = feats[0]
+    if self.draft_head is not None:
+      self.features = feats[0]  # f_p: the next step's f_{p-1}
     return logits
 
   def cache_stats(self) -> dict:
