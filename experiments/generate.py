@@ -18,13 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import model_setup  # noqa: F401 (shared flags)
+from experiments import model_setup  # also the shared flags
 from models import backends, setup
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("cache", "tiered", list(backends.BACKENDS), "Cache backend.")
 flags.DEFINE_integer("steps", 32, "Tokens to generate.")
 flags.DEFINE_integer("hot_slots", None, "B for the tiered cache (default 2k).")
+flags.DEFINE_enum("lookahead", "none", ["none", "draft"], "Tiered: prefetch the next "
+                  "step's rows by an uncommitted pass of a draft token.")
+flags.DEFINE_integer("lookahead_cap", 64, "Rows prefetched per layer and unit per step.",
+                     lower_bound=1)
 
 
 def main(argv):
@@ -39,17 +43,28 @@ def main(argv):
                                                   FLAGS.top_k, FLAGS.indexer_ckpt)
     kwargs = dict(selector=selector, selector_params=params)
     if FLAGS.cache == "tiered":
-      kwargs["hot_slots"] = FLAGS.hot_slots or 2 * selector.top_k
+      kwargs.update(hot_slots=FLAGS.hot_slots or 2 * selector.top_k,
+                    impl=model_setup.tier_impl())
+  if FLAGS.lookahead != "none":
+    if FLAGS.cache != "tiered":
+      raise ValueError("--lookahead needs --cache=tiered")
+    kwargs.update(lookahead=FLAGS.lookahead, lookahead_cap=FLAGS.lookahead_cap)
+    if FLAGS.draft_ckpt:
+      kwargs["draft_head"] = model_setup.load_draft_head(model.cfg, model.weights())
+  elif FLAGS.draft_ckpt:
+    raise ValueError("--draft_ckpt drafts for --lookahead=draft")
   runner = backends.Runner(model, FLAGS.cache, FLAGS.prompt_tokens + FLAGS.steps,
                            **kwargs)
   start = time.perf_counter()
   logits = runner.prefill(np.asarray(ids, np.int32)[None], [FLAGS.prompt_tokens])
   jax.block_until_ready(logits)
   prefill_s = time.perf_counter() - start
-  out, times = [], []
+  out, times, accepted = [], [], []
   for step in range(FLAGS.steps):
     token = jnp.argmax(logits, axis=-1)
     out.append(int(token[0]))
+    if runner.last_draft is not None and step > 0:
+      accepted.append(runner.last_draft[0] == out[-1])
     if step + 1 == FLAGS.steps:
       break
     start = time.perf_counter()
@@ -70,6 +85,11 @@ def main(argv):
           f"(miss rate {stats['miss_rate']:.3f}), host->device "
           f"{stats['host_to_device_bytes'] / 2**20:.2f} MiB "
           f"({stats['fetched_rows']} rows incl. any gather padding)")
+  if FLAGS.lookahead != "none":
+    draft = "lookup, else head" if FLAGS.draft_ckpt else "prompt lookup"
+    print(f"lookahead ({draft}): draft accepted {sum(accepted)}/{len(accepted)}; "
+          f"{stats['prefetched']} rows prefetched off the critical path, "
+          f"{stats['misses']} misses on it")
   print("device KV bytes per request: "
         f"{stats['device_kv_bytes_per_request'] / 2**20:.2f} MiB"
         + (f" (+ selector state {stats['selector_state_bytes_per_request'] / 2**20:.2f}"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from absl import flags
 
+import math
+
 from kvtier_jax.config import ImplConfig
+from models import draft_head
 from models.setup import DEFAULT_INDEXER, SELECTORS
 
 FLAGS = flags.FLAGS
@@ -30,6 +33,8 @@ flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "fused"], "The tiere
                   "resolves in XLA), or fused: a layer's RESOLVE, fetch and cache writes "
                   "in one step (on a CPU one native call per layer, on a GPU the fused "
                   "Pallas kernels).")
+flags.DEFINE_string("draft_ckpt", None, "A draft head (experiments.draft_head) for the "
+                    "lookahead's draft token: read on a text it was not trained on.")
 
 
 def tier_impl(keyed_policy: bool = False) -> ImplConfig:
@@ -39,3 +44,17 @@ def tier_impl(keyed_policy: bool = False) -> ImplConfig:
   return ImplConfig(resolve="xla" if keyed_policy else FLAGS.impl,
                     attention=FLAGS.impl, fetch=FLAGS.impl)
 
+
+
+def load_draft_head(cfg, weights):
+  """The ``--draft_ckpt`` head for this model, refused on the span it was trained on
+  (the pydoc text's first windows): its drafts there would be memorised."""
+  trained = draft_head.metadata(FLAGS.draft_ckpt)
+  train_end = trained.get("windows", math.inf) * trained.get("window", math.inf)
+  if (FLAGS.prompt_file is None and trained.get("trained_on") == "pydoc_data.topics"
+      and FLAGS.offset < train_end):
+    raise ValueError(f"{FLAGS.draft_ckpt} was trained on the pydoc text's first "
+                     f"{train_end} tokens, which this run reads: pass "
+                     "--prompt_file=<held-out text> (or an --offset past them)")
+  return draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers,
+                         embed_dim=cfg.embed_dim, weights=weights)

@@ -35,7 +35,6 @@ Command (~10 min on a 2-core CPU when first written; 3.2 min with a draft head o
 from __future__ import annotations
 
 import functools
-import math
 
 from absl import app, flags
 import jax
@@ -63,8 +62,6 @@ flags.DEFINE_integer("share", 3, "Index sharing group size.")
 flags.DEFINE_integer("batch", 8, "Concurrency of the IO model (the paper's 8).")
 flags.DEFINE_bool("smoke", False, "Short run (tests).")
 flags.DEFINE_string("out_root", None, "Results root.")
-flags.DEFINE_string("draft_ckpt", None, "A draft head (experiments.draft_head): adds "
-                    "its token and the model's own next token as predictors.")
 
 HBM = 4.8e12
 
@@ -161,17 +158,9 @@ def main(argv):
           for s in selectors]
   draft_kinds = ["draft token"]
   if FLAGS.draft_ckpt:
-    trained = draft_head.metadata(FLAGS.draft_ckpt)
-    train_end = trained.get("windows", math.inf) * trained.get("window", math.inf)
-    if (FLAGS.prompt_file is None and trained.get("trained_on") == "pydoc_data.topics"
-        and FLAGS.offset < train_end):
-      raise ValueError(f"{FLAGS.draft_ckpt} was trained on the pydoc text's first "
-                       f"{train_end} tokens, which this run reads: pass "
-                       "--prompt_file=<held-out text> (or an --offset past them)")
     # Teacher-forced features of the whole span (the dense forward: what each
     # decode step computes, up to float rounding).
-    head = draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers,
-                           embed_dim=cfg.embed_dim, weights=weights)
+    head = model_setup.load_draft_head(cfg, weights)
     feats = apply_features(cfg, weights, jnp.asarray(tokens[None, :prompt + steps + 1]))[0]
     head_drafts = np.asarray(draft_head.draft_tokens(
         cfg, weights, head, feats[prompt - 1:prompt + steps - 1],

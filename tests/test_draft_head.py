@@ -150,6 +150,7 @@ def run(module, *args):
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return proc.stdout
 
 
 def rows_of(root, experiment):
@@ -192,3 +193,14 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
                          f"--draft_ckpt={run_dir / 'draft_head'}", layers],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "was trained on the pydoc text" in proc.stderr
+  # The CLI's look-ahead with the head: the library's jitted draft pass prefetches,
+  # and the greedy tokens are those of the run without it.
+  generate = ("experiments.generate", layers, f"--prompt_file={run_dir / 'heldout.txt'}",
+              "--prompt_tokens=128", "--steps=6", "--top_k=16")
+  def continuation(stdout):
+    return next(l for l in stdout.splitlines() if l.startswith("continuation:"))
+  plain = run(*generate)
+  ahead = run(*generate, "--lookahead=draft", f"--draft_ckpt={run_dir / 'draft_head'}")
+  assert continuation(ahead) == continuation(plain)
+  assert "lookahead (lookup, else head): draft accepted" in ahead
+  assert "/5;" in ahead  # one draft per step after the first

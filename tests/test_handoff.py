@@ -77,9 +77,11 @@ def test_handoff_wire_format_and_refusals():
   rng = np.random.default_rng()
   kv = [rng.integers(-1, VOCAB, (3, 4)), rng.standard_normal((3, 2, 5)).astype(np.float32)]
   handoff = handoff_lib.Handoff("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5], 10,
-                                SamplingParams(temperature=0.5, seed=3), [7], 0, 10, kv)
+                                SamplingParams(temperature=0.5, seed=3), [7], 0, 10, kv,
+                                chunk_size=8)
   back = handoff_lib.Handoff.from_bytes(handoff.to_bytes())
   assert back.prompt == handoff.prompt and back.sampling == handoff.sampling
+  assert back.chunk_size == 8
   assert all((a == b).all() and a.dtype == b.dtype for a, b in zip(back.kv, kv))
   with pytest.raises(ValueError, match="truncated"):
     handoff_lib.Handoff.from_bytes(handoff.to_bytes()[:-5])
@@ -301,11 +303,12 @@ def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
   assert other.output == solo(FakeModel, [3, 4, 5], 4)
 
 
-def test_a_receiver_with_larger_chunks_prefills_on_its_own_chunk_grid():
-  """Prompt K/V from a sender with chunks of 4 ends at 36, inside the receiver's
-  chunk [32, 40): the receiver keeps the K/V up to 32 and prefills from there, a
-  whole chunk at a time (a start off its grid would land on other rows). Tokens
-  are the uninterrupted run's."""
+def test_a_receiver_with_other_chunks_replays_on_its_own_chunk_grid():
+  """Prompt K/V from a sender with chunks of 4 are not the numbers a receiver with
+  chunks of 8 computes (a real model's, in the last bits): the receiver replays the
+  request, prefilling whole chunks of its own grid. A frame of its own chunk size
+  whose K/V end off that grid (at 36, inside [32, 40)) keeps the K/V up to 32.
+  Tokens are the uninterrupted run's."""
   @dataclasses.dataclass
   class GridModel(FakeModel):
     chunk_size: int = 8
@@ -320,12 +323,20 @@ def test_a_receiver_with_larger_chunks_prefills_on_its_own_chunk_grid():
   while len(req.output) < 2:
     sender.step()
   handoff = sender.export(req.id, kv="prompt")
-  assert handoff.kv_end == 36
+  assert handoff.kv_end == 36 and handoff.chunk_size == 4
   receiver = Engine(GridModel())
   moved = receiver.accept(handoff)
-  assert moved.imported[1] == 32 and moved.imported[2][0].shape[0] == 8
+  assert moved.imported is None
+  on_grid = receiver.accept(dataclasses.replace(handoff, chunk_size=8), request_id="grid")
+  assert on_grid.imported[1] == 32 and on_grid.imported[2][0].shape[0] == 8
+  unknown = receiver.accept(dataclasses.replace(handoff, chunk_size=None), request_id="?")
+  assert unknown.imported is None
   receiver.run()
-  assert moved.output == solo(FakeModel, prompt, new)
+  for got in (moved, on_grid, unknown):
+    assert got.output == solo(FakeModel, prompt, new)
+  assert receiver.imported_tokens == 32 - 0
+  with pytest.raises(ValueError, match="chunk_size=0"):
+    receiver.accept(dataclasses.replace(handoff, chunk_size=0), request_id="bad")
 
 
 def test_send_and_recv_frames_at_a_capped_rate():

@@ -4,6 +4,7 @@ with staggered arrivals, mixed lengths, an abort, a seeded sampled request,
 preemption under host-page pressure, misses served from the host tier, and no
 recompilation as requests come and go."""
 
+import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
@@ -28,12 +29,12 @@ def model_and_ids():
   return model, text.tokenize_prompt(tokenizer, text.load_text(), 2400)
 
 
-def backend(model, name, host_pages=None):
+def backend(model, name, host_pages=None, chunk_size=64):
   selector, params = setup.build_selector("quest", model.cfg, 32)
   extra = dict(hot_slots=48, host_pages=host_pages) if name == "tiered" else {}
   return serving.ServingBackend(model, name, 3, 256, selector=selector,
-                                selector_params=params, chunk_size=64, page_size=16,
-                                **extra)
+                                selector_params=params, chunk_size=chunk_size,
+                                page_size=16, **extra)
 
 
 # Device bytes: with the full 30 layers, the staging buffer (11.8 MB) + ~13 MB of
@@ -149,7 +150,6 @@ def test_disk_tier_round_trips_host_pages_and_keeps_the_tokens(model_and_ids, tm
   assert {i: r.output for i, r in restored.requests.items()} == {
       str(i): r.output for i, r in got.items()}
 
-  import numpy as np
   from kvtier_jax.serving.disk import DiskTier
   tiered, state = engine.model, engine.state
   pages = engine.radix.held_pages()[:4]
@@ -198,12 +198,48 @@ def test_handoff_continues_on_another_engine_with_the_same_tokens(model_and_ids)
   main.pool.check(main.radix.held_pages())
 
 
+def test_kv_from_a_sender_with_other_chunks_never_enters_the_prefix_cache(model_and_ids):
+  """A prompt's K/V depend on its chunk boundaries in the last bits (XLA blocks a
+  [C, E] matmul by C). A receiver with chunks of 64 that took K/V prefilled in
+  chunks of 32 would cache numbers it never computes itself, and later requests
+  would read them: it replays the request instead, and its cached prompt pages are
+  bit for bit those of its own cold run."""
+  model, ids = model_and_ids
+  prompt = ids[:170].tolist()
+  config = EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, prefix_cache=True)
+
+  def cached_pages(engine):
+    pages = engine.radix.match_prefix(prompt)[0]
+    assert len(pages) == 128 // 16  # the prompt's whole chunks of 64
+    return engine.model.read_pages(engine.state, pages)
+
+  cold = Engine(backend(model, "tiered"), config)
+  alone = cold.submit(prompt, 8)
+  cold.run()
+  relay = Engine(backend(model, "tiered", chunk_size=32), config)
+  req = relay.submit(prompt, 8)
+  while len(req.output) < 3:
+    relay.step()
+  handoff = relay.export(req.id, kv="all")
+  assert handoff.chunk_size == 32 and handoff.kv_end > len(prompt)
+  main = Engine(backend(model, "tiered"), config)
+  moved = main.accept(handoff)
+  assert moved.imported is None  # replayed: the KV is not this engine's numbers
+  main.run()
+  assert main.imported_tokens == 0 and moved.output[:3] == req.output
+  for got, want in zip(cached_pages(main), cached_pages(cold)):
+    np.testing.assert_array_equal(got, want)
+  # The cut is real: the sender's pages differ from the receiver's in some bits.
+  sent = [f[:8] for f in handoff.kv]
+  assert any((a != b).any() for a, b in zip(sent, cached_pages(cold)))
+  assert moved.output == alone.output  # (greedy: no last-bit flip moved a token)
+
+
 def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   """A prefill chunk off the chunk grid (its staging and host writes would be
   clamped onto other rows), and a snapshot whose host length mirror is not the
   state's own, a page table with a page twice in a slot or out of range: clear
   errors. The dense backend charges no selector state."""
-  import numpy as np
   model, _ = model_and_ids
   tiered = backend(model, "tiered")
   state = tiered.init()
@@ -275,7 +311,6 @@ def test_full_kv_backends_refuse_a_step_past_max_len(model_and_ids, name):
   """A dense or sparse slot at max_len: inside jit its K/V write would be dropped
   and it would attend without its own token. Refused before the donated step (the
   state stays usable), and after a snapshot is restored."""
-  import numpy as np
   model, ids = model_and_ids
   full = backend(model, name)
   state = full.start_decoding(full.init(), 1, 255)
@@ -299,7 +334,6 @@ def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
   dense install writes zeros there, so attention's 0 * V stays 0 and the decode
   logits are the clean run's."""
   import jax.numpy as jnp
-  import numpy as np
   model, ids = model_and_ids
   dense = backend(model, "dense")
   logits = []

@@ -293,7 +293,8 @@ class Engine:
     if req.output and req.output[-1] in req.stop_ids:  # sampled, not yet ended (on_token)
       raise ValueError(f"request {request_id!r} produced its stop id {req.output[-1]}")
     out = handoff_lib.Handoff(request_id, list(req.prompt), list(req.output),
-                              req.max_new_tokens, req.sampling, sorted(req.stop_ids))
+                              req.max_new_tokens, req.sampling, sorted(req.stop_ids),
+                              chunk_size=self.model.chunk_size)
     if kv != "none":
       size = self.model.page_size
       # The K/V of every position but the newest output's: that one the receiver
@@ -331,16 +332,19 @@ class Engine:
                       stop_ids=self.config.eos_ids)
     # Here the request may keep every position on the device (no host pages): then
     # the KV has nowhere to go and the prompt and outputs are replayed instead.
-    keeps_kv = bool(handoff.kv_end) and bool(
-        self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
+    has_host = bool(self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
+    if handoff.kv_end and has_host:
+      handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
+    # K/V prefilled on other chunk boundaries differ from this engine's in the last
+    # bits: the request replays, and the prefix cache keeps only numbers computed here.
+    keeps_kv = (bool(handoff.kv_end) and has_host
+                and handoff.chunk_size == self.model.chunk_size)
     kv_end = handoff.kv_end
     if keeps_kv and kv_end < len(handoff.prompt):
-      # The rest of the prompt is prefilled here, in this engine's whole chunks: K/V
-      # past the last chunk boundary is recomputed (a sender with smaller chunks).
+      # The rest of the prompt is prefilled here, in whole chunks: K/V past the last
+      # chunk boundary (a frame that does not end on one) is recomputed.
       kv_end = kv_end // self.model.chunk_size * self.model.chunk_size
       keeps_kv = kv_end > handoff.kv_start
-    if keeps_kv:
-      handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     req = self._new_request(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
                             handoff.stop_ids, request_id or handoff.request_id, on_token,
                             arrival, returning=True)

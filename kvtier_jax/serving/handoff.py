@@ -8,7 +8,10 @@ engine, which continues it with exactly the tokens an uninterrupted run yields:
 
 * **send KV**: the pages of every position the sender computed beyond what the
   receiver caches (prompt and generated tokens); the receiver writes them into its
-  host tier and starts decoding at once;
+  host tier and starts decoding at once. A prompt's K/V depend on its chunk
+  boundaries in the last bits (the matmuls are blocked by chunk), so a receiver
+  whose prefill chunk differs from the sender's does not take them: it replays, as
+  for **extend**, and caches only numbers it computed;
 * **extend**: only token ids (plus, optionally, the prompt's whole chunks beyond the
   receiver's cached prefix): the receiver prefills what is missing of the prompt and
   replays the relayed outputs through its decode steps (no sampling), rebuilding
@@ -49,6 +52,9 @@ class Handoff:
   kv_start: int = 0  # page-aligned; the receiver caches at least this prefix
   kv_end: int = 0  # positions [kv_start, kv_end) travel as pages (0: none)
   kv: list[np.ndarray] = dataclasses.field(default_factory=list)  # read_pages fields
+  # The sender's prefill chunk. A prompt's K/V depend on its chunk boundaries in
+  # the last bits, so only a receiver with the same chunks uses them (None: unknown).
+  chunk_size: int | None = None
 
   @property
   def kv_bytes(self) -> int:
@@ -58,7 +64,7 @@ class Handoff:
     header = dict(request_id=self.request_id, prompt=self.prompt, output=self.output,
                   max_new_tokens=self.max_new_tokens,
                   sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
-                  kv_start=self.kv_start, kv_end=self.kv_end,
+                  kv_start=self.kv_start, kv_end=self.kv_end, chunk_size=self.chunk_size,
                   kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
     blob = json.dumps(header).encode()
     parts = [struct.pack("<Q", len(blob)), blob]
@@ -156,6 +162,9 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
   for name in ("max_new_tokens", "kv_start", "kv_end"):
     if not is_int(getattr(handoff, name)):
       raise ValueError(f"{name}={getattr(handoff, name)!r} must be an int")
+  if handoff.chunk_size is not None and not (is_int(handoff.chunk_size)
+                                             and handoff.chunk_size >= 1):
+    raise ValueError(f"chunk_size={handoff.chunk_size!r} must be a positive int or None")
   if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in handoff.kv):
     raise ValueError("the handoff's page fields must be arrays of pages (ndim >= 1)")
   if len(handoff.output) >= handoff.max_new_tokens:
