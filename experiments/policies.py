@@ -1,4 +1,4 @@
-r"""Beyond LRU: online replacement policies against Belady, on a text none was tuned on.
+r"""Beyond LRU: online replacement policies against Belady, on a held-out text.
 
 Paper context (docs/DESIGN.md, "Replacement policies"): HiSparse ships LRU with hits promoted above fresh
 misses (13.4% at B=2k on GLM-5.1) against Belady's 8.2%. The goal here: an online
@@ -8,14 +8,17 @@ result is reported on ``--trace``, by default a trace of the held-out docstrings
 pydoc text, and the learned key (``analysis/learned_policy.py``: an MLP over
 causal per-slot features, labelled by Belady's next use) is trained, and its
 horizon chosen, on ``--train_trace`` only, one model per selector (and per B/k with
-``--per_capacity``). At 2k, keys with less history say what a jitted step could
+``--per_capacity``). Its feature set and width, though, were picked (tenth to
+twelfth sessions, WORKSPACE_NOTES.md) by their gap on the held-out docstrings'
+trace: on that trace its figure is a validation figure, not a clean test. At 2k, keys with less history say what a jitted step could
 carry: per-slot features only, and the history kept for a bounded ghost table of
 the last G evictions (``--ghosts``).
 
 Gap closed = (LRU - policy) / (LRU - Belady), pooled over layers, units and steps of
 every selector's trace (cold start included). The rank-aware policies read each
 selector's top-m ranking recorded beside its trace (``<name>_ranks``; NSA has none,
-so there they rank by row order only). An offline reference, ``"foresight"``
+so there they rank by row order only: an evictable row is never ranked, and
+"rank" evicts as "freq" does). An offline reference, ``"foresight"``
 (``rank`` that knows the next h steps exactly), says how far ahead an eviction
 must see to close half of the gap: a draft's lookahead sees one step.
 

@@ -38,7 +38,10 @@ class PolicyConfig:
     freq_alpha: decay of the selection-frequency EMA ("freq", "rank"), in (0, 1).
     rank_depth: m, positions per row of the selector's ranking ("rank"); the
       selector then returns ``max(top_k, m)`` best-first positions per row, the
-      first ``top_k`` of which are the selection. 0: the selection itself.
+      first ``top_k`` of which are the selection. 0: the selection itself, where
+      an evictable slot is never ranked, so "rank" evicts as "freq" does (the
+      synthetic benchmarks time its code path so; ``models.backends.tier_config``
+      refuses it for a model: the tables' "rank" ranks 1024 at k = 256).
     rank_freq: weight of the EMA in the "rank" key, >= 0.
   """
 

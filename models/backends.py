@@ -199,6 +199,12 @@ def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                         hot_slots=hot_slots, top_k=top_k, per_kv_head=per_kv_head,
                         dtype=jnp.dtype(cfg.dtype), **overrides)
+  if tier_cfg.policy.name == "rank" and tier_cfg.policy.rank_depth <= top_k:
+    # An evictable slot is never in the selection: a ranking no deeper than it
+    # leaves the EMA term alone, and the victims would be "freq"'s.
+    raise ValueError(f"policy 'rank' needs a ranking deeper than the selection: "
+                     f"rank_depth={tier_cfg.policy.rank_depth} <= top_k={top_k} (the "
+                     "policy tables rank 1024 at k=256; or use policy 'freq')")
   if tier_cfg.select_width != selector.top_k:
     raise ValueError(f"the selector returns {selector.top_k} positions per row; "
                      f"top_k={tier_cfg.top_k}, policy={tier_cfg.policy.name!r} and "

@@ -171,6 +171,11 @@ def test_rank_policy_on_smollm2_keeps_parity(model_and_prompt):
     backends.Runner(model, "tiered", max_len, selector=top96, hot_slots=64,
                     policy=PolicyConfig("rank", rank_depth=80), top_k=48).prefill(
                         tokens, lens)
+  # Ranked no deeper than its selection, "rank" would evict as "freq" does.
+  for depth in (0, 48):
+    with pytest.raises(ValueError, match="deeper than the selection"):
+      backends.Runner(model, "tiered", max_len, selector=top48, hot_slots=64,
+                      policy=PolicyConfig("rank", rank_depth=depth)).prefill(tokens, lens)
 
 
 @dataclasses.dataclass(frozen=True)

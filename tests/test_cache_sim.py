@@ -820,7 +820,8 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
         if p not in ghosts:
           for table in (last, count, ema):
             table.pop(p, None)
-          rank_ema[p], ranked_freq[p] = 1.0, 0.0
+          # As first seen now: the EMAs from their start, this step's ranking in.
+          rank_ema[p], ranked_freq[p] = 0.5 + 0.5 * at.get(p, m) / m, float(p in at)
     for p in want:
       ema[p] = (ema[p] * alpha ** (t - last[p]) if p in count else 0.0) + 1.0
       count[p] = count.get(p, 0) + 1

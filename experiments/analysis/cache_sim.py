@@ -697,13 +697,15 @@ class _Learned(_Policy):
 
   def _forget_untracked(self, st):
     """``history`` bounded: a missed position that is not among its stream's last
-    ``history`` evictions enters with no history, as if never seen."""
+    ``history`` evictions enters with no history, as if never seen: its ranking
+    EMAs hold only this step's ranking (``pick`` folded it in already)."""
     rows = np.broadcast_to(st.rows, st.cur.shape)
     stamp = self.evicted_as[rows, st.cur]  # numbers from 0: the last G read 1..G back
     kept = (stamp != _PAD) & (self.evictions - stamp <= self.c.history)
     r, p = rows[st.miss & ~kept], st.cur[st.miss & ~kept]
     self.last_req[r, p], self.count[r, p], self.ema[r, p] = 0, 0, 0.0
-    self.rank_ema[r, p], self.ranked_freq[r, p] = 1.0, 0.0
+    self.rank_ema[r, p] = 0.5 + 0.5 * self.rank_now[r, p]
+    self.ranked_freq[r, p] = self.rank_now[r, p] < 1
 
   def _count_evictions(self, st):
     """Numbers this step's evictions per stream, in the order the misses took
