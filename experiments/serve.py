@@ -184,6 +184,11 @@ def main(argv):
     FLAGS.chunk_size, FLAGS.max_step_tokens = 64, 64
     if FLAGS["host_budget_mib"].using_default_value:
       FLAGS.host_budget_mib = 256.0  # the smoke's requests need ~30 MiB
+  ignored = [f"--{name}" for name in ("prompt_file", "offset", "prompt_tokens")
+             if FLAGS[name].present]
+  if ignored:
+    raise app.UsageError(f"{', '.join(ignored)}: not used here (prompts come from the "
+                         "bundled corpus or --workload)")
   if FLAGS.restore and FLAGS.sessions:
     raise app.UsageError("--restore continues independent requests, not --sessions")
   data = sharding.parse_mesh(FLAGS.mesh)["data"]
@@ -194,7 +199,6 @@ def main(argv):
   shape = sharding.parse_mesh(FLAGS.mesh)
   common.ensure_devices(shape["data"] * shape["model"])  # before jax starts
   mesh = sharding.make_mesh(shape) if FLAGS.mesh else None
-  out = common.start_run("serve", FLAGS.flag_values_dict(), FLAGS.out_root)
   model, tokenizer, _ = setup.load_model_and_prompt(
       None, 1, num_layers=FLAGS.model_layers)
   rng = np.random.default_rng(FLAGS.seed)
@@ -210,8 +214,9 @@ def main(argv):
                   for w in workload)
     FLAGS.max_len = max(FLAGS.max_len, -(-longest // FLAGS.chunk_size) * FLAGS.chunk_size)
   else:
+    # Their own generator: runs that differ only in the rate serve the same prompts.
     arrivals = bench.arrival_times(FLAGS.num_requests, FLAGS.request_rate or math.inf,
-                                   rng=rng)
+                                   rng=np.random.default_rng((FLAGS.seed, 1)))
     outputs = list(map(int, FLAGS.output_range))
     if FLAGS.shared_prefix_groups:
       workload = workloads.shared_prefix(stream, rng, FLAGS.num_requests,
@@ -223,6 +228,8 @@ def main(argv):
                                      list(map(int, FLAGS.prompt_range)), outputs, arrivals)
   if shape["model"] > 1 and FLAGS.selector == "quest":
     FLAGS.selector = "quest_kv"  # tensor parallel splits the cache by KV head
+  # After the flags the run changes (max_len for sessions, the selector for a mesh).
+  out = common.start_run("serve", FLAGS.flag_values_dict(), FLAGS.out_root)
   selector, params = (None, None) if FLAGS.cache == "dense" else setup.build_selector(
       FLAGS.selector, model.cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
   print(f"platform: {common.platform()}; {len(workload)} requests; cache={FLAGS.cache}"

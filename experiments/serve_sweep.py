@@ -104,7 +104,8 @@ PAPER = [
 TABLE_COLUMNS = ["context", "concurrency", "cache", "prefill_policy", "slots", "admissible",
                  "bound_by", "peak_concurrency", "output_throughput", "vs_sparse",
                  "decode_throughput", "decode_vs_sparse", "mean_decode_batch",
-                 "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "itl_p99_ms",
+                 "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_mean_ms",
+                 "tpot_median_ms", "itl_p99_ms",
                  "goodput", "duration_s", "peak_device_mib", "peak_host_mib",
                  "preemptions", "same_tokens", "finished", "cut"]
 
@@ -123,8 +124,10 @@ def load_model():
 
 
 def make_workload(context: int, stream, tokenizer, rng) -> list:
+  # Arrivals draw from their own generator: runs that differ only in --request_rate
+  # or --burstiness serve the same prompts (paired).
   arrivals = bench.arrival_times(FLAGS.num_requests, FLAGS.request_rate, FLAGS.burstiness,
-                                 rng)
+                                 np.random.default_rng((FLAGS.seed, 1)))
   if FLAGS.workload == "synthetic":
     hi = context - FLAGS.output_len
     lo = max(1, int((1 - FLAGS.prompt_spread) * hi))
@@ -242,10 +245,12 @@ def plot(out, rows) -> None:
   axes[0].set(xlabel="max concurrency", ylabel="output tokens/s",
               title="throughput vs concurrency")
   axes[0].legend(fontsize=7)
-  top = max(rows, key=lambda r: (r["concurrency"], r["context"]))
-  point = f"@{top['context']}/c{top['concurrency']}"
-  reqs = [json.loads(l) for l in (out / "requests.jsonl").read_text().splitlines()]
-  steps = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines()]
+  top = max(rows, key=lambda r: (r["concurrency"], r["context"]), default=None)
+  point = "" if top is None else f"@{top['context']}/c{top['concurrency']}"
+  # Every point skipped or at the capacity wall: no request was served.
+  read = lambda name: ([json.loads(l) for l in (out / name).read_text().splitlines()]
+                       if (out / name).exists() else [])
+  reqs, steps = read("requests.jsonl"), read("steps.jsonl")
   for cache, policy in variants:
     tag = f"{cache}/{policy}{point}"
     ttft = np.sort([r["ttft_s"] for r in reqs if r["tag"] == tag  # the table's
@@ -272,6 +277,15 @@ def plot(out, rows) -> None:
 
 def main(argv):
   del argv
+  ignored = [f"--{name}" for name in ("prompt_file", "offset", "prompt_tokens")
+             if FLAGS[name].present]
+  if FLAGS.workload not in ("synthetic", "rollout"):  # a JSONL file says these itself
+    ignored += [f"--{name}" for name in ("request_rate", "burstiness", "num_requests",
+                                         "contexts") if FLAGS[name].present]
+  if ignored:
+    raise app.UsageError(f"{', '.join(ignored)}: not used by this workload (prompts "
+                         "come from the bundled corpus, or from the JSONL file with "
+                         "its own arrival_s)")
   if FLAGS.smoke:
     FLAGS.contexts, FLAGS.concurrency, FLAGS.num_requests = ["192"], ["3"], 3
     FLAGS.output_len, FLAGS.max_batch, FLAGS.hot_slots = 4, 3, 64
@@ -293,6 +307,8 @@ def main(argv):
   for context in map(int, FLAGS.contexts):
     rng = np.random.default_rng(FLAGS.seed)
     workload = make_workload(context, stream, tokenizer, rng)
+    if FLAGS.workload not in ("synthetic", "rollout"):
+      context = max(lengths(workload))  # the file's longest request labels the rows
     max_len = -(-max(context, *lengths(workload)) // FLAGS.chunk_size) * FLAGS.chunk_size
     for concurrency in map(int, FLAGS.concurrency):
       for cache in FLAGS.caches:

@@ -81,6 +81,45 @@ def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   assert "Published (author-reported)" in out and "| 192 | 3 | tiered |" in out
 
 
+def test_serve_sweep_pairs_prompts_across_rates_and_refuses_flags_it_would_ignore(
+    tmp_path):
+  """Runs that differ only in --request_rate or --burstiness serve the same prompts
+  (the arrivals drew from the prompts' generator, so a finite rate changed them); a
+  JSONL workload refuses the synthetic flags (it ignored them) and the prompt-text
+  flags (the corpus is bundled)."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  code = """
+import numpy as np
+from absl import flags
+from experiments import serve_sweep
+F = flags.FLAGS
+def workload(*args):
+  F.unparse_flags()
+  F(["serve_sweep", *args])
+  w = serve_sweep.make_workload(1024, np.arange(100000) % 5000, None,
+                                np.random.default_rng(F.seed))
+  return [r.prompt for r in w], [r.arrival_s for r in w]
+(a, ta), (b, tb), (c, tc) = (workload(), workload("--request_rate=4"),
+                             workload("--request_rate=4", "--burstiness=0.5"))
+assert a == b == c, "prompts differ between rates"
+assert max(ta) == 0 < max(tb) and tb != tc
+print("paired")
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "paired" in proc.stdout, proc.stderr[-3000:]
+  path = tmp_path / "w.jsonl"
+  path.write_text(json.dumps(dict(id="a", prompt_ids=[5, 6, 7], max_new_tokens=2)) + "\n")
+  for flag in ("--request_rate=2", "--num_requests=4", "--contexts=4096",
+               "--prompt_file=heldout"):
+    proc = subprocess.run([sys.executable, "-m", "experiments.serve_sweep",
+                           f"--workload={path}", flag, f"--out_root={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "not used by this workload" in proc.stderr, (
+        flag, proc.stderr[-2000:])
+
+
 def test_serve_stops_at_a_snapshot_and_another_process_goes_on_exactly(tmp_path):
   """``--snapshot_at_step`` saves the engine mid-run (requests in flight, waiting or
   not yet sent: which, depends on this machine's speed, the arrivals being in

@@ -309,6 +309,11 @@ def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
   bench.compare_with_sparse(rows, [{} for _ in rows])
   assert [r["vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
   assert [r["decode_vs_sparse"] for r in rows] == [1.0, 0.5, 1.0, 3.0]
+  # No sparse run at a point: nothing to compare with (dense is not the reference).
+  rows = [dict(context=1, concurrency=1, cache=cache, prefill_policy="p",
+               output_throughput=2.0, decode_throughput=2.0) for cache in ("dense", "tiered")]
+  bench.compare_with_sparse(rows, [{"r": [1, 2]}, {"r": [1, 2]}])
+  assert all("same_tokens" not in r and "vs_sparse" not in r for r in rows)
 
 
 def test_arrival_times_of_no_requests():

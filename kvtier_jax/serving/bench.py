@@ -94,17 +94,20 @@ def compare_with_sparse(rows: list[dict], outputs: list[dict]) -> None:
   """Adds ``vs_sparse`` / ``decode_vs_sparse`` (throughput over the sparse run's)
   and ``same_tokens`` (finished requests whose tokens equal it) to sweep rows,
   per point: (context, concurrency, prefill policy). ``outputs``: {id: tokens}
-  per row."""
+  per row. A point without a sparse run gets none of them (dense attention's
+  tokens are not the reference for exactness)."""
   points = collections.defaultdict(list)
   for row, out in zip(rows, outputs):
     points[(row["context"], row["concurrency"], row["prefill_policy"])].append((row, out))
   for group in points.values():
-    ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), group[0])
+    ref = next(((r, o) for r, o in group if r["cache"] == "sparse"), None)
+    if ref is None:
+      continue
     for row, out in group:
       cut = row.get("cut") or ref[0].get("cut")  # a point cut short: not comparable
       for key, ratio in (("output_throughput", "vs_sparse"),
                          ("decode_throughput", "decode_vs_sparse")):
-        row[ratio] = (row[key] / ref[0][key] if ref[0]["cache"] == "sparse" and not cut
+        row[ratio] = (row[key] / ref[0][key] if not cut
                       and row.get(key) and ref[0].get(key) else None)
       if row is not ref[0] and ref[1]:
         same = sum(out.get(k) == v for k, v in ref[1].items())
