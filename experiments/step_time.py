@@ -43,6 +43,17 @@ flags.DEFINE_float("miss_rate", None, "Override the miss rate for the IO model."
 flags.DEFINE_string("out_root", None, "Results root.")
 
 
+def timed_cache_stats(before: dict, after: dict, steps: int, row_bytes: int) -> dict:
+  """The tiered cache's counters over the timed steps only, per step (one request:
+  per token), as the step time is: the warm-up steps right after prefill carry
+  most of the misses."""
+  hits, misses, moved = (after[k] - before[k]
+                         for k in ("hits", "misses", "host_to_device_bytes"))
+  return dict(miss_rate=misses / max(1, hits + misses), misses_per_token=misses / steps,
+              useful_kib_per_token=misses * 2 * row_bytes / steps / 1024,
+              moved_kib_per_token=moved / steps / 1024)
+
+
 def time_backend(model, ids, backend, context, selector, params):
   kwargs = {} if backend == "dense" else dict(selector=selector, selector_params=params)
   if backend == "tiered":
@@ -50,21 +61,19 @@ def time_backend(model, ids, backend, context, selector, params):
   runner = backends.Runner(model, backend, context + FLAGS.steps + 3, **kwargs)
   tokens = np.asarray(ids[:context], np.int32)[None]
   logits = runner.prefill(tokens, [context])
+  step = lambda logits: jax.block_until_ready(runner.step(jnp.argmax(logits, -1)))
+  for _ in range(2):  # warm-up: compiles (and the hot cache fills after prefill)
+    logits = step(logits)
+  before = runner.cache_stats() if backend == "tiered" else None
   times = []
-  for step in range(FLAGS.steps + 2):
+  for _ in range(FLAGS.steps):
     start = time.perf_counter()
-    logits = jax.block_until_ready(runner.step(jnp.argmax(logits, -1)))
-    if step >= 2:
-      times.append(time.perf_counter() - start)
+    logits = step(logits)
+    times.append(time.perf_counter() - start)
   row = dict(context=context, backend=backend, ms_per_step=1e3 * float(np.median(times)))
   if backend == "tiered":
-    stats = runner.cache_stats()
-    steps = FLAGS.steps + 2
-    row.update(miss_rate=stats["miss_rate"],
-               misses_per_token=stats["misses"] / steps,
-               useful_kib_per_token=stats["misses"] * 2 * runner.tier_cfg.row_bytes
-               / steps / 1024,
-               moved_kib_per_token=stats["host_to_device_bytes"] / steps / 1024)
+    row.update(timed_cache_stats(before, runner.cache_stats(), FLAGS.steps,
+                                 runner.tier_cfg.row_bytes))
   return row
 
 
@@ -113,7 +122,8 @@ def main(argv):
   modelled = io_rows()
   for row in modelled:
     common.append_row(out, dict(table="io_model", **row))
-  text = [f"## Measured on SmolLM2-135M, this CPU (median of {FLAGS.steps} steps, "
+  text = [f"## Measured on SmolLM2-135M, this CPU (median of {FLAGS.steps} steps "
+          "after 2 warm-up; cache counters per step over the same steps; "
           f"selector {FLAGS.selector}, k={selector.top_k}, B=2k)",
           common.markdown_table(measured, ["context", "backend", "ms_per_step",
                                            "miss_rate", "misses_per_token",

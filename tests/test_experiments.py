@@ -59,6 +59,63 @@ def test_capacity_tables(tmp_path):
   assert (out / "table.md").exists() and (out / "plot.png").exists()
 
 
+def test_capacity_measured_kv_bytes_agree_with_the_formula(tmp_path):
+  """The host pool's scratch page (never read) is not the request's: the measured
+  host bytes less it are the formula's, and the row says so."""
+  run("experiments.capacity", "--measure_layers=2", "--contexts=4096",
+      f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "capacity")
+  measured = next(r for r in rows if r["table"] == "measured")
+  assert measured["layers"] == 2 and measured["host_scratch_MiB"] > 0
+  assert measured["host_MiB"] - measured["host_scratch_MiB"] == pytest.approx(
+      measured["host_formula_MiB"])
+  assert measured["kv_agrees"] is True
+
+
+def test_step_time_counts_cache_traffic_over_the_timed_steps_only():
+  """The warm-up steps right after prefill carry most of the misses: the cache
+  counters, like the step time, are the timed steps', per step. A fake runner with
+  the reviewer's misses per step (the first two are the warm-up)."""
+  code = """
+import json
+import types
+import numpy as np
+from absl import flags
+from experiments import step_time
+MISSES, SELECTED = [224, 114, 34, 18, 34, 2], 256  # per decode step
+
+class Runner:
+  tier_cfg = types.SimpleNamespace(row_bytes=384)
+  def __init__(self, *args, **kwargs):
+    self.steps = 0
+  def prefill(self, tokens, lens):
+    return np.zeros((1, 8), np.float32)
+  def step(self, tokens):
+    self.steps += 1
+    return np.zeros((1, 8), np.float32)
+  def cache_stats(self):  # cumulative since prefill, as the runner's
+    misses = sum(MISSES[:self.steps])
+    return dict(hits=SELECTED * self.steps - misses, misses=misses,
+                miss_rate=misses / (SELECTED * self.steps),
+                host_to_device_bytes=3 * misses * 2 * self.tier_cfg.row_bytes)
+
+flags.FLAGS(["step_time", "--steps=4"])
+step_time.backends.Runner = Runner
+row = step_time.time_backend(None, np.arange(64), "tiered", 16,
+                             types.SimpleNamespace(top_k=4), None)
+print(json.dumps(row))
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(proc.stdout.strip().splitlines()[-1])
+  timed = 34 + 18 + 34 + 2  # steps 3..6
+  assert row["misses_per_token"] == pytest.approx(timed / 4)
+  assert row["miss_rate"] == pytest.approx(timed / (4 * 256))
+  assert row["useful_kib_per_token"] == pytest.approx(timed * 2 * 384 / 4 / 1024)
+  assert row["moved_kib_per_token"] == pytest.approx(3 * row["useful_kib_per_token"])
+
+
 def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   rng = np.random.default_rng(0)
   trace = np.full((40, 2, 1, 16), -1, np.int16)

@@ -1,6 +1,8 @@
 """Pallas kernels (interpret mode on CPU) against references and float64 oracles, and
 their lowering for CUDA (Triton) without a GPU."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -386,6 +388,24 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
   assert moved[layer] == share * miss.sum() and moved.sum() == moved[layer]
   if keyed:
     _check_keyed_victims_and_scores(args, before, after, slot, miss, layer, seed)
+
+
+def test_native_scores_round_as_xla_does_on_a_cpu_without_fma(on_gpu):
+  """Without FMA units (here XLA capped at AVX) XLA:CPU rounds the reference's
+  ``decay * score + hit`` twice; the native call asks XLA and rounds alike (one
+  FMA always left the last bit of some keyed scores off there)."""
+  import platform  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  if on_gpu or platform.machine().lower() not in ("x86_64", "amd64"):
+    pytest.skip("an x86 CPU's ISA cap")
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=AVX")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+       "test_fused_layer_kernels_match_reference and native and True"],
+      capture_output=True, text=True, timeout=600, env=env)
+  last = proc.stdout.strip().splitlines()[-1]
+  assert proc.returncode == 0 and last.startswith("2 passed"), proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("dtype,slots", [(jnp.float32, 12), (jnp.bfloat16, 12),

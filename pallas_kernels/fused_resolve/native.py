@@ -130,6 +130,20 @@ def use_native(interpret: bool | None) -> bool:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
+def xla_contracts_multiply_add() -> bool:
+  """Whether XLA:CPU rounds ``a * b + c`` once (an FMA: hosts with FMA units) or
+  twice; the native score EMA rounds as the reference does. Asked once, eagerly
+  (a trace that calls it does not stage it)."""
+  cpu = jax.devices("cpu")[0]
+  one_ulp = np.float32(1 + 2.0**-12)  # squared: 1 + 2**-11 + 2**-24, not an f32
+  with jax.ensure_compile_time_eval():
+    a, c = (jax.device_put(np.full(8, x, np.float32), cpu)
+            for x in (one_ulp, -(1 + 2.0**-11)))
+    got = jax.jit(lambda a, b, c: a * b + c)(a, a, c)  # rounded once: 2**-24; twice: 0
+    return bool(np.asarray(got)[0] != 0)
+
+
 def _warn_unavailable(reason: str) -> None:
   warnings.warn(f"the native CPU fused step is unavailable ({reason}); the fused "
                 "Pallas kernels run interpreted instead", RuntimeWarning, stacklevel=3)
@@ -215,6 +229,7 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
       jnp.asarray(page_table, jnp.int32), host_k, host_v, rows_new(k_new),
       rows_new(v_new), *cache,
       max_len=np.int64(max_len), page_size=np.int64(page_size), share=np.int64(share),
-      keyed=np.int64(score_decay is not None),
+      keyed=np.int64(0 if score_decay is None else
+                     1 if xla_contracts_multiply_add() else 2),
       score_decay=np.float32(0.0 if score_decay is None else score_decay))
   return LayerResult(CacheArrays(*updated), slot, is_miss, status, target)

@@ -354,15 +354,17 @@ ffi::Error ResolveFetchImpl(
       miss_all[row * num_sel + j] = miss;  // masked by ok below
     }
     // Keyed policies' score EMA: every slot decays, a hit adds 1, a refill is 1.
-    // One fused multiply-add, rounded once: XLA:CPU contracts the reference's
-    // ``decay * score + hit`` into an FMA, and the scores must be equal bit for bit.
+    // Rounded as XLA:CPU rounds the reference's ``decay * score + hit`` (the scores
+    // must be equal bit for bit): once, an FMA, where it contracts (keyed == 1, FMA
+    // hosts), else twice (keyed == 2; -ffp-contract=off keeps the two apart here).
     const float* old_score = score + base;
     plan.new_score.assign(old_score, old_score + num_slots);
     if (keyed) {
       for (int64_t s = 0; s < num_slots; ++s) {
+        const float hit = is_hit[s] ? 1.0f : 0.0f;
         plan.new_score[s] = taken[s] ? 1.0f
-                                     : std::fma(score_decay, old_score[s],
-                                                is_hit[s] ? 1.0f : 0.0f);
+                            : keyed == 1 ? std::fma(score_decay, old_score[s], hit)
+                                         : score_decay * old_score[s] + hit;
       }
     }
     // The newest token also takes the lowest-index empty slot left, most recent.
