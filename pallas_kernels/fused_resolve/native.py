@@ -130,7 +130,6 @@ def use_native(interpret: bool | None) -> bool:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
 def xla_contracts_multiply_add() -> bool:
   """Whether XLA:CPU rounds ``a * b + c`` once (an FMA: hosts with FMA units) or
   twice; the native score EMA rounds as the reference does. Asked once, eagerly
@@ -144,6 +143,7 @@ def xla_contracts_multiply_add() -> bool:
     return bool(np.asarray(got)[0] != 0)
 
 
+@functools.cache
 def _warn_unavailable(reason: str) -> None:
   warnings.warn(f"the native CPU fused step is unavailable ({reason}); the fused "
                 "Pallas kernels run interpreted instead", RuntimeWarning, stacklevel=3)
