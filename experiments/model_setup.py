@@ -3,9 +3,9 @@ models/setup.py)."""
 
 from __future__ import annotations
 
-from absl import flags
-
 import math
+
+from absl import flags
 
 from kvtier_jax.config import ImplConfig
 from models import draft_head
@@ -43,7 +43,6 @@ def tier_impl(keyed_policy: bool = False) -> ImplConfig:
     return ImplConfig(fused=True)
   return ImplConfig(resolve="xla" if keyed_policy else FLAGS.impl,
                     attention=FLAGS.impl, fetch=FLAGS.impl)
-
 
 
 def load_draft_head(cfg, weights):

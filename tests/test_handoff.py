@@ -334,7 +334,7 @@ def test_a_receiver_with_other_chunks_replays_on_its_own_chunk_grid():
   receiver.run()
   for got in (moved, on_grid, unknown):
     assert got.output == solo(FakeModel, prompt, new)
-  assert receiver.imported_tokens == 32 - 0
+  assert receiver.imported_tokens == 32  # only the frame of this chunk size
   with pytest.raises(ValueError, match="chunk_size=0"):
     receiver.accept(dataclasses.replace(handoff, chunk_size=0), request_id="bad")
 
