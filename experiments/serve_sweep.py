@@ -186,8 +186,13 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
   engine = make(FLAGS.kv_budget_mib)
   total = sum(len(w.max_new_tokens) if isinstance(w, bench.Rollout) else 1
               for w in workload)
-  past_deadline = lambda: (FLAGS.deadline_s is not None
-                           and time.perf_counter() - _START > FLAGS.deadline_s)
+  stopped = []  # the deadline stopped the drive (a point finished in time is not cut)
+
+  def past_deadline():
+    if FLAGS.deadline_s is not None and time.perf_counter() - _START > FLAGS.deadline_s:
+      stopped.append(True)
+    return bool(stopped)
+
   with tqdm(total=total, desc=tag, unit="req", leave=False) as bar:
     served = bench.drive(engine, workload, max_concurrency=concurrency,
                          on_finish=lambda req: bar.update(), until=past_deadline)
@@ -197,7 +202,7 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
                  backend(), FLAGS.kv_budget_mib, context))),
              **bench.summarize(served, host_page_bytes=engine.model.host_page_bytes,
                                slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=slo_tpot),
-             cut=past_deadline())
+             cut=bool(stopped))
   for req in served.requests:
     summary = req.metrics.summary()
     summary.pop("itl_s")

@@ -202,6 +202,8 @@ def test_summary_metrics_from_their_definitions():
   assert row["output_throughput"] == pytest.approx(0.9)
   assert row["total_token_throughput"] == pytest.approx(6.9)
   assert row["goodput"] == pytest.approx(0.2)  # a and b meet both SLOs; c misses both
+  # No SLO given: every request would be "good"; no goodput is reported.
+  assert bench.summarize(bench.Served(reqs, steps, 0.0, 10.0))["goodput"] is None
   assert row["peak_concurrency"] == 3 and row["misses"] == 3
   # The steps without a chunk; the last decoded 2 but one was a replayed output.
   assert row["decode_throughput"] == pytest.approx(3 / 0.75)

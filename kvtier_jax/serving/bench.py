@@ -11,11 +11,12 @@
   environment's delay, so continuation prefills keep arriving while others decode).
 * **Metrics** (``summarize``): request / output / total token throughput, goodput
   under TTFT and TPOT SLOs (DistServe's definition: requests meeting every SLO
-  per second), peak concurrency, decode throughput (tokens per second of the steps
-  that ran no prompt chunk: what a decode instance of a P/D deployment, where
-  HiSparse runs, sustains) and its mean batch; TTFT, TPOT, ITL and end-to-end latency as mean /
-  median / P90 / P99; peak device bytes (the requests' charges; the fixed
-  staging buffer is not in them) and host bytes; the run's length (``duration_s``).
+  per second; None without an SLO), peak concurrency, decode throughput (tokens
+  per second of the steps that ran no prompt chunk: what a decode instance of a
+  P/D deployment, where HiSparse runs, sustains) and its mean batch; TTFT, TPOT,
+  ITL and end-to-end latency as mean / median / P90 / P99; peak device bytes (the
+  requests' charges; the fixed staging buffer is not in them) and host bytes; the
+  run's length (``duration_s``).
 
 Times are the engine's clock (seconds); workload times are relative to the start
 of ``drive``. A request's arrival (what its TTFT counts from) is its scheduled send
@@ -294,7 +295,9 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
              request_throughput=len(done) / duration,
              output_throughput=output_tokens / duration,
              total_token_throughput=(prompt_tokens + output_tokens) / duration,
-             goodput=sum(map(good, per)) / duration,
+             # Without an SLO every request would count: no goodput (as vLLM).
+             goodput=(sum(map(good, per)) / duration
+                      if (slo_ttft_s, slo_tpot_s) != (None, None) else None),
              peak_concurrency=max((s["peak_running"] for s in steps), default=0),
              decode_throughput=sum(s["new_tokens"] for s in decode_only)
              / max(sum(s["seconds"] for s in decode_only), 1e-9) if decode_only else None,
