@@ -521,6 +521,30 @@ def test_fused_steps_fall_back_to_the_pallas_kernels_with_a_warning(monkeypatch)
         np.random.default_rng(0), "valid"), max_len=60, page_size=8)
 
 
+def test_a_native_build_clears_what_a_killed_build_left(monkeypatch, tmp_path):
+  """A build killed mid-compile leaves its temporary directory in the cache; the
+  next build of that library (holding its lock) removes it. Another library's
+  build directory is left alone (it may be building). A stand-in compiler writes
+  the ``-o`` file."""
+  import sys  # noqa: PLC0415
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path))
+  path = native.library_path()
+  path.parent.mkdir(parents=True)
+  orphan = path.parent / f"{path.stem}-build-killed"
+  other = path.parent / "fused_resolve-0123456789abcdef-build-running"
+  for folder in (orphan, other):
+    folder.mkdir()
+    (folder / path.name).write_bytes(b"half a library")
+  compiler = tmp_path / "cc.py"
+  compiler.write_text("import sys\n"
+                      "open(sys.argv[sys.argv.index('-o') + 1], 'wb').write(b'built')\n")
+  native._build(path, [sys.executable, str(compiler)])
+  assert path.read_bytes() == b"built"
+  assert not orphan.exists() and other.exists()
+  assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+      [path.name, path.with_suffix(".lock").name, other.name])
+
+
 def _ranking(rng, slot_pos, seq, m):
   """i32[R, U, m] distinct best-first positions per row: some held by the row's
   slots (committed or not), some not held, the newest, -1 padding anywhere."""

@@ -66,7 +66,12 @@ def _build(path: pathlib.Path, compiler: list[str]) -> None:
     fcntl.flock(lock, fcntl.LOCK_EX)  # pytest workers: one compiles, the rest wait
     if path.exists():
       return
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    # A build of this library killed mid-compile left its directory: with the lock
+    # held, no one else is building it.
+    prefix = f"{path.stem}-build-"
+    for orphan in path.parent.glob(f"{prefix}*"):
+      shutil.rmtree(orphan, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=path.parent) as tmp:
       out = pathlib.Path(tmp) / path.name
       subprocess.run([*compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(),
                       str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
