@@ -15,7 +15,8 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_string("prompt_file", None, "Text file for the prompt (default: Python's "
                     "pydoc_data.topics, shipped with CPython; 'heldout': stdlib "
-                    "docstrings, disjoint from it, models.text.load_heldout_text).")
+                    "docstrings, disjoint from it, models.text.load_heldout_text; "
+                    "'test': other modules' docstrings, for final reports only).")
 flags.DEFINE_integer("prompt_tokens", 1024, "Prompt length in tokens.")
 flags.DEFINE_integer("offset", 0, "Token offset of the prompt in the text.")
 flags.DEFINE_enum("selector", "quest", SELECTORS, "Sparse-attention selector "

@@ -10,7 +10,9 @@ causal per-slot features, labelled by Belady's next use) is trained, and its
 horizon chosen, on ``--train_trace`` only, one model per selector (and per B/k with
 ``--per_capacity``). Its feature set and width, though, were picked (tenth to
 twelfth sessions, WORKSPACE_NOTES.md) by their gap on the held-out docstrings'
-trace: on that trace its figure is a validation figure, not a clean test. At 2k, keys with less history say what a jitted step could
+trace: on that trace its figure is a validation figure. ``--trace=test`` reports
+on the test docstrings (``models.text.load_test_text``), on which nothing was
+chosen: the clean figure. At 2k, keys with less history say what a jitted step could
 carry: per-slot features only, and the history kept for a bounded ghost table of
 the last G evictions (``--ghosts``).
 
@@ -26,6 +28,7 @@ Command (~50 min on a 2-core CPU, most of it training the learned keys; needs
 both traces, ~10 min each):
   python -m experiments.trace && python -m experiments.trace --prompt_file=heldout
   python -m experiments.policies
+  python -m experiments.trace --prompt_file=test && python -m experiments.policies --trace=test
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from models import text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "traces.npz to report on (default: the newest full "
-                    "trace of the held-out text).")
+                    "trace of the held-out text; 'test': of the test text, on which "
+                    "nothing was chosen).")
 flags.DEFINE_string("train_trace", None, "traces.npz the learned key is trained on "
                     "(default: the newest full trace of the pydoc text; 'none': no "
                     "learned key).")
@@ -151,7 +155,8 @@ def train_keys(train_data, names, out):
 
 def main(argv):
   del argv
-  path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace(text.HELDOUT)
+  path = (common.latest_trace(text.TEST) if FLAGS.trace == text.TEST else
+          pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace(text.HELDOUT))
   train_path = (None if FLAGS.train_trace == "none" else
                 pathlib.Path(FLAGS.train_trace) if FLAGS.train_trace else
                 common.latest_trace(None))

@@ -5,7 +5,10 @@ The default corpus is the Python standard library's own ``pydoc_data.topics``
 that runs the tests already has it. Any UTF-8 file can replace it. A second,
 disjoint text (``load_heldout_text``: the docstrings of a fixed list of stdlib
 modules, library documentation rather than the language reference) is for
-evaluating what was trained or tuned on the first.
+evaluating what was trained or tuned on the first. A third (``load_test_text``:
+the docstrings of other stdlib modules) is for final reports only: nothing is
+chosen by its numbers, so a choice made by the held-out text's can be tested on
+it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import numpy as np
 
 
 HELDOUT = "heldout"  # the ``prompt_file`` name of ``load_heldout_text``
+TEST = "test"  # the ``prompt_file`` name of ``load_test_text``
 
 
 def load_text(prompt_file: str | pathlib.Path | None = None) -> str:
-  """The prompt corpus: ``prompt_file``'s text, the pydoc topics (None), or the
-  held-out docstrings (``HELDOUT``; a file of that name: ``./heldout``).
+  """The prompt corpus: ``prompt_file``'s text, the pydoc topics (None), the
+  held-out docstrings (``HELDOUT``; a file of that name: ``./heldout``) or the
+  test docstrings (``TEST``).
 
   The topics dict's values are joined in sorted key order with a blank line
   between topics, so the text (and every token offset into it) is the same on
@@ -29,6 +34,8 @@ def load_text(prompt_file: str | pathlib.Path | None = None) -> str:
   """
   if prompt_file == HELDOUT:
     return load_heldout_text()
+  if prompt_file == TEST:
+    return load_test_text()
   if prompt_file is not None:
     return pathlib.Path(prompt_file).read_text(encoding="utf-8")
   from pydoc_data.topics import topics
@@ -46,15 +53,40 @@ HELDOUT_MODULES = (
     "zipfile")
 
 
+# Modules whose docstrings make the test text: none of the held-out ones.
+TEST_MODULES = (
+    "abc", "ast", "base64", "bisect", "bz2", "calendar", "cmd", "codecs",
+    "concurrent.futures", "configparser", "contextvars", "copy", "difflib", "doctest",
+    "email.utils", "filecmp", "fnmatch", "ftplib", "getopt", "gettext", "glob",
+    "graphlib", "gzip", "hashlib", "hmac", "html.parser", "http.server", "imaplib", "io",
+    "ipaddress", "locale", "lzma", "mailbox", "mimetypes", "multiprocessing.pool",
+    "numbers", "operator", "optparse", "pdb", "platform", "plistlib", "pprint", "queue",
+    "sched", "secrets", "selectors", "shelve", "shlex", "smtplib", "struct", "tempfile",
+    "timeit", "tokenize", "traceback", "types", "urllib.request", "warnings", "wave",
+    "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zoneinfo")
+
+
 @functools.lru_cache(maxsize=1)
 def load_heldout_text() -> str:
-  """~240K characters of stdlib docstrings: each module's, then those of its public
-  classes and functions defined there (longer than 80 characters), sorted by name."""
+  """~240K characters of stdlib docstrings (``HELDOUT_MODULES``)."""
+  return _docstrings(HELDOUT_MODULES)
+
+
+@functools.lru_cache(maxsize=1)
+def load_test_text() -> str:
+  """Stdlib docstrings of ``TEST_MODULES`` (none of the held-out text's), for
+  final reports of what was chosen on the held-out text."""
+  return _docstrings(TEST_MODULES)
+
+
+def _docstrings(modules) -> str:
+  """Each module's docstring, then those of its public classes and functions
+  defined there (longer than 80 characters), sorted by name."""
   import importlib
   import inspect
   import warnings
   parts = []
-  for name in HELDOUT_MODULES:
+  for name in modules:
     module = importlib.import_module(name)
     if doc := inspect.getdoc(module):
       parts.append(doc)

@@ -116,7 +116,7 @@ def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
       assert got == (want[0] if want[1] >= min_match else -7), (history, min_match)
 
 
-def test_heldout_text_is_disjoint_from_the_training_text():
+def test_heldout_and_test_texts_are_disjoint_from_the_training_text():
   heldout = text.load_heldout_text()
   assert len(heldout) > 100_000
   train = text.load_text()
@@ -124,6 +124,14 @@ def test_heldout_text_is_disjoint_from_the_training_text():
   probes = [heldout[i:i + 200] for i in range(0, len(heldout) - 200, 20_011)]
   assert probes and not any(p in train for p in probes)
   assert text.load_text(text.HELDOUT) == heldout  # --prompt_file=heldout
+
+  # The test text (final reports only) shares no module, and no long passage, with
+  # either.
+  test = text.load_test_text()
+  assert len(test) > 100_000 and not set(text.TEST_MODULES) & set(text.HELDOUT_MODULES)
+  probes = [test[i:i + 200] for i in range(0, len(test) - 200, 20_011)]
+  assert probes and not any(p in train or p in heldout for p in probes)
+  assert text.load_text(text.TEST) == test  # --prompt_file=test
 
 
 def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypatch):
