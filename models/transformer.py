@@ -438,8 +438,9 @@ def _prompt_layers(cfg: ModelConfig, weights, tokens, block: int, keep_kv: bool,
     v = jnp.einsum("rpe,ehd->rphd", h, w["wv"], precision=PRECISION)
     attn = causal_attention(q, k, v, block)  # [R, P, Hq, D]
     x = x + jnp.einsum("rphd,hde->rpe", attn, w["wo"], precision=PRECISION)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+    # Its own name: ``h`` stays the attention input the selectors read.
+    mlp_in = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
+    x = x + gated_mlp(mlp_in, w["w_gate"], w["w_up"], w["w_down"])
     if not keep_kv:
       return x, None
     return x, ((k, v, h) if keep_inputs else (k, v))

@@ -230,6 +230,34 @@ def test_tiny_random_model_cached_decode_matches_forward():
                                atol=1e-5)
 
 
+def test_prompt_inputs_are_each_layers_attention_input():
+  """The normalised inputs ``apply_prefill_with_inputs`` returns (DSA builds its
+  prompt keys from them) are each layer's attention input, as the chunked
+  prefill stages and decode reads: layer 0's against a float64 RMSNorm of the
+  embeddings, every layer's against the chunked prefill's. (They were the MLP's.)"""
+  from models.transformer import apply_prefill_chunk, apply_prefill_with_inputs
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=3,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny")
+  weights = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(99))))
+  weights = weights.weights()
+  rng = np.random.default_rng()
+  tokens = rng.integers(0, 64, (2, 24)).astype(np.int32)
+  lens = np.array([24, 17], np.int32)
+  _, _, _, h = apply_prefill_with_inputs(cfg, weights, jnp.asarray(tokens),
+                                         jnp.asarray(lens))
+  assert h.shape == (3, 2, 24, 32)
+  x0 = np.asarray(weights["embed"], np.float64)[tokens]
+  scale = np.asarray(weights["attn_norm"][0], np.float64)
+  want = scale * x0 / np.sqrt((x0 * x0).mean(-1, keepdims=True) + cfg.rms_eps)
+  np.testing.assert_allclose(np.asarray(h[0]), want, rtol=1e-5, atol=1e-6)
+  stage = (jnp.zeros((3, 24, 2, 8)), jnp.zeros((3, 24, 2, 8)), jnp.zeros((3, 24, 32)))
+  _, _, _, stage_x = apply_prefill_chunk(cfg, weights, *stage, jnp.asarray(tokens[1]),
+                                         0, 17)
+  np.testing.assert_allclose(np.asarray(h[:, 1, :17]), np.asarray(stage_x[:, :17]),
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["sparse", "tiered"])
 def test_a_bf16_model_serves(backend):
   """A bf16 model (the GPU serve section's Qwen3-8B-like one) through the serving
