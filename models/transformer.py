@@ -243,8 +243,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   group = num_q_heads // num_kv_heads
   row = num_kv_heads * head_dim
   eye = jnp.eye(num_kv_heads, dtype=q.dtype)
+  # HIGHEST: a dot_general without contraction may still round q to TF32 on a GPU.
   q_blocks = jnp.einsum("rjgd,kj->rkdjg", q.reshape(num_req, num_kv_heads, group,
-                                                    head_dim), eye)
+                                                    head_dim), eye, precision=PRECISION)
   q_blocks = q_blocks.reshape(num_req, row, num_q_heads)  # [R, Hkv * D, Hq]
   scores = jnp.einsum("rtc,rcn->rtn", k.reshape(num_req, length, row), q_blocks,
                       precision=PRECISION) * head_dim ** -0.5  # [R, T, Hq]

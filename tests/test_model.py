@@ -195,6 +195,16 @@ def test_dense_attend_writes_then_attends_inclusive():
   np.testing.assert_array_equal(cache_lib.advance(new).lens, [6, 12])
 
 
+def test_decode_attention_asks_every_dot_for_full_f32():
+  """Every dot of the dense decode attention at HIGHEST precision: one left at the
+  default (the block-diagonal query's, which contracts nothing) may round q to
+  TF32 on a GPU."""
+  q, k = jnp.ones((1, 4, 8)), jnp.ones((1, 5, 2, 8))
+  text_ = jax.jit(decode_attention).lower(q, k, k, jnp.ones((1, 5), bool)).as_text()
+  dots = [line for line in text_.splitlines() if "dot_general" in line]
+  assert len(dots) == 3 and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+
+
 def test_decode_attention_ignores_invisible_rows():
   """Masked positions never contribute (so stale cache rows past lens are safe)."""
   rng = np.random.default_rng(2)
