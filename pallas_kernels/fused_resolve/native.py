@@ -42,6 +42,9 @@ _TARGET = "kvtier_resolve_fetch"
 # -ffp-contract=off: no contraction the source does not write (its one FMA is explicit).
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 _BUILD_TIMEOUT_S = 300
+# The call's ``keyed`` attribute: LRU, or a keyed policy whose score EMA rounds
+# once (an FMA, as XLA:CPU contracts it on FMA hosts) or twice.
+_LRU, _KEYED_ONE_ROUNDING, _KEYED_TWO_ROUNDINGS = 0, 1, 2
 
 
 def _compiler() -> list[str] | None:
@@ -234,7 +237,7 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
       jnp.asarray(page_table, jnp.int32), host_k, host_v, rows_new(k_new),
       rows_new(v_new), *cache,
       max_len=np.int64(max_len), page_size=np.int64(page_size), share=np.int64(share),
-      keyed=np.int64(0 if score_decay is None else
-                     1 if xla_contracts_multiply_add() else 2),
+      keyed=np.int64(_LRU if score_decay is None else _KEYED_ONE_ROUNDING
+                     if xla_contracts_multiply_add() else _KEYED_TWO_ROUNDINGS),
       score_decay=np.float32(0.0 if score_decay is None else score_decay))
   return LayerResult(CacheArrays(*updated), slot, is_miss, status, target)
