@@ -89,6 +89,14 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
                .set(np.nextafter(np.float32(1), np.float32(2))))
   with pytest.raises(ValueError, match="another model"):
     draft_head.load(path, num_layers=cfg.num_layers, weights=tuned)
+  # A fine-tune of one element of one layer's weight, anywhere in it.
+  name = sorted(k for k in weights if k not in ("embed", "final_norm"))[
+      rng.integers(len(weights) - 2)]
+  flat = np.asarray(weights[name]).ravel().copy()
+  flat[rng.integers(flat.size)] += np.float32(1e-3)
+  tuned = dict(weights, **{name: jnp.asarray(flat.reshape(weights[name].shape))})
+  with pytest.raises(ValueError, match="another model"):
+    draft_head.load(path, num_layers=cfg.num_layers, weights=tuned)
   (path / "draft_head.json").write_text(json.dumps({"format": "other"}))
   with pytest.raises(ValueError, match="format"):
     draft_head.load(path)
