@@ -545,6 +545,34 @@ def test_a_native_build_clears_what_a_killed_build_left(monkeypatch, tmp_path):
       [path.name, path.with_suffix(".lock").name, other.name])
 
 
+def test_a_native_build_keeps_only_the_most_recently_loaded_other_libraries(
+    monkeypatch, tmp_path):
+  """Libraries of other sources pile up in the cache as checkouts change; a build
+  keeps the ``_KEEP_LIBRARIES`` most recently loaded (touched) ones with their
+  locks, whatever their names' order, and removes the rest."""
+  import sys  # noqa: PLC0415
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path))
+  path = native.library_path()
+  path.parent.mkdir(parents=True)
+  rng = np.random.default_rng()
+  count = native._KEEP_LIBRARIES + int(rng.integers(1, 5))
+  loaded_at = rng.permutation(count) * 100.0 + 1e9  # distinct times, random order
+  others = [path.parent / f"fused_resolve-{i:016x}.so" for i in range(count)]
+  for other, when in zip(others, loaded_at):
+    other.write_bytes(b"old")
+    other.with_suffix(".lock").write_bytes(b"")
+    os.utime(other, (when, when))
+  compiler = tmp_path / "cc.py"
+  compiler.write_text("import sys\n"
+                      "open(sys.argv[sys.argv.index('-o') + 1], 'wb').write(b'built')\n")
+  native._build(path, [sys.executable, str(compiler)])
+  newest = np.argsort(-loaded_at)[:native._KEEP_LIBRARIES]
+  kept = {path.name, path.with_suffix(".lock").name}
+  kept |= {others[i].name for i in newest} | {others[i].with_suffix(".lock").name
+                                               for i in newest}
+  assert {p.name for p in path.parent.iterdir()} == kept
+
+
 def _ranking(rng, slot_pos, seq, m):
   """i32[R, U, m] distinct best-first positions per row: some held by the row's
   slots (committed or not), some not held, the newest, -1 padding anywhere."""

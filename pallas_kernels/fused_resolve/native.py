@@ -42,6 +42,9 @@ _TARGET = "kvtier_resolve_fetch"
 # -ffp-contract=off: no contraction the source does not write (its one FMA is explicit).
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 _BUILD_TIMEOUT_S = 300
+# Libraries of other sources (older checkouts, other jaxlibs) kept in the cache
+# beside a new build: the most recently loaded ones.
+_KEEP_LIBRARIES = 8
 # The call's ``keyed`` attribute: LRU, or a keyed policy whose score EMA rounds
 # once (an FMA, as XLA:CPU contracts it on FMA hosts) or twice.
 _LRU, _KEYED_ONE_ROUNDING, _KEYED_TWO_ROUNDINGS = 0, 1, 2
@@ -80,6 +83,19 @@ def _build(path: pathlib.Path, compiler: list[str]) -> None:
                       str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
                      text=True, timeout=_BUILD_TIMEOUT_S)
       os.replace(out, path)
+    _prune_other_libraries(path)
+
+
+def _prune_other_libraries(path: pathlib.Path) -> None:
+  """Removes all but the ``_KEEP_LIBRARIES`` most recently loaded libraries of
+  other sources (each load touches its file). A process that has one loaded keeps
+  it (POSIX unlinks a mapped file lazily); a checkout that loads one again later
+  builds it again."""
+  others = sorted((p for p in path.parent.glob("fused_resolve-*.so") if p != path),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+  for stale in others[_KEEP_LIBRARIES:]:
+    stale.unlink(missing_ok=True)
+    stale.with_suffix(".lock").unlink(missing_ok=True)
 
 
 @functools.cache
@@ -100,6 +116,10 @@ def _load() -> str | None:
       path.unlink(missing_ok=True)
       _build(path, compiler)
       symbol = ctypes.cdll.LoadLibrary(str(path)).KvtierResolveFetch
+    try:
+      os.utime(path)  # recently loaded: kept when other builds prune the cache
+    except OSError:  # a read-only cache: nothing prunes it either
+      pass
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(symbol), platform="cpu")
   except subprocess.CalledProcessError as err:
     return f"compiling {_SOURCE.name} failed:\n{err.stderr}"
