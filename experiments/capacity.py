@@ -100,6 +100,7 @@ def measured_row(num_layers: int | None = None):
   import jax
   from models import setup
   from kvtier_jax import state as kv_state
+  from kvtier_jax.selectors.base import state_bytes
   from models import backends
   model, _, ids = setup.load_model_and_prompt(None, 2048, num_layers=num_layers)
   selector, _ = setup.build_selector("quest", model.cfg, 256)
@@ -111,6 +112,7 @@ def measured_row(num_layers: int | None = None):
   host = kv_state.array_bytes_by_memory_kind(tier).get(kv_state.host_memory_kind(), 0)
   scratch = runner.tier_cfg.page_bytes
   sel = sum(x.nbytes for x in jax.tree.leaves(runner.carry.sel))
+  charged = model.cfg.num_layers * state_bytes(selector, 2049)  # what admission charges
   cfg = preset("smollm2_135m").replace(num_layers=model.cfg.num_layers)
   want = capacity.request_bytes(cfg, 2049, 512)
   return dict(model="smollm2_135m (measured)", layers=cfg.num_layers, context=2049,
@@ -119,8 +121,10 @@ def measured_row(num_layers: int | None = None):
               host_MiB=host / 2**20, host_scratch_MiB=scratch / 2**20,
               host_formula_MiB=want.host / 2**20, selector_MiB=sel / 2**20,
               selector_formula_MiB=want.selector_state / 2**20,
+              selector_charged_MiB=charged / 2**20,
               kv_agrees=(hot, meta, host - scratch) == (want.hot_kv, want.metadata,
-                                                        want.host))
+                                                        want.host),
+              selector_agrees=sel == charged)
 
 
 def main(argv):
@@ -151,7 +155,10 @@ def main(argv):
   if measured:
     text += ["", "## Measured on SmolLM2 + Quest (tiered, B=512, 2049 positions; "
              "kv_agrees: hot, metadata and host_MiB less host_scratch_MiB, the page "
-             "pool's scratch page, equal their formulas)",
+             "pool's scratch page, equal their formulas; selector_formula_MiB is the "
+             "paper's (model dtype, no rings), selector_charged_MiB what admission "
+             "charges for this project's f32 state in whole pages with its ring, "
+             "selector_agrees: equal to the measured)",
              common.markdown_table([measured], list(measured))]
   (out / "table.md").write_text("\n".join(text) + "\n")
   # Contexts where no full-KV request fits have no ratio (the table says so).

@@ -70,6 +70,10 @@ def test_capacity_measured_kv_bytes_agree_with_the_formula(tmp_path):
   assert measured["host_MiB"] - measured["host_scratch_MiB"] == pytest.approx(
       measured["host_formula_MiB"])
   assert measured["kv_agrees"] is True
+  # What admission charges for the selector state (whole Quest pages, the ring)
+  # is what the runner holds: 2049 positions end a page late.
+  assert measured["selector_agrees"] is True
+  assert measured["selector_MiB"] == pytest.approx(measured["selector_charged_MiB"])
 
 
 def test_step_time_counts_cache_traffic_over_the_timed_steps_only():

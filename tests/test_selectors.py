@@ -638,10 +638,13 @@ def test_a_step_run_twice_at_one_position_is_the_second_run(sel):
     OracleSelector(top_k=16, granularity="kv_head", **HEADS),
 ], ids=["quest", "quest_fractional", "dsa", "nsa", "nsa_fractional", "oracle"])
 def test_state_bytes_match_init_state(sel):
-  """What admission charges a request (``state_bytes``: per token, plus the rings)
-  is what ``init_state`` allocates for it, at two lengths."""
+  """What admission charges a request (``state_bytes``: per token in whole pages
+  or strides, plus the rings) is what ``init_state`` allocates for it, at lengths
+  on and off the page grid."""
   num_layers, num_req = 2, 3
-  for max_len in (96, 192):
+  rng = np.random.default_rng()
+  for max_len in (96, 192, *rng.integers(97, 400, 3)):
+    max_len = int(max_len)
     state = sel.init_state(num_layers, num_req, max_len)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     assert all(leaf.shape[0] == num_layers for leaf in jax.tree.leaves(state))

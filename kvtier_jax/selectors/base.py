@@ -95,6 +95,10 @@ class Selector(Protocol):
   # request that do not grow with the context (the rings of ``write_recent``);
   # ``state_bytes`` reads 0 where a selector has none.
   #
+  # Optional: ``state_block_tokens() -> int``, the positions one unit of the
+  # growing state covers (a Quest page, an NSA stride): a request holds whole
+  # units, so ``state_bytes`` rounds its length up to them (1 where absent).
+  #
   # Optional: ``state_capacity(state) -> int``, the positions a state holds (its
   # writes past them are dropped inside jit); ``check_state_capacity`` compares it
   # with the cache's max_len.
@@ -108,7 +112,10 @@ class Selector(Protocol):
 def state_bytes(selector, length: int) -> int:
   """Resident bytes of one layer's state for a request of ``length`` tokens."""
   fixed = getattr(selector, "state_bytes_per_request", None)
-  return math.ceil(selector.state_bytes_per_token() * length) + (fixed() if fixed else 0)
+  block = getattr(selector, "state_block_tokens", None)
+  block = block() if block else 1
+  held = -(-length // block) * block  # whole units of the growing state
+  return math.ceil(selector.state_bytes_per_token() * held) + (fixed() if fixed else 0)
 
 
 def check_state_capacity(selector, state, max_len: int) -> None:

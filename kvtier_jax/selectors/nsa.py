@@ -250,6 +250,10 @@ class NSASelector:
     """One f32 key sum per KV head per compression block, a block every d tokens."""
     return per_token(self.num_kv_heads * self.head_dim * 4, self.cmp_stride)
 
+  def state_block_tokens(self) -> int:
+    """One key sum per ``cmp_stride`` positions, for every started stride."""
+    return self.cmp_stride
+
   def state_bytes_per_request(self) -> int:
     """The last ``cmp_block`` raw f32 keys."""
     return self.cmp_block * self.num_kv_heads * self.head_dim * 4

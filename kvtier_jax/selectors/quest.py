@@ -210,6 +210,10 @@ class QuestSelector:
     """Max and min f32 keys per KV head, once per page."""
     return per_token(2 * self.num_kv_heads * self.head_dim * 4, self.page_size)
 
+  def state_block_tokens(self) -> int:
+    """Bounds are kept per whole page."""
+    return self.page_size
+
   def state_bytes_per_request(self) -> int:
     """The current page's raw f32 keys."""
     return self.page_size * self.num_kv_heads * self.head_dim * 4
