@@ -385,7 +385,8 @@ def lower_step(cfg: TierConfig):
   _, state = _abstract_state(cfg)
   sds = lambda shape, dt=cfg.dtype: jax.ShapeDtypeStruct(shape, dt, sharding=dev)
   L, R = cfg.num_layers, cfg.num_requests
-  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units,
+                                     rank_depth=cfg.policy.rank_depth)
   step = jax.jit(functools.partial(decode.decode_step, cfg, selector), donate_argnums=(0,))
   return deviceless.lower_for_cuda(
       step, state, sds((L, R, cfg.num_q_heads, cfg.head_dim)),
@@ -439,7 +440,8 @@ def lower_full_kv(cfg: TierConfig):
   L, R = cfg.num_layers, cfg.num_requests
   state_shape = (L, R, cfg.max_len, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
   state = full_kv.FullKVState(sds(state_shape), sds(state_shape), sds((R,), jnp.int32))
-  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units)
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, cfg.num_units,
+                                     rank_depth=cfg.policy.rank_depth)
   step = jax.jit(lambda s, q, k, v: full_kv.full_kv_decode_step(cfg, selector, s, q, k, v),
                  donate_argnums=(0,))
   heads = lambda h: sds((L, R, h, cfg.head_dim))
@@ -533,7 +535,8 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   L, R, D = cfg.num_layers, cfg.num_requests * data, cfg.head_dim
   sds = lambda heads: jax.ShapeDtypeStruct(
       (L, R, heads * model, D), cfg.dtype, sharding=jax.sharding.NamedSharding(mesh, rows))
-  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, local.num_units)
+  selector = selectors.ChurnSelector(cfg.max_len // 2, cfg.top_k, local.num_units,
+                                     rank_depth=cfg.policy.rank_depth)
   step = jax.shard_map(functools.partial(decode.decode_step, local, selector), mesh=mesh,
                        in_specs=(specs, rows, rows, rows), out_specs=(rows, specs),
                        check_vma=False)
@@ -702,7 +705,7 @@ def audit_configs(smoke: bool):
        base.replace(impl=fused, policy=PolicyConfig("freq"))),
       (("fused layer kernels, rank policy (victim-key kernel with the rank lookup + "
         "one sort per row)"),
-       base.replace(impl=fused, policy=PolicyConfig("rank"))),
+       base.replace(impl=fused, policy=PolicyConfig("rank", rank_depth=4 * shape["top_k"]))),
       # Writes after reads of the hot cache (the prefetch after the attention, the
       # sharing layers' fetch): each of these copied the whole hot cache once.
       ("GPU default, lookahead prefetch, overlapped hit/miss attention, index "

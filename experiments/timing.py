@@ -90,7 +90,8 @@ def make_inputs(cfg: TierConfig, context: int, seed: int = 0) -> StepInputs:
 
 
 def churn(cfg: TierConfig, context: int, rate: float) -> selectors.ChurnSelector:
-  return selectors.ChurnSelector(context, cfg.select_width, cfg.num_units, rate)
+  return selectors.ChurnSelector(context, cfg.top_k, cfg.num_units, rate,
+                                 rank_depth=cfg.policy.rank_depth)
 
 
 def time_full_kv(cfg: TierConfig, selector, inputs: StepInputs, warmup: int,

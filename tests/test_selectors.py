@@ -739,3 +739,36 @@ def test_churn_selector_slides_a_window_of_distinct_positions(prompt_len):
       assert len(set(old[:-1]) - set(new[:-1])) == shift
       rows[layer, r, u] = tuple(old[:-1])
   assert len(set(rows.values())) > len(rows) // 2
+
+
+def test_churn_selector_ranks_the_positions_its_walk_reaches_next():
+  """With ``rank_depth`` m > k, each row is the same selection (the newest last)
+  followed by the m - k positions its window reaches next, in the order they enter
+  (brute force: the windows of the following steps); all m distinct; the "rank"
+  policy may attend its first k."""
+  rng = np.random.default_rng()
+  prompt_len, k = int(rng.integers(64, 200)), int(rng.integers(4, 12))
+  depth, churn = int(rng.integers(k + 1, 4 * k)), 0.5
+  plain = selectors.ChurnSelector(prompt_len, k, num_units=2, churn=churn)
+  ranked = selectors.ChurnSelector(prompt_len, k, num_units=2, churn=churn,
+                                   rank_depth=depth)
+  assert ranked.ranks_best_first(k) and not ranked.ranks_best_first(k - 1)
+  picks = lambda sel, newest: np.asarray(sel.select(None, 1, selectors.StepInputs(
+      None, None, None, jnp.full((3,), newest, jnp.int32)))[0])
+  newest = prompt_len + int(rng.integers(0, 50))
+  rows, now = picks(ranked, newest), picks(plain, newest)
+  assert rows.shape == (3, 2, depth)
+  np.testing.assert_array_equal(rows[..., :k], now)
+  for r, u in np.ndindex(3, 2):
+    row = rows[r, u]
+    assert len(set(row.tolist())) == depth
+    entering = []  # the prompt positions later windows bring, in order
+    for ahead in range(1, prompt_len):
+      for p in picks(plain, newest + ahead)[r, u, :-1]:
+        if p not in now[r, u] and p not in entering:
+          entering.append(p)
+      if len(entering) >= depth - k:
+        break
+    np.testing.assert_array_equal(row[k:], entering[:depth - k])
+  with pytest.raises(ValueError, match="rank_depth"):
+    selectors.ChurnSelector(prompt_len, k, rank_depth=prompt_len + 1)

@@ -59,7 +59,11 @@ class ChurnSelector:
   step ``round(churn * k)`` positions leave and as many never-seen ones enter, so an
   LRU cache of B >= k slots misses about ``churn`` of the selection each step (the
   HiSparse paper measured 13.4% with LRU at B=2k). Positions are distinct by
-  construction; with ``include_newest`` the last entry is the newest position.
+  construction; with ``include_newest`` the selection's last entry is the newest
+  position. ``rank_depth`` > ``top_k``: each row is a ranking for the "rank" policy
+  (``PolicyConfig("rank", rank_depth=m)``), the selection first, then the
+  ``m - top_k`` positions the walk reaches next (best first: the sooner one
+  enters, the better it ranks), so the benchmarks time the rank lookup at depth.
   Stateless: the step counter is the position being decoded. Positions are prompt
   positions, so they are valid from ``newest >= prompt_len`` on (decoding after
   the prompt); earlier, some lie past ``newest``, or the newest is in the window
@@ -71,12 +75,17 @@ class ChurnSelector:
   num_units: int = 1
   churn: float = 0.134
   include_newest: bool = True
+  rank_depth: int = 0
 
   def __post_init__(self):
     if not 0.0 <= self.churn <= 1.0:
       raise ValueError(f"churn={self.churn} must be in [0, 1]")
-    if self.top_k > self.prompt_len:
-      raise ValueError(f"top_k={self.top_k} exceeds prompt_len={self.prompt_len}")
+    if max(self.top_k, self.rank_depth) > self.prompt_len:
+      raise ValueError(f"top_k={self.top_k} or rank_depth={self.rank_depth} exceeds "
+                       f"prompt_len={self.prompt_len}")
+
+  def ranks_best_first(self, top_k: int) -> bool:
+    return top_k == self.top_k  # the selection leads every row
 
   def init_state(self, num_layers: int, num_requests: int, max_len: int):
     return None
@@ -92,6 +101,7 @@ class ChurnSelector:
     prompt_len = self.prompt_len
     window = self.top_k - 1 if self.include_newest else self.top_k
     shift = round(self.churn * window)
+    ahead = max(self.rank_depth - self.top_k, 0)  # the ranking's tail
     mult = next(a for a in range(7919, 1, -1)
                 if math.gcd(a, prompt_len) == 1 and a * prompt_len < 2**31)
     newest = inputs.newest
@@ -101,12 +111,15 @@ class ChurnSelector:
     u = jnp.arange(self.num_units)[None, :, None]
     salt = (layer * 7 + r * 131 + u * 17) * 40503  # per-stream window offset
     start = (salt + step[:, None, None] * shift) % prompt_len
-    idx = (start + jnp.arange(window)[None, None, :]) % prompt_len
+    cols = jnp.arange(window + ahead + self.include_newest)
+    # The walk's step for each column: the newest takes column ``window``, the
+    # ranking's tail follows it (one elementwise op: no concatenation launched).
+    walk = cols - (cols > window) if self.include_newest else cols
+    idx = (start + walk[None, None, :]) % prompt_len
     # One permutation for every stream, each at its own offset. (An offset added
     # after the multiplication too cancelled the window's when mult = -1 mod
     # prompt_len: every stream then selected the same positions.)
     pos = (mult * idx) % prompt_len
     if self.include_newest:
-      last = jnp.broadcast_to(newest[:, None, None], (num_req, self.num_units, 1))
-      pos = jnp.concatenate([pos, last], axis=-1)
+      pos = jnp.where(cols == window, newest[:, None, None], pos)
     return pos.astype(jnp.int32), state
