@@ -287,12 +287,23 @@ def _cache_entry(path: pathlib.Path) -> pathlib.Path:
   return cache_dir() / f"{stem}-{key.hexdigest()}"
 
 
+def _writer_prefix(entry: pathlib.Path) -> str:
+  """The start of this host's temporary file names for ``entry``: the cache
+  directory may be shared by hosts (a network home), and a pid means nothing on
+  another host."""
+  import hashlib
+  import socket
+  host = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+  return f"{entry.name}_h{host}_"
+
+
 def _remove_orphans(entry: pathlib.Path) -> None:
-  """Temporary files of writers that died mid-write (killed: their ``finally``
-  never ran), each up to the model's size."""
+  """Temporary files of this host's writers that died mid-write (killed: their
+  ``finally`` never ran), each up to the model's size."""
   import os
-  for tmp in entry.parent.glob(f"{entry.name}_*_tmp.*"):
-    pid = tmp.name[len(entry.name) + 1:].split("_")[0]
+  prefix = _writer_prefix(entry)
+  for tmp in entry.parent.glob(f"{prefix}*_tmp.*"):
+    pid = tmp.name[len(prefix):].split("_")[0]
     if not pid.isdigit() or int(pid) == os.getpid():
       continue
     try:
@@ -321,7 +332,7 @@ def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]
   _remove_orphans(entry)
   # The PID first (``_remove_orphans`` reads it), then the thread: two threads of
   # one process writing the same entry must not share a temporary file.
-  tmp = entry.with_name(f"{entry.name}_{os.getpid()}_{threading.get_ident()}_tmp")
+  tmp = entry.with_name(f"{_writer_prefix(entry)}{os.getpid()}_{threading.get_ident()}_tmp")
   try:
     _write_durably(tmp.with_suffix(".npz"), lambda f: np.savez(f, **loaded.params))
     head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),

@@ -451,7 +451,8 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
                                                                     monkeypatch):
   """A GGUF rewritten with its size and mtime kept (``cp -p``, ``rsync -t``, an
   unpacked archive) loads its new weights, not the cached ones; a writer killed
-  mid-write leaves temporary files the next write removes."""
+  mid-write leaves temporary files the next write on its host removes (another
+  host's, in a shared cache directory, stay)."""
   import os
   import shutil
 
@@ -472,17 +473,19 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
     f.write(np.float32(value).tobytes())
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
   assert path.stat().st_size == stat.st_size
-  # A dead writer's leftovers, named as _write_cache names its temporary files.
+  # A dead writer's leftovers, named as _write_cache names its temporary files;
+  # another host's writer of the same pid may be alive: its files stay.
   entry = gguf_loader._cache_entry(path)
   dead = 2**22 + 12345  # above Linux's default pid_max: no such process
-  orphans = [entry.with_name(f"{entry.name}_{dead}_tmp").with_suffix(suffix)
-             for suffix in (".npz", ".json")]
-  for orphan in orphans:
+  orphans = [entry.with_name(f"{gguf_loader._writer_prefix(entry)}{dead}_1_tmp")
+             .with_suffix(suffix) for suffix in (".npz", ".json")]
+  elsewhere = entry.with_name(f"{entry.name}_h00000000_{dead}_1_tmp.npz")
+  for orphan in (*orphans, elsewhere):
     orphan.write_bytes(b"half")
   after = gguf_loader.load_gguf(path)
   assert after.params["final_norm"][0] == np.float32(value)
   assert old != np.float32(value)
-  assert not any(orphan.exists() for orphan in orphans)
+  assert not any(orphan.exists() for orphan in orphans) and elsewhere.exists()
   assert gguf_loader.load_gguf(path).params["final_norm"][0] == np.float32(value)
 
 
