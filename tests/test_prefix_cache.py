@@ -313,6 +313,30 @@ class TwoDeviceModel(FakeModel):
   num_partitions: int = 2
 
 
+def test_eviction_ties_go_deepest_first_whatever_the_objects_addresses():
+  """One match stamps a whole path alike (a split's upper node copies the stamp):
+  data-parallel eviction of device 0's nodes A -> B (C below B is device 1's) must
+  give up B's subtree, not A's, in every tree built alike; a tie broken by the
+  nodes' addresses made it differ from run to run (and after a restore)."""
+  rng = np.random.default_rng()
+  clutter = []
+  outcomes = set()
+  for _ in range(40):
+    clutter.extend(object() for _ in range(int(rng.integers(0, 50))))
+    rng.shuffle(clutter)  # fragment the allocator: new nodes land anywhere
+    del clutter[:len(clutter) // 2]
+    tree = RadixCache(2, 2)
+    tree.insert([1, 1, 2, 2], [0, 1])  # A + B on device 0 (pages < 10)
+    tree.insert([1, 1, 2, 2, 3, 3], [0, 1, 10])  # C on device 1
+    tree.match_prefix([1, 1])  # splits A | B
+    tree.match_prefix([1, 1, 2, 2, 3, 3])  # one stamp for A, B and C
+    freed = tree.evict(1, lambda pages: sum(p < 10 for p in pages),
+                       where=lambda pages: pages[0] < 10)
+    assert freed == 1
+    outcomes.add(tuple(sorted(tree.held_pages())))
+  assert outcomes == {(0,)}
+
+
 def test_data_parallel_partitions_keep_pages_on_their_device_and_tokens_exact():
   """With one host tier per device a slot only ever holds its device's pages (the
   pool's check), prefixes are shared within a device, and under page pressure
@@ -345,11 +369,14 @@ def test_data_parallel_engine_places_a_request_with_its_cached_prefix():
   assert again.output == solo(TwoDeviceModel, again.prompt, 4)
 
 
-def test_a_request_placed_off_its_prefix_device_pins_none_of_its_pages():
+@pytest.mark.parametrize("more_chunks", [0, 1])
+def test_a_request_placed_off_its_prefix_device_pins_none_of_its_pages(more_chunks):
   """The prefix lives on device 0 but its slots are taken: the request goes to
   device 1 and shares nothing. From admission on it must not lock the prefix's
   node (device 0's pages, which it does not use), so device 0 can still evict it:
-  checked while its prompt is still prefilling, a chunk a step."""
+  checked while its prompt is still prefilling, a chunk a step, and after. With a
+  whole chunk more than the prefix, the request's own chunk is cached below the
+  prefix's nodes: locking it would pin them (a lock pins every ancestor)."""
   engine = Engine(TwoDeviceModel(num_host_pages=40),
                   EngineConfig(max_step_tokens=8, prefix_cache=True))
   prefix = list(range(1, 25))  # three chunks of 8: 6 pages on device 0
@@ -359,7 +386,7 @@ def test_a_request_placed_off_its_prefix_device_pins_none_of_its_pages():
   fillers = [engine.submit(prefix + [31 + i], 20) for i in range(2)]  # device 0
   while any(f.state is State.WAITING for f in fillers):
     engine.step()
-  away = engine.submit(prefix + [50], 30)
+  away = engine.submit(prefix + list(range(40, 40 + 8 * more_chunks)) + [50], 30)
   while away.state is State.WAITING:
     engine.step()
   assert engine.pool.slot_partition(away.slot) == 1 and away.metrics.cached_tokens == 0
@@ -368,8 +395,14 @@ def test_a_request_placed_off_its_prefix_device_pins_none_of_its_pages():
     engine.abort(f.id)
   def locked(node):
     return node is not None and (node.lock > 0 or any(map(locked, node.children.values())))
-  assert not any(locked(n) for n in engine.radix.root.children.values()
-                 if set(n.pages) & set(held))
+  def prefix_locked():
+    return any(locked(n) for n in engine.radix._nodes() if set(n.pages) & set(held))
+  assert not prefix_locked()
+  while away.state is State.PREFILLING:
+    engine.step()
+    assert not prefix_locked()
+  if more_chunks:  # its own chunk is cached, below the prefix
+    assert any(engine.pool.page_partition(p) == 1 for p in engine.radix.held_pages())
   freed = engine.radix.evict(100, functools.partial(engine.pool.drop, partition=0))
   assert freed == len(held)
   engine.run()

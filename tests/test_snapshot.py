@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, State, snapshot
-from tests.test_prefix_cache import PoisoningModel, shared_prefix_workload
+from tests.test_prefix_cache import PoisoningModel, TwoDeviceModel, shared_prefix_workload
 from tests.test_serving import FakeModel
 
 CONFIG = dict(max_step_tokens=20, prefix_cache=True, disk_pages=20)
@@ -141,6 +141,64 @@ def test_a_snapshot_of_another_shape_is_refused(tmp_path):
   with pytest.raises(snapshot.SnapshotError, match="arrays"):
     snapshot.restore(tmp_path / "snap", ShortModel(num_host_pages=24),
                      EngineConfig(**CONFIG))
+
+
+def test_a_snapshot_of_another_partitioning_or_disk_size_is_refused_before_any_build(
+    tmp_path):
+  """Data-parallel partitions and the disk tier's size are the snapshot's shape
+  too: another count is a ``SnapshotError`` before the engine is built (no disk
+  directory written), both ways."""
+  two = Engine(TwoDeviceModel(), EngineConfig(prefix_cache=True))
+  one = Engine(FakeModel(num_slots=4), EngineConfig(prefix_cache=True))
+  for name, engine in (("two", two), ("one", one)):
+    engine.submit(list(range(1, 30)), 5)
+    engine.step()
+    snapshot.save(engine, tmp_path / name)
+  with pytest.raises(snapshot.SnapshotError, match="num_partitions=2"):
+    snapshot.restore(tmp_path / "two", FakeModel(num_slots=4), EngineConfig(prefix_cache=True))
+  with pytest.raises(snapshot.SnapshotError, match="num_partitions=1"):
+    snapshot.restore(tmp_path / "one", TwoDeviceModel(), EngineConfig(prefix_cache=True))
+  engine, _ = build(0, str(tmp_path / "disk"))
+  snapshot.save(engine, tmp_path / "snap")
+  other = dict(CONFIG, disk_pages=CONFIG["disk_pages"] + 4, disk_dir=str(tmp_path / "d2"))
+  with pytest.raises(snapshot.SnapshotError, match="disk pages"):
+    snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
+                     EngineConfig(**other))
+  assert not (tmp_path / "d2").exists()
+
+
+def test_a_restored_tree_keeps_its_children_order_and_spills_alike(tmp_path):
+  """Data-parallel eviction spills a subtree in its children's order: restored in
+  reverse, the same nodes went to other disk ids. Saving reads the disk without
+  counting it as the engine's reads."""
+  def cache(engine, slot, tokens, before):
+    pool = engine.pool
+    n = len(tokens) // 4 - len(before)
+    assert pool.grow(slot, n)
+    pages = before + pool.table[slot, :n].tolist()
+    adopted, _ = engine.radix.insert(tokens, pages)
+    pool.retain(adopted)
+    pool.release(slot)
+    return pages
+  config = lambda d: EngineConfig(prefix_cache=True, disk_pages=20,
+                                  disk_dir=str(tmp_path / d))
+  engine = Engine(TwoDeviceModel(), config("d0"))
+  a = cache(engine, 0, [1] * 8, [])  # A on device 0
+  for fill in range(2, 2 + int(np.random.default_rng().integers(2, 5))):
+    cache(engine, 2, [1] * 8 + [fill] * 8, a)  # children of A on device 1
+  engine._evict(1, 1)  # one child of A to disk: the save reads it back
+  read = engine.disk.pages_read
+  snapshot.save(engine, tmp_path / "snap")
+  assert engine.disk.pages_read == read
+  restored = snapshot.restore(tmp_path / "snap", TwoDeviceModel(), config("d1"))
+  assert restored.disk.pages_read == read
+  spilled = []
+  for eng in (engine, restored):
+    (node_a,) = eng.radix.root.children.values()
+    order = list(node_a.children)
+    eng._evict(1, 0)  # device 0 needs a page: A and its subtree go to disk
+    spilled.append((order, [node_a.children[k].disk for k in order], node_a.disk))
+  assert spilled[0] == spilled[1]
 
 
 class ShortModel(FakeModel):

@@ -138,8 +138,9 @@ class DiskTier:
       future.result()
     self.pages_written += len(ids)
 
-  def read(self, ids: Sequence[int]) -> list[np.ndarray]:
-    """The pages stored at ``ids``, each field [len(ids), ...]."""
+  def read(self, ids: Sequence[int], *, count: bool = True) -> list[np.ndarray]:
+    """The pages stored at ``ids``, each field [len(ids), ...]; ``count=False``: a
+    read that is not the engine's (a snapshot's) leaves ``pages_read`` alone."""
     self._check_open()
     if self._stores is None or not ids:
       raise ValueError("nothing to read")
@@ -149,7 +150,7 @@ class DiskTier:
       raise ValueError(f"disk pages {bad[:5]} hold nothing")
     index = np.asarray(ids)
     futures = [store.oindex[index].read() for store in self._stores]
-    self.pages_read += len(ids)
+    self.pages_read += len(ids) if count else 0
     return [future.result() for future in futures]
 
   def free(self, ids: Sequence[int]) -> None:

@@ -809,12 +809,15 @@ class Engine:
       node = node.parent
     return node
 
-  def _relock(self, node, pages: list[int]):
-    """Moves a lock from ``node`` to ``_holder(node, pages)``; returns that node."""
-    keep = self._holder(node, pages)
-    if keep is not node:
-      self.radix.lock(keep)
-      self.radix.unlock(node)
+  def _own_path_end(self, node, pages: list[int]):
+    """The deepest node on ``node``'s path whose path from the root holds only
+    ``pages`` (the request's own, at their depths): a lock pins every ancestor,
+    so a request pins nothing above a node that is not its own."""
+    keep = node
+    while node.parent is not None:
+      if not self.radix.holds(node, pages):
+        keep = node.parent
+      node = node.parent
     return keep
 
   def _cache_prompt(self, req: Request) -> None:
@@ -835,13 +838,15 @@ class Engine:
       return
     adopted, node = self.radix.insert(req.prompt[:length], pages)
     self.pool.retain(adopted)
-    # Lock the deepest node whose pages this request holds. Where the tree kept its
-    # own copy of a chunk the request computed again (a prompt of whole chunks, all
-    # cached: its last chunk is always computed; a prefix cached on another
-    # device), that copy is not the request's to pin: locked, it could never be
-    # evicted while the request needs pages.
+    # Lock the deepest node of a path of this request's own pages. Where the tree
+    # kept its own copy of a chunk the request computed again (a prompt of whole
+    # chunks, all cached: its last chunk is always computed; a prefix cached on
+    # another device, with the request's further chunks hung below it), that copy
+    # is not the request's to pin: locked, it could never be evicted while the
+    # request runs. Nodes below the lock stay alive through the request's page
+    # references.
+    node = self._own_path_end(node, pages)
     self.radix.lock(node)
-    node = self._relock(node, pages)
     if req.radix_node is not None:
       self.radix.unlock(req.radix_node)
     req.radix_node = node

@@ -220,18 +220,20 @@ class RadixCache:
     suffix cannot outlive its prefix)."""
     freed = self._evict_leaves(num_pages, drop, spill, where)
     while where is not None and freed < num_pages:
-      blocked = [(n.last_used, id(n), n) for n in self._nodes()
+      order = self._tie_order()
+      blocked = [(n.last_used, order[id(n)], n) for n in self._nodes()
                  if n.pages and not n.lock and where(n.pages)]
       if not blocked:
         break
-      for node in self._host_post_order(min(blocked)[2]):
+      for node in self._host_post_order(min(blocked, key=lambda t: t[:2])[2]):
         freed += self._give_up(node, drop, spill)
       freed += self._evict_leaves(num_pages - freed, drop, spill, where)
     return freed
 
   def _evict_leaves(self, num_pages, drop, spill, where) -> int:
     evictable = lambda n: self._evictable(n) and (where is None or where(n.pages))
-    leaves = [(n.last_used, id(n), n) for n in self._nodes() if evictable(n)]
+    order = self._tie_order()
+    leaves = [(n.last_used, order[id(n)], n) for n in self._nodes() if evictable(n)]
     heapq.heapify(leaves)
     freed = 0
     while leaves and freed < num_pages:
@@ -239,8 +241,19 @@ class RadixCache:
       parent = leaf.parent
       freed += self._give_up(leaf, drop, spill)
       if evictable(parent):
-        heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        heapq.heappush(leaves, (parent.last_used, order[id(parent)], parent))
     return freed
+
+  def _tie_order(self) -> dict[int, tuple[int, int]]:
+    """id(node) -> (-depth, rank): among nodes of one LRU stamp (a matched path
+    shares one) the deepest goes first, then the tree's own order. Never the
+    objects' addresses: a restored engine (new objects, the same tree) must evict
+    as the original would."""
+    order, depth = {}, {id(self.root): 0}
+    for rank, node in enumerate(self._nodes()):
+      depth[id(node)] = depth[id(node.parent)] + 1
+      order[id(node)] = (-depth[id(node)], rank)
+    return order
 
   def _give_up(self, leaf: Node, drop, spill) -> int:
     """``leaf``'s host pages to disk (``spill``, room permitting) or forgotten with
@@ -294,7 +307,8 @@ class RadixCache:
       n = stack.pop()
       inside.add(id(n))
       stack.extend(n.children.values())
-    leaves = [(n.last_used, id(n), n) for n in self._nodes()
+    order = self._tie_order()
+    leaves = [(n.last_used, order[id(n)], n) for n in self._nodes()
               if n.disk and not n.children and not n.lock and id(n) not in inside]
     heapq.heapify(leaves)
     while leaves and self.disk.num_free < num_pages:
@@ -302,7 +316,7 @@ class RadixCache:
       parent = leaf.parent
       self._remove(leaf)
       if parent.disk and not parent.children and not parent.lock:
-        heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        heapq.heappush(leaves, (parent.last_used, order[id(parent)], parent))
 
   def _nodes(self):
     stack = [self.root]

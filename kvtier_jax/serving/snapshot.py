@@ -58,7 +58,7 @@ def save(engine: Engine, path: str | os.PathLike) -> None:
     raise FileExistsError(f"{path} exists; a snapshot goes to a new directory")
   leaves = list(engine.model.snapshot(engine.state))
   disk_ids = [] if engine.disk is None else engine.radix.disk_pages()
-  disk_fields = engine.disk.read(disk_ids) if disk_ids else []
+  disk_fields = engine.disk.read(disk_ids, count=False) if disk_ids else []
   groups = [("model", leaves), ("disk", disk_fields)]
   groups += [(f"imported:{r.id}", r.imported[2]) for r in engine.requests.values()
              if r.imported is not None and not r.state.done]
@@ -119,14 +119,21 @@ def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(
       raise SnapshotError(f"{path}: array {spec['name']} is corrupt (checksum mismatch)")
     groups[spec["kind"]].append(array)
   books = meta["books"]
-  for field in _SHAPE_FIELDS:
-    if books["model"][field] != getattr(model, field):
-      raise SnapshotError(f"{path}: saved with {field}={books['model'][field]}, the model "
-                          f"has {getattr(model, field)}")
+  saved = dict(books["model"])
+  # Older snapshots did not name their partitions: their pool's free lists do.
+  saved.setdefault("num_partitions", len(books["pool"]["free"]))
+  for field in (*_SHAPE_FIELDS, "num_partitions"):
+    here = getattr(model, field, 1) if field == "num_partitions" else getattr(model, field)
+    if saved[field] != here:
+      raise SnapshotError(f"{path}: saved with {field}={saved[field]}, the model "
+                          f"has {here}")
   if bool(books["radix"]) != config.prefix_cache or (
       bool(books["disk"]) != bool(config.disk_pages)):
     raise SnapshotError(f"{path}: saved with prefix_cache={bool(books['radix'])}, disk tier "
                         f"{bool(books['disk'])}; the config differs")
+  if books["disk"] and books["disk"]["num_pages"] != config.disk_pages:
+    raise SnapshotError(f"{path}: saved with {books['disk']['num_pages']} disk pages; the "
+                        f"config has {config.disk_pages}")
   try:
     state = model.restore_state(groups["model"])
   except ValueError as err:
@@ -152,7 +159,7 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
       nodes.append(dict(parent=index.get(id(node.parent)), key=list(node.key),
                         pages=list(map(int, node.pages)), disk=list(map(int, node.disk)),
                         lock=node.lock, last_used=node.last_used))
-      stack.extend(node.children.values())
+      stack.extend(reversed(node.children.values()))  # restored in this order
   requests = []
   for req in engine.requests.values():
     requests.append(dict(
@@ -167,7 +174,8 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
   pool = engine.pool
   disk = engine.disk
   return dict(
-      model={f: getattr(engine.model, f) for f in _SHAPE_FIELDS},
+      model={**{f: getattr(engine.model, f) for f in _SHAPE_FIELDS},
+             "num_partitions": engine.pool.partitions},
       now=engine.now(), steps=engine.steps, admitted=engine._admitted,
       device_in_use=engine._device_in_use, prompt_tokens=engine.prompt_tokens,
       cached_tokens=engine.cached_tokens, disk_loaded_tokens=engine.disk_loaded_tokens,
@@ -200,10 +208,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
     radix.num_pages = len(radix.held_pages())
     radix.num_disk_pages = len(radix.disk_pages())
   if books["disk"]:
-    spec, disk = books["disk"], engine.disk
-    if spec["num_pages"] != disk.num_pages:
-      raise SnapshotError(f"saved with {spec['num_pages']} disk pages; the config has "
-                          f"{disk.num_pages}")
+    spec, disk = books["disk"], engine.disk  # its size was checked by restore
     if spec["ids"]:
       disk.write_at(spec["ids"], groups["disk"])
     disk._free = list(spec["free"])
@@ -212,10 +217,7 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
   pool = engine.pool
   pool.table[...] = np.asarray(books["pool"]["table"], np.int32)
   pool.refs[...] = np.asarray(books["pool"]["refs"], np.int64)
-  free = books["pool"]["free"]
-  if len(free) != pool.partitions:
-    raise ValueError(f"the snapshot's pool has {len(free)} partitions, this engine's "
-                     f"{pool.partitions}")
+  free = books["pool"]["free"]  # one list per partition (checked by restore)
   pool._free = [sorted(stack) for stack in free]  # a heap (older snapshots: a stack)
   for spec in books["requests"]:
     metrics = Metrics(**spec["metrics"])
