@@ -7,7 +7,7 @@ Command (from the repo root on the GPU machine; at most --deadline_s = 560 s of 
 time, every subprocess inside it; rows are appended to $OUT/gpu_check.jsonl as they
 come):
   python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs \
-      --serve_budget_s=180 --budget_s=440 --iters=20 --warmup=3
+      --serve_budget_s=150 --budget_s=440 --iters=20 --warmup=3
 (``triton`` needs jax-triton: carry its wheel and ``pip install --no-deps --target``
 it first; WORKSPACE_NOTES.md, sixteenth session, has the whole device call.)
 Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
@@ -214,8 +214,6 @@ def bench_step(ctx, req, variants, profile=()):
                                         lookahead=bool(lookahead and lookahead[0]))
     if got is None:
       continue
-    if name in profile:
-      device_profile(f"{name}@{ctx}:{req}", got["run"])
     results[name] = ms = got["median_ms"]
     log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
         vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,
@@ -223,6 +221,8 @@ def bench_step(ctx, req, variants, profile=()):
         rows_fetched_per_step=got.get("rows_fetched_per_step"),
         device_gb=round(got["device_bytes"] / 2**30, 3),
         build_and_time_s=round(time.perf_counter() - start, 1))
+    if name in profile:  # after the row: a profiler failure loses no median
+      device_profile(f"{name}@{ctx}:{req}", got["run"])
   return results
 
 
@@ -375,30 +375,41 @@ def run_serve():
   with dummy weights, sparse vs tiered, closed loop (experiments/serve_sweep.py in a
   subprocess; it appends each point to points.jsonl as it ends, so a run cut short
   keeps what it measured)."""
-  out = pathlib.Path(FLAGS.out_dir or "results/gpu_check") / "serve"
+  import tarfile
+  import tempfile
   args = shlex.split(SERVE_SMOKE_ARGS if FLAGS.smoke else FLAGS.serve_args)
   if remaining() < 120:
     log("serve", skipped=f"{remaining():.0f} s left of --deadline_s")
     return
   # New points start until --serve_budget_s; a running one stops at its deadline (its
-  # row marked cut), and the subprocess is killed only past that.
-  cmd = [sys.executable, "-m", "experiments.serve_sweep", f"--out_root={out}",
-         f"--budget_s={min(FLAGS.serve_budget_s, remaining() - 90):.0f}",
-         f"--deadline_s={min(FLAGS.serve_budget_s + 120, remaining() - 30):.0f}", *args]
-  print(" ".join(cmd), flush=True)
-  try:
-    proc = subprocess.run(cmd, timeout=remaining() - 10, capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    if proc.returncode:
-      log("serve", error=f"exit {proc.returncode}", tail=tail)
-  except subprocess.TimeoutExpired:
-    log("serve", error="timed out")
-  for points in sorted(out.glob("serve_sweep/*/points.jsonl")):
-    for line in points.read_text().splitlines():
-      log("serve", **json.loads(line))
-    table = points.parent / "table.md"
-    if table.exists():
-      print(table.read_text(), flush=True)
+  # row marked cut), and the subprocess is killed a minute past that.
+  deadline = min(FLAGS.serve_budget_s + 60, remaining() - 30)
+  with tempfile.TemporaryDirectory(prefix="gpu_check_serve") as tmp:
+    out = pathlib.Path(tmp)
+    cmd = [sys.executable, "-m", "experiments.serve_sweep", f"--out_root={out}",
+           f"--budget_s={min(FLAGS.serve_budget_s, remaining() - 90):.0f}",
+           f"--deadline_s={deadline:.0f}", *args]
+    print(" ".join(cmd), flush=True)
+    try:
+      proc = subprocess.run(cmd, timeout=min(remaining() - 10, deadline + 60),
+                            capture_output=True, text=True)
+      tail = (proc.stdout + proc.stderr)[-3000:]
+      if proc.returncode:
+        log("serve", error=f"exit {proc.returncode}", tail=tail)
+    except subprocess.TimeoutExpired:
+      log("serve", error="timed out")
+    for points in sorted(out.glob("serve_sweep/*/points.jsonl")):
+      for line in points.read_text().splitlines():
+        log("serve", **json.loads(line))
+      table = points.parent / "table.md"
+      if table.exists():
+        print(table.read_text(), flush=True)
+    # The run's files as one archive: the device returns 8 files, 2 folders deep.
+    runs = sorted(out.glob("serve_sweep/*"))
+    if FLAGS.out_dir and runs:
+      with tarfile.open(pathlib.Path(FLAGS.out_dir, "serve_sweep.tar.gz"), "w:gz") as tar:
+        for run in runs:
+          tar.add(run, arcname=run.name)
 
 
 FUSED_TESTS = ("tests/test_kernels.py::test_fused_layer_kernels_match_reference",
@@ -458,21 +469,17 @@ def run_graphs():
           f"--decode_shapes={','.join(FLAGS.decode_shapes)}", "--nofused_tests",
           f"--budget_s={remaining() - 60:.0f}", f"--deadline_s={remaining() - 15:.0f}"]
   argv += ["--smoke"] if FLAGS.smoke else []
-  # Pallas Triton kernels lower to a legacy custom call on jax 0.11, which command
-  # buffers skip unless named (jax-ml/jax#27988); XLA builds without that flag
-  # (jaxlib 0.10.2) refuse it, and emit the kernels as capturable thunks anyway.
-  base = " --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-  legacy = " --legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
-  for extra in (base + legacy, base):
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + extra}
-    try:
-      proc = subprocess.run(argv, env=env, capture_output=True, text=True,
-                            timeout=max(10.0, remaining() - 5))
-    except subprocess.TimeoutExpired:
-      log("graphs", error="timed out", xla_flags=env["XLA_FLAGS"])
-      return
-    if "Unknown flag in XLA_FLAGS" not in proc.stderr:
-      break
+  # jax-ml/jax#27988 names Pallas Triton calls to command buffers with
+  # --legacy_command_buffer_custom_call_targets; jaxlib 0.10.2 and 0.11.2 both
+  # abort on it (an unknown flag: the option is gone), so it is not tried.
+  env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+         + " --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+  try:
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True,
+                          timeout=max(10.0, remaining() - 5))
+  except subprocess.TimeoutExpired:
+    log("graphs", error="timed out", xla_flags=env["XLA_FLAGS"])
+    return
   log("graphs", ok=proc.returncode == 0, xla_flags=env["XLA_FLAGS"],
       tail=proc.stderr.strip().splitlines()[-3:] if proc.returncode else None)
 

@@ -250,8 +250,11 @@ def launches(comps: dict[str, str], name: str) -> int:
       for key in ("condition", "body"):
         total += launches(comps, re.search(key + r"=(%[\w.\-]+)", line).group(1))
     elif op in ("call", "conditional"):
-      called = re.findall(r"(?:to_apply|branch_computations=\{|true_computation|"
-                          r"false_computation)=?(%[\w.\-]+)", line)
+      # Every branch (branch_computations={%a, %b, ...}); the dearest one counts.
+      branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+      called = re.findall(r"(?:to_apply|true_computation|false_computation)=(%[\w.\-]+)",
+                          line)
+      called += re.findall(r"%[\w.\-]+", branches.group(1)) if branches else []
       total += max((launches(comps, c) for c in called), default=0)
     elif op not in _NO_LAUNCH and not op.endswith("-done"):  # a done only waits
       total += 1

@@ -220,6 +220,24 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   assert not [r for r in rows if "error" in r]
 
 
+def test_gpu_check_serve_section_returns_its_files_within_the_device_limits(tmp_path):
+  """The device tool returns at most 8 files, no deeper than two folders under
+  $OUT: the serve section's run (its table, points, requests) comes back as one
+  archive beside gpu_check.jsonl, its points also as rows there."""
+  import tarfile  # noqa: PLC0415
+  run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--sections=serve")
+  files = [p for p in tmp_path.rglob("*") if p.is_file()]
+  assert len(files) <= 8 and all(len(p.relative_to(tmp_path).parts) <= 3 for p in files)
+  rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+  assert not [r for r in rows if "error" in r], rows
+  points = [r for r in rows if r["section"] == "serve" and "cache" in r]
+  with tarfile.open(tmp_path / "serve_sweep.tar.gz") as tar:
+    names = tar.getnames()
+    archived = tar.extractfile(next(n for n in names if n.endswith("/points.jsonl")))
+    assert len(archived.read().decode().splitlines()) == len(points) > 0
+  assert any(n.endswith("/table.md") for n in names)
+
+
 def test_trace_smoke_records_rankings(tmp_path):
   """Best-first selectors also store a top-m ranking that starts with the selection."""
   run("experiments.trace", "--smoke", "--selectors=quest,oracle,nsa",

@@ -134,6 +134,43 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 """
 
 
+TOY_BRANCHES_HLO = """HloModule toy_branches, is_scheduled=true
+
+%one (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  ROOT %f = s32[] fusion(%p), kind=kLoop, calls=%x
+}
+
+%three (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %f1 = s32[] fusion(%p), kind=kLoop, calls=%x
+  %f2 = s32[] fusion(%f1), kind=kLoop, calls=%x
+  ROOT %f3 = s32[] fusion(%f2), kind=kLoop, calls=%x
+}
+
+%two (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %f1 = s32[] fusion(%p), kind=kLoop, calls=%x
+  ROOT %f2 = s32[] fusion(%f1), kind=kLoop, calls=%x
+}
+
+ENTRY %main (i: s32[], b: pred[], a: s32[]) -> s32[] {
+  %i = s32[] parameter(0)
+  %b = pred[] parameter(1)
+  %a = s32[] parameter(2)
+  %c = s32[] conditional(%i, %a, %a, %a), branch_computations={%one, %three, %two}
+  ROOT %d = s32[] conditional(%b, %c, %c), true_computation=%two, false_computation=%one
+}
+"""
+
+
+def test_a_conditional_launches_its_dearest_branch():
+  """Every branch of ``branch_computations={...}`` is read (the first alone was),
+  and a predicated conditional's two: the dearest of each counts, 3 + 2."""
+  comps = hlo_audit._computations(TOY_BRANCHES_HLO)
+  assert hlo_audit.launches(comps, "%main") == 5
+
+
 def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
   # body: fusion, tuple-typed fusion, custom-call-start, an async fusion's start
   # (XLA >= 0.11 runs dynamic slices so; its done only waits), copy (5) + the nested
