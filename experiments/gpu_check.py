@@ -199,7 +199,7 @@ def bench_step(ctx, req, variants, profile=()):
   lookahead prefetches the exact next selection (capped at ``lookahead_cap``).
   """
   inputs = timing.make_inputs(bench_cfg(ctx, req), ctx)
-  results = {}
+  results, full_kv_run = {}, None
   for name, overrides, *lookahead in variants:
     if time.perf_counter() - T0 > FLAGS.budget_s:
       log("timing", ctx=ctx, R=req, variant=name, skipped="time budget")
@@ -215,6 +215,8 @@ def bench_step(ctx, req, variants, profile=()):
     if got is None:
       continue
     results[name] = ms = got["median_ms"]
+    if overrides is None:
+      full_kv_run = got["run"]  # kept: timed again after the variants (drift)
     log("timing", ctx=ctx, R=req, variant=name, median_ms=round(ms, 3),
         vs_full_kv=round(ms / results["full_kv"], 3) if "full_kv" in results else None,
         tokens_per_s=round(1e3 * req / ms), miss_rate=got["miss_rate"],
@@ -223,6 +225,12 @@ def bench_step(ctx, req, variants, profile=()):
         build_and_time_s=round(time.perf_counter() - start, 1))
     if name in profile:  # after the row: a profiler failure loses no median
       device_profile(f"{name}@{ctx}:{req}", got["run"])
+  if "full_kv" in results and len(results) > 1:
+    # The ratios divide by a median timed minutes earlier: full KV again bounds
+    # the drift between (a ratio far from 1 says to distrust vs_full_kv).
+    again = timing.median_ms(full_kv_run, FLAGS.warmup, FLAGS.iters)
+    log("timing", ctx=ctx, R=req, variant="full_kv_again", median_ms=round(again, 3),
+        full_kv_drift=round(again / results["full_kv"], 3))
   return results
 
 

@@ -202,7 +202,9 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   numerics = [r["test"] for r in rows if r["section"] == "numerics" and "test" in r]
   assert len(numerics) == 2 and all("zero_copy" in t for t in numerics)
   timed = {r["variant"] for r in rows if r["section"] == "timing" and "median_ms" in r}
-  assert {"full_kv", "tiered", "tiered_fused", "tiered_overlap_fetch_stream_1"} <= timed
+  assert {"full_kv", "tiered", "tiered_fused", "tiered_overlap_fetch_stream_1",
+          "full_kv_again"} <= timed
+  assert all(r["full_kv_drift"] > 0 for r in rows if r.get("variant") == "full_kv_again")
   built = {r["variant"] for r in rows if r.get("config") == "valid"}
   assert {"tiered_fused_xla_attention", "tiered_fused_index_share_2", "tiered_fused_rank",
           "tiered_overlap", "tiered_sliced_inputs", "tiered_fused_sliced_inputs"} <= built
