@@ -27,8 +27,8 @@ from kvtier_jax import fetch, layer as layer_lib, layer_scan
 from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
 from kvtier_jax.resolve import STATUS_CAPACITY
-from kvtier_jax.selectors.base import (StepInputs, check_ranking, check_state_capacity,
-                                       layer_slice)
+from kvtier_jax.selectors.base import (StepInputs, check_picked, check_ranking,
+                                       check_state_capacity, layer_slice)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 
@@ -94,6 +94,12 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
                                             carry.anchor, carry.ok)
       return out, carry.replace(tier=tier)
     tier = carry.tier
+    want_q = (cfg.num_requests, cfg.num_q_heads, cfg.head_dim)
+    want_kv = (cfg.num_requests, cfg.num_kv_heads, cfg.head_dim)
+    if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
+      # (another head count would regroup the queries silently)
+      raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
+                       f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
     check_state_capacity(selector, carry.sel, cfg.max_len)
     check_ranking(selector, cfg.top_k, cfg.select_width)
     params = None if carry.params is None else layer_slice(carry.params, layer)
@@ -107,6 +113,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     # scatters, 2 launches per state array and layer).
     picked, sel = selector.select(carry.sel, layer,
                                   StepInputs(x, q, k_new, tier.seq_len, layer), params)
+    check_picked(picked)
     if picked.shape[-1] != cfg.select_width:
       raise ValueError(f"selector returned {picked.shape}, expected rows of "
                        f"{cfg.select_width} (top_k={cfg.top_k}, "
@@ -306,6 +313,8 @@ def check_prompt(cfg: TierConfig, k_prompt, v_prompt, prompt_lens) -> None:
   plen = np.shape(k_prompt)[2]
   if plen > cfg.max_len:
     raise ValueError(f"prompt length {plen} exceeds the host tier (max_len={cfg.max_len})")
+  if plen == 0:  # (requests of length 0 are fine, in a batch of P >= 1)
+    raise ValueError("the prompts' K/V hold P = 0 positions; give at least one")
   dtype = (prompt_lens if hasattr(prompt_lens, "dtype") else np.asarray(prompt_lens)).dtype
   if np.shape(prompt_lens) != (cfg.num_requests,) or np.dtype(dtype).kind not in "iu":
     raise ValueError(f"prompt_lens {dtype}{list(np.shape(prompt_lens))} must be "
@@ -331,6 +340,7 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
   that hold copies of the prompt's last row.
   """
   check_prompt(cfg, k_prompt, v_prompt, prompt_lens)
+  prompt_lens = jnp.asarray(prompt_lens)  # (a list passes the check)
   num_layers, num_req, plen = k_prompt.shape[:3]
   shape6 = (num_layers, num_req, plen, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
   k6 = k_prompt.reshape(shape6).astype(state.host_k.dtype)

@@ -91,6 +91,8 @@ class TieredDriver:
     self.check_room(active)
     if active is not None:
       carry = carry.replace(active=jnp.array(active))
+    elif isinstance(carry, decode.TieredCarry):  # it keeps the last call's mask:
+      carry = carry.replace(active=jnp.ones(self.seq_len.shape, bool))  # all rows
     # Committed like the carry the step returns: an argument that is committed in
     # one call and not in the next (logits fed back as tokens) compiles twice.
     out, carry = self._step(carry, *decode.committed(args))

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvtier_jax import attention, layer_scan
 from kvtier_jax.config import TierConfig
-from kvtier_jax.selectors.base import StepInputs, check_state_capacity
+from kvtier_jax.selectors.base import StepInputs, check_picked, check_state_capacity
 
 
 class FullKVState(NamedTuple):
@@ -70,6 +70,7 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
     v_all = v_all.at[layer, r, state.seq_len].set(v_l.reshape(shape).astype(v_all.dtype))
     picked, sel = selector.select(sel, layer, StepInputs(None, q_l, k_l, state.seq_len,
                                                           layer))
+    check_picked(picked)
     if picked.shape[:2] != (num_req, cfg.num_units) or picked.shape[2] < cfg.top_k:
       raise ValueError(f"the selector picked {picked.shape} positions, expected "
                        f"({num_req}, {cfg.num_units}, >= {cfg.top_k}) (R, U, k)")

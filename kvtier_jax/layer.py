@@ -272,7 +272,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       hits=count(state.hits, is_hit),
       misses=count(state.misses, is_miss),
       prefetched=state.prefetched.at[layer].add(prefetched),
-      fetched_rows=state.fetched_rows.at[layer].add(moved),
+      # A refused step moves nothing the caller sees: its transfers (a GPU's first
+      # chunk is gathered whatever the count) are not counted.
+      fetched_rows=state.fetched_rows.at[layer].add(jnp.where(ok, moved, 0)),
   )
   anchor = AnchorResult(res.slot, is_hit, is_miss, target,
                         *(() if plan is None else (prefetch, *plan)))
@@ -321,7 +323,7 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   out, lse = attention.hot_attention(cfg, q, state.hot_k, state.hot_v, layer, res.slot)
   plan = None
   if prefetch is not None:
-    state, plan = _fused_prefetch(cfg, state, layer, prefetch,
+    state, plan = _fused_prefetch(cfg, state, layer, prefetch, res.status == 0,
                                   (res.status == 0) & active, ranks, after=out)
   anchor = None if cfg.index_share == 1 else AnchorResult(
       res.slot, (res.slot >= 0) & ~res.is_miss, res.is_miss, res.target,
@@ -329,12 +331,12 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   return out, lse, state, res.status, anchor
 
 
-def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, row_ok,
+def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, ok, row_ok,
                     ranks=None, *, after):
   """The lookahead prefetch after a fused commit: what ``anchor_layer`` does after
   its attention (output ``after``), from the metadata the commit wrote (rows not
-  ``row_ok`` bool[R] keep theirs). Returns (state, the plan for the sharing
-  layers)."""
+  ``row_ok`` bool[R] keep theirs; a refused layer, not ``ok``, counts no rows).
+  Returns (state, the plan for the sharing layers)."""
   share = cfg.index_share
   newest = jnp.broadcast_to(state.seq_len[:, None], (cfg.num_requests, cfg.num_units))
   slot_pos, lru, score, hot_k, hot_v, moved, prefetched, plan = _prefetch(
@@ -349,7 +351,7 @@ def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, row_
       hot_k=hot_k, hot_v=hot_v, slot_pos=keep(slot_pos, state.slot_pos),
       lru=keep(lru, state.lru), slot_score=keep(score, state.slot_score),
       prefetched=state.prefetched.at[layer].add(prefetched),
-      fetched_rows=state.fetched_rows.at[layer].add(moved)), plan
+      fetched_rows=state.fetched_rows.at[layer].add(jnp.where(ok, moved, 0))), plan
 
 
 def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
@@ -373,7 +375,7 @@ def shared_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
         cfg, state.host_k, state.host_v, state.page_table, hot_k, hot_v,
         after_attention(cfg, layer, out), anchor.prefetch_pos, anchor.prefetch_slot,
         anchor.prefetch_miss)
-    fetched_rows = fetched_rows.at[layer].add(moved)
+    fetched_rows = fetched_rows.at[layer].add(jnp.where(ok, moved, 0))
   return out, lse, state.replace(hot_k=hot_k, hot_v=hot_v, fetched_rows=fetched_rows)
 
 

@@ -40,7 +40,8 @@ class TieredKVState:
   hits: jax.Array  # i32[L, R, U]  selected entries served without a fetch
   misses: jax.Array  # i32[L, R, U]  selected entries fetched from the host tier
   prefetched: jax.Array  # i32[L, R, U]  rows fetched ahead for a predicted step
-  fetched_rows: jax.Array  # i32[L]  rows moved host->device (incl. any gather padding)
+  fetched_rows: jax.Array  # i32[L]  rows moved host->device (incl. any gather
+  # padding) by committed steps
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str:

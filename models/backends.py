@@ -31,8 +31,8 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
 from kvtier_jax.driver import StepRefused, TieredDriver
-from kvtier_jax.selectors.base import (StepInputs, check_state_capacity, layer_slice,
-                                       prefill_state)
+from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
+                                       layer_slice, prefill_state)
 from models import cache as cache_lib
 from models.config import ModelConfig
 from models.draft_head import draft_tokens
@@ -96,6 +96,7 @@ def sparse_attend(selector, index_share: int = 1):
       params = None if carry.params is None else layer_slice(carry.params, layer)
       positions, sel = selector.select(carry.sel, layer,
                                        StepInputs(x, q, k_new, kv.lens, layer), params)
+      check_picked(positions)
       carry = carry.replace(sel=sel, shared=positions)
     units = selector.num_units
     out, _ = full_kv_attention(q, _unit_view(k, units), _unit_view(v, units), layer,

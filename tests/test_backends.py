@@ -91,6 +91,28 @@ def test_runner_rejects_bad_use(model_and_prompt):
       runner.step(np.asarray(token))
   with pytest.warns(UserWarning, match="trained context of 8192"):
     backends.Runner(model, "dense", model.cfg.max_context + 1)
+  # A selector of float positions: the sparse backend (as the tiered one, tested
+  # in test_decode) refuses it at trace time instead of truncating them.
+  floats = _FloatPositions(selector)
+  for backend, extra in (("sparse", {}), ("tiered", dict(hot_slots=64))):
+    runner = backends.Runner(model, backend, 100, selector=floats, **extra)
+    runner.prefill(short, [40])
+    with pytest.raises(ValueError, match="integers"):
+      runner.step(np.asarray([3]))
+
+
+class _FloatPositions:
+  """A selector whose positions come back as floats (1.9 would be attended as 1)."""
+
+  def __init__(self, inner):
+    self._inner = inner
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+  def select(self, *args, **kwargs):
+    picked, state = self._inner.select(*args, **kwargs)
+    return picked.astype(jnp.float32) + 0.5, state
 
 
 @pytest.mark.parametrize("impl", ["auto", "fused"])

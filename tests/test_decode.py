@@ -372,6 +372,84 @@ def test_selector_bug_inside_jit_is_refused_and_recoverable(impl):
 
 
 @dataclasses.dataclass(frozen=True)
+class _RefusesAtLayer2(selectors.GivenSelector):
+  def select(self, state, layer, inputs, params=None):
+    sel = state[layer]
+    return jnp.where(inputs.layer == 2, sel.at[..., 0].set(10_000), sel), state
+
+
+@pytest.mark.parametrize("overrides", [dict(overlap_hit_miss=True), dict(index_share=2)])
+def test_a_refused_layer_counts_no_fetched_rows_on_the_gpu_paths(overrides):
+  """A GPU's staged gathers run their first chunk whatever the count (the
+  overlapped attention's, the sharing layers'): a layer that refuses counts no
+  rows moved, as it changes nothing else (the GPU's code paths traced here)."""
+  cfg = make_cfg(impl="xla", **overrides)
+  h = Harness(cfg, [40, 50, 60], seed=int(np.random.default_rng().integers(2**31)))
+  for _ in range(3):
+    h.step()
+  sel = jnp.asarray(draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev))
+  before = snapshot(h.state)
+  inputs = step_inputs(h.rng, cfg)
+  with common.tracing_for_gpu():  # a fresh jit: traced inside
+    step = jax.jit(lambda st, s, q, k, v: decode.decode_step(
+        cfg, _RefusesAtLayer2(cfg.top_k, cfg.num_units), decode.init_carry(cfg, st, s),
+        q, k, v))
+    _, carry = step(h.state, sel, *inputs)
+  assert int(carry.status) != 0
+  after = snapshot(carry.tier)
+  for name in ("fetched_rows", "hits", "misses", "prefetched"):
+    np.testing.assert_array_equal(getattr(after, name)[2:], getattr(before, name)[2:],
+                                  err_msg=name)
+  assert (after.fetched_rows[:2] >= before.fetched_rows[:2]).all()
+
+
+def test_a_selector_of_float_positions_or_queries_of_other_heads_are_refused():
+  """Trace-time, on every path that consumes a selection (the tiered step, fused
+  or not, the full-KV reference): float positions would be truncated where cast
+  (1.9 attended as 1); and the tiered layer a model calls checks its q / k_new /
+  v_new heads itself (a q of other heads would be regrouped silently)."""
+  @dataclasses.dataclass(frozen=True)
+  class Floats(selectors.GivenSelector):
+    def select(self, state, layer, inputs, params=None):
+      return state[layer].astype(jnp.float32) + 0.9, state
+
+  for impl in ("xla", FUSED):
+    cfg = make_cfg(impl=impl)
+    h = Harness(cfg, [40, 50, 60])
+    sel = jnp.asarray(draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev))
+    q, kn, vn = step_inputs(h.rng, cfg)
+    carry = decode.init_carry(cfg, h.state, sel)
+    with pytest.raises(ValueError, match="integers"):
+      jax.eval_shape(functools.partial(decode.decode_step, cfg,
+                                       Floats(cfg.top_k, cfg.num_units)), carry, q, kn, vn)
+    attend = decode.tiered_attend(cfg, selectors.GivenSelector(cfg.top_k, cfg.num_units))
+    for bad in ((q[0, :, :2], kn[0], vn[0]), (q[0], kn[0, :, :1], vn[0]),
+                (q[0], kn[0], vn[0, :2])):
+      with pytest.raises(ValueError, match="q / k_new / v_new"):
+        jax.eval_shape(lambda c, b=bad: attend(0, *b, c), carry)
+  full = full_kv.init_full_kv(cfg, *random_kv(h.rng, cfg, 60), jnp.asarray([40, 50, 60]))
+  with pytest.raises(ValueError, match="integers"):
+    full_kv.full_kv_decode_step(cfg, Floats(cfg.top_k, cfg.num_units), full, q, kn, vn, sel)
+
+
+def test_a_default_step_after_a_masked_one_decodes_every_row():
+  """``TieredDriver.step(active=None)`` means all rows, whatever mask the carry
+  kept from the call before: the host mirror and the device agree."""
+  cfg = make_cfg(impl="xla")
+  h = Harness(cfg, [40, 50, 60])
+  sel = selectors.GivenSelector(cfg.top_k, cfg.num_units)
+  drv = driver.TieredDriver(cfg, lambda c, *a: driver._decode_step(cfg, sel, c, *a))
+  drv.start([40, 50, 60])
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(
+      draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)))
+  mask = np.array([True, False, True])
+  _, carry = drv.step(carry, *step_inputs(h.rng, cfg), active=mask)
+  assert drv.seq_len.tolist() == np.asarray(carry.tier.seq_len).tolist() == [41, 50, 61]
+  _, carry = drv.step(carry, *step_inputs(h.rng, cfg))
+  assert drv.seq_len.tolist() == np.asarray(carry.tier.seq_len).tolist() == [42, 51, 62]
+
+
+@dataclasses.dataclass(frozen=True)
 class MarkingSelector(selectors.GivenSelector):
   """The given selections, and a state update that marks every row of the layer it
   is called for; out of range at ``refuse_layer``."""
@@ -904,8 +982,14 @@ def test_tiered_prefill_refuses_what_the_reference_refuses_before_any_donation()
       decoder.prefill(state, k, v, lens)
     with pytest.raises(ValueError, match="prompt_lens|k_prompt|v_prompt"):
       decode.prefill(cfg, state, k, v, np.asarray(lens))
+  empty = kp[:, :, :0]  # P = 0: nothing to write or warm (it crashed in tracing)
+  for prefill in (decoder.prefill, functools.partial(decode.prefill, cfg)):
+    with pytest.raises(ValueError, match="P = 0"):
+      prefill(state, empty, empty, [0, 0])
   state = decoder.prefill(state, kp, kp, [8, 0])  # not donated by the refusals
   assert decoder.seq_len.tolist() == [8, 0] and state.seq_len.tolist() == [8, 0]
+  state = decode.prefill(cfg, state, kp, kp, [5, 2])  # a list of lengths passes
+  assert state.seq_len.tolist() == [5, 2]
 
 
 def test_counters_and_the_prefetch_cap_from_hand_worked_values():

@@ -209,6 +209,14 @@ def per_token(total_bytes: int, tokens: int) -> int | float:
   return total_bytes // tokens if total_bytes % tokens == 0 else total_bytes / tokens
 
 
+def check_picked(picked) -> None:
+  """Trace-time: a selector's positions must be integers; a float row would be
+  truncated where it is cast (1.9 attended as 1), silently."""
+  if not jnp.issubdtype(picked.dtype, jnp.integer):
+    raise ValueError(f"the selector returned {picked.dtype} positions; they must be "
+                     "integers")
+
+
 def check_step_shapes(inputs: StepInputs, num_kv_heads: int, q_per_kv: int,
                       head_dim: int) -> None:
   """Trace-time check of ``q``/``k_new`` against a selector's head configuration."""
