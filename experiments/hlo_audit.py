@@ -708,7 +708,8 @@ def audit_configs(smoke: bool):
        base.replace(impl=fused, policy=PolicyConfig("freq"))),
       (("fused layer kernels, rank policy (victim-key kernel with the rank lookup + "
         "one sort per row)"),
-       base.replace(impl=fused, policy=PolicyConfig("rank", rank_depth=4 * shape["top_k"]))),
+       base.replace(impl=fused,
+                    policy=PolicyConfig("rank", rank_depth=4 * shape["top_k"]))),
       # Writes after reads of the hot cache (the prefetch after the attention, the
       # sharing layers' fetch): each of these copied the whole hot cache once.
       ("GPU default, lookahead prefetch, overlapped hit/miss attention, index "

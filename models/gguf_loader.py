@@ -332,7 +332,8 @@ def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]
   _remove_orphans(entry)
   # The PID first (``_remove_orphans`` reads it), then the thread: two threads of
   # one process writing the same entry must not share a temporary file.
-  tmp = entry.with_name(f"{_writer_prefix(entry)}{os.getpid()}_{threading.get_ident()}_tmp")
+  tmp = entry.with_name(
+      f"{_writer_prefix(entry)}{os.getpid()}_{threading.get_ident()}_tmp")
   try:
     _write_durably(tmp.with_suffix(".npz"), lambda f: np.savez(f, **loaded.params))
     head = dict(metadata=_jsonable(loaded.metadata), tensor_names=list(names),
