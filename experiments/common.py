@@ -133,6 +133,15 @@ def latest_trace(text: str | None = "any") -> pathlib.Path:
   return full[-1]
 
 
+def trace_text(path: pathlib.Path) -> tuple[bool, str | None]:
+  """(whether it is known, the ``--prompt_file``) of the text a trace run traced:
+  unknown for a traces.npz without its run's config.json."""
+  config = pathlib.Path(path).parent / "config.json"
+  if not config.exists():
+    return False, None
+  return True, json.loads(config.read_text())["flags"].get("prompt_file")
+
+
 def trace_names(data) -> list[str]:
   """Selector traces in a traces.npz (i16[T, L, U, k]; not their ``_ranks``)."""
   return [n for n in data.files if data[n].ndim == 4 and not n.endswith("_ranks")]

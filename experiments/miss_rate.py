@@ -7,7 +7,9 @@ LRU 13.4%, FIFO 17.2%, random 16.1%, Belady 8.2%; at B=4k LRU 6.7%.
 Miss rate here = misses / selected entries (the newest position excluded: it has a
 reserved slot), summed over layers, units and steps; ``cold`` counts every step from
 an empty cache, ``warm`` only steps >= ``--warm_after`` (the paper's definition is
-not public; we read it as misses/k averaged over steps and layers). Belady minimises
+not public; we read it as misses/k averaged over steps and layers: padded rows make
+ours a little higher, e.g. Quest's rows hold 247.5 of 256 entries on average, NSA's
+240.6 of 320; gap closed does not depend on it). Belady minimises
 the cold count; its warm rate is not a strict lower bound (a policy can move a few
 misses, at most about B per stream, into the uncounted steps).
 

@@ -165,6 +165,13 @@ def main(argv):
   if train_path is not None and train_path.resolve() == path.resolve():
     raise ValueError(f"--train_trace and --trace are the same file ({path}): the "
                      "learned key must be reported on a trace it was not trained on")
+  if train_path is not None:  # a copy, or a trace run again, of the training text
+    (known, text_of), (train_known, train_text) = (common.trace_text(path),
+                                                    common.trace_text(train_path))
+    if known and train_known and text_of == train_text:
+      raise ValueError(f"--train_trace {train_path} and --trace {path} trace the same "
+                       f"text (--prompt_file={text_of}): the learned key must be "
+                       "reported on a text it was not trained on")
   data = np.load(path)
   names = common.trace_names(data)
   out = common.start_run("policies", dict(FLAGS.flag_values_dict(), trace=str(path),

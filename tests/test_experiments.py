@@ -412,6 +412,18 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
                          f"--train_trace={train}", f"--out_root={tmp_path}"],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "same file" in proc.stderr
+  # Two runs' traces of one text (their config.json say so): refused too.
+  for name in ("a", "b"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "traces.npz").write_bytes(train.read_bytes())
+    (tmp_path / name / "config.json").write_text(json.dumps(
+        dict(flags=dict(prompt_file="heldout", smoke=False))))
+  proc = subprocess.run([sys.executable, "-m", "experiments.policies",
+                         f"--trace={tmp_path / 'a' / 'traces.npz'}",
+                         f"--train_trace={tmp_path / 'b' / 'traces.npz'}",
+                         f"--out_root={tmp_path}"], capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode != 0 and "same text" in proc.stderr
 
 
 def test_the_probe_kernels_pallas_twin_is_the_numpy_reference():
