@@ -28,7 +28,8 @@ from kvtier_jax.config import TierConfig
 from kvtier_jax.layer import AnchorResult
 from kvtier_jax.resolve import STATUS_CAPACITY
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_ranking,
-                                       check_state_capacity, layer_slice)
+                                       check_state_capacity, check_state_layout,
+                                       layer_slice)
 from kvtier_jax.shapes import EMPTY
 from kvtier_jax.state import TieredKVState
 
@@ -101,6 +102,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
       raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
                        f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
     check_state_capacity(selector, carry.sel, cfg.max_len)
+    check_state_layout(carry.sel, carry.params, cfg.num_layers, cfg.num_requests)
     check_ranking(selector, cfg.top_k, cfg.select_width)
     params = None if carry.params is None else layer_slice(carry.params, layer)
     # The selector updates its state in place, as in the sparse backend, even for

@@ -11,7 +11,8 @@ import numpy as np
 
 from kvtier_jax import attention, layer_scan
 from kvtier_jax.config import TierConfig
-from kvtier_jax.selectors.base import StepInputs, check_picked, check_state_capacity
+from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
+                                       check_state_layout)
 
 
 class FullKVState(NamedTuple):
@@ -60,6 +61,7 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
     raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
                      f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
   check_state_capacity(selector, sel, cfg.max_len)
+  check_state_layout(sel, None, cfg.num_layers, num_req)
   r = jnp.arange(num_req)
   shape = (num_req, cfg.num_units, cfg.heads_per_unit, cfg.head_dim)
 

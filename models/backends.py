@@ -32,7 +32,7 @@ from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
-                                       layer_slice, prefill_state)
+                                       check_state_layout, layer_slice, prefill_state)
 from models import cache as cache_lib
 from models.config import ModelConfig
 from models.draft_head import draft_tokens
@@ -91,6 +91,7 @@ def sparse_attend(selector, index_share: int = 1):
   def attend(layer, q, k_new, v_new, carry: SparseCarry, x, member: int = 0):
     kv = carry.kv
     check_state_capacity(selector, carry.sel, kv.max_len)
+    check_state_layout(carry.sel, carry.params, *kv.k.shape[:2])
     k, v = cache_lib.write_newest(kv, layer, k_new, v_new)
     if member == 0:
       params = None if carry.params is None else layer_slice(carry.params, layer)

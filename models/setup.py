@@ -27,7 +27,9 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
                    indexer_ckpt: str | pathlib.Path | None = None):
   """(selector, selector params) for a model config.
 
-  ``quest_kv`` is Quest per KV head; ``dsa`` loads the distilled indexer from
+  ``quest_kv`` is Quest per KV head; ``nsa`` has its paper's shape whatever
+  ``top_k`` says (8 blocks of 32 + a window of 64: k = 320; its ``top_k`` is what
+  the runners read); ``dsa`` loads the distilled indexer from
   ``indexer_ckpt`` (default ``DEFAULT_INDEXER``, under the working directory as
   experiments/distill_indexer.py writes it; where that is missing, a random one
   with a warning). A given ``indexer_ckpt`` that does not exist is an error.

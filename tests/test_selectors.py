@@ -715,6 +715,50 @@ def test_the_tiered_step_refuses_a_ranking_or_a_state_it_cannot_use():
                selectors.layer_slice(random_indexer_params(0), 0))
 
 
+def test_a_state_or_params_of_other_layers_are_refused_at_trace_time():
+  """A selector state stacked for fewer layers (or requests) than the step runs,
+  or indexer params of fewer layers, was read at its last layer and written
+  nowhere (the traced layer index clamps): every layer past it selected from
+  stale state with status 0. Refused by the tiered step, the full-KV reference
+  and ``prefill_state``."""
+  from kvtier_jax import decode  # noqa: PLC0415
+  rng = np.random.default_rng()
+  cfg = TierConfig(num_layers=NUM_LAYERS, num_requests=1, max_len=MAX_LEN,
+                   num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, hot_slots=16, top_k=16,
+                   dtype=jnp.float32)
+  quest = QuestSelector(token_budget=16, page_size=4, num_kv_heads=HKV, q_per_kv=G,
+                        head_dim=D)
+  dsa = DSASelector(top_k=16, index_dim=8)
+  kp = jnp.asarray(rng.standard_normal((NUM_LAYERS, 1, 30, HKV, D)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((NUM_LAYERS, 1, 30, MODEL_DIM)), jnp.float32)
+  lens = jnp.asarray([30])
+  tier = decode.prefill(cfg, kv_state.init_state(cfg), kp, kp, lens)
+  q = jnp.asarray(rng.standard_normal((NUM_LAYERS, 1, HQ, D)), jnp.float32)
+  kn = jnp.asarray(rng.standard_normal((NUM_LAYERS, 1, HKV, D)), jnp.float32)
+  params = random_indexer_params(int(rng.integers(2**31)))
+  one_layer = jax.tree.map(lambda a: a[:1], params)
+  cases = [(quest, quest.init_state(1, 1, MAX_LEN), None),  # too few layers
+           (quest, quest.init_state(NUM_LAYERS, 2, MAX_LEN), None),  # requests
+           (dsa, dsa.init_state(NUM_LAYERS, 1, MAX_LEN), one_layer)]  # params
+  for sel, state, p in cases:
+    carry = decode.init_carry(cfg, tier, state, p)
+    with pytest.raises(ValueError, match=r"\[L=2"):
+      jax.eval_shape(functools.partial(decode.decode_step, cfg, sel), carry, q, kn, kn,
+                     x[:, :, 0])
+  full = full_kv.init_full_kv(cfg, kp, kp, lens)
+  with pytest.raises(ValueError, match=r"\[L=2"):
+    full_kv.full_kv_decode_step(cfg, quest, full, q, kn, kn, quest.init_state(1, 1, MAX_LEN))
+  for args, match in (((None, None, kp[:1]), "k stacks 1"), ((params, x[:1], kp), "x stacks"),
+                      ((one_layer, x, kp), r"\[L=2")):
+    with pytest.raises(ValueError, match=match):
+      selectors.base.prefill_state(dsa if args[0] is not None else quest, NUM_LAYERS,
+                                   MAX_LEN, *args, lens)
+  # The right stacks pass.
+  good = selectors.base.prefill_state(dsa, NUM_LAYERS, MAX_LEN, params, x, kp, lens)
+  jax.eval_shape(functools.partial(decode.decode_step, cfg, dsa),
+                 decode.init_carry(cfg, tier, good, params), q, kn, kn, x[:, :, 0])
+
+
 @pytest.mark.parametrize("prompt_len", [16, 100, 4096])
 def test_churn_selector_slides_a_window_of_distinct_positions(prompt_len):
   """``ChurnSelector`` (the benchmarks' selection stream), brute force: from

@@ -127,6 +127,21 @@ def check_state_capacity(selector, state, max_len: int) -> None:
                      f"cache max_len={max_len} (build it with init_state(..., max_len))")
 
 
+def check_state_layout(state: Any, params: Any, num_layers: int,
+                       num_requests: int) -> None:
+  """Trace-time: the state stacked [L, R, ...] and the params [L, ...] for the
+  layers the step runs. The layer index is traced: a shorter stack would be read
+  at its last layer and written nowhere (a clamp, a dropped scatter), silently."""
+  for leaf in jax.tree.leaves(state):
+    if leaf.shape[:2] != (num_layers, num_requests):
+      raise ValueError(f"a selector state leaf has shape {leaf.shape}, expected "
+                       f"[L={num_layers}, R={num_requests}, ...]")
+  for leaf in jax.tree.leaves(params):
+    if leaf.shape[:1] != (num_layers,):
+      raise ValueError(f"a selector params leaf has shape {leaf.shape}, expected "
+                       f"[L={num_layers}, ...]")
+
+
 def check_ranking(selector, top_k: int, width: int) -> None:
   """Trace-time: the "rank" policy attends the first ``top_k`` of a row of
   ``width``; that prefix must be the selector's own top-``top_k`` selection."""
@@ -258,7 +273,11 @@ def prefill_state(selector, num_layers: int, max_len: int, params, x, k, lens):
   """
   if k.shape[2] > max_len:  # the state rounds up (pages, blocks): it would take them
     raise ValueError(f"prompt length {k.shape[2]} exceeds max_len={max_len}")
+  for name, stacked in (("k", k), ("x", x)):  # [layer] would clamp
+    if stacked is not None and stacked.shape[0] != num_layers:
+      raise ValueError(f"{name} stacks {stacked.shape[0]} layers, expected {num_layers}")
   state = selector.init_state(num_layers, k.shape[1], max_len)
+  check_state_layout(state, params, num_layers, k.shape[1])
 
   def one_layer(layer, state):
     p = None if params is None else layer_slice(params, layer)
