@@ -229,6 +229,21 @@ def test_every_kernel_lowers_for_cuda_via_triton():
     assert "__gpu$xla.gpu.triton" in text, f"{name} did not lower to a Triton call"
 
 
+@pytest.mark.skipif(not deviceless.available(), reason="needs the CUDA plugin (audit)")
+@pytest.mark.parametrize("head_dim,dtype", [(256, jnp.float32), (512, jnp.bfloat16),
+                                             (512, jnp.float32)])
+def test_the_attention_kernels_default_tiles_fit_an_h200(head_dim, dtype):
+  """Compiled for an H200 without a GPU: the default blocks of head_dim 256 in f32
+  and 512 asked 273-417 KiB of shared memory (227 KiB there) with two stages."""
+  f = jax.ShapeDtypeStruct
+  slots = (2, 2, 1, 4097, 1, head_dim)
+  lowered = deviceless.lower_for_cuda(
+      lambda *a: sparse_decode_attention(*a, interpret=False),
+      f((2, 8, head_dim), dtype), f(slots, dtype), f(slots, dtype), f((), jnp.int32),
+      f((2, 1, 2048), jnp.int32))
+  assert "__gpu$xla.gpu.triton" in deviceless.compile_for_h200(lowered)
+
+
 def _fused_problem(rng, scenario, layer=1, L=2, R=4, U=2, B=12, k=8, Hg=2, D=16, T=60,
                    Pg=8):
   """A random step of layer ``layer``: metadata with empty and uncommitted slots, a
@@ -622,12 +637,17 @@ def test_keyed_victim_order_matches_brute_force(on_gpu, policy):
 
 
 def test_keyed_victim_order_matches_reference_keys():
-  """Inexact keys (m = 12, rank_freq = 0.3, random scores): the kernel's order is
+  """Inexact keys (m = 12, rank_freq = 0.3, random scores, some NaN, +inf and the
+  largest finite float, which rank alike, ties in LRU order): the kernel's order is
   ``victim_order`` of the reference key, bit for bit."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
   args = _fused_problem(rng, "valid")
   cache, seq = args["cache"], args["seq_len"]
+  score = np.asarray(cache.slot_score).copy()
+  odd = rng.random(score.shape) < 0.3
+  score[odd] = rng.choice([np.nan, np.inf, np.finfo(np.float32).max], odd.sum())
+  cache = cache._replace(slot_score=jnp.asarray(score))
   ranks = jnp.asarray(_ranking(rng, np.asarray(cache.slot_pos), np.asarray(seq), 12))
   for given in (None, ranks):
     want = fused_resolve.victim_order(

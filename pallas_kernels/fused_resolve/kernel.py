@@ -330,6 +330,8 @@ def _victim_key(layer_ref, seq_len_ref, ranks_ref, slot_pos_ref, lru_ref, score_
     found = filled & index_ok & (ranks_ref[row, index] == pos)
     rank = jnp.where(found, index, num_ranked).astype(key.dtype)
     key = (1.0 - rank / num_ranked) + rank_freq * key
+  top = jnp.finfo(key.dtype).max  # NaN and +inf rank as the largest finite key
+  key = jnp.where(jnp.isnan(key), top, jnp.minimum(key, top))  # (as victim_order)
   key_ref[row, lane_b] = jnp.where(filled, key, -jnp.inf)
   lru_out_ref[row, lane_b] = lru
 

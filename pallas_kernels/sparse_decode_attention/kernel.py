@@ -89,7 +89,7 @@ def sparse_decode_attention(q, k_cache, v_cache, layer, slot, *,
   num_req, num_q_heads, head_dim = q.shape
   _, _, num_units, _, heads_per_unit, _ = k_cache.shape
   num_sel = slot.shape[-1]
-  bs = block_sizes or BlockSizes.get_default(num_sel)
+  bs = block_sizes or BlockSizes.get_default(num_sel, head_dim, k_cache.dtype.itemsize)
   num_kv = num_units * heads_per_unit
   group = num_q_heads // num_kv
   group_pad = max(_MIN_DOT, common.next_power_of_2(group))
