@@ -129,8 +129,14 @@ def test_malformed_frames_are_refused_clearly():
   assert handoff_lib.Handoff.from_bytes(frame(header)) == good
   # Frames that parse but hold the wrong types: refused by the receiver's check as
   # ValueErrors (not a TypeError or IndexError from deep inside), nothing queued.
+  for data in (frame(dict(header, kv=5)), frame(dict(header, kv=None)),
+               frame(dict(header, kv=[dict(dtype="S0", shape=[1])])),
+               struct.pack("<Q", 20_000) + b"[" * 10_000 + b"]" * 10_000):
+    with pytest.raises(ValueError):
+      handoff_lib.Handoff.from_bytes(data)
   engine = Engine(FakeModel())
   for change, body in ((dict(max_new_tokens=None), b""), (dict(output=5), b""),
+                       (dict(request_id=5), b""), (dict(request_id=[1]), b""),
                        (dict(stop_ids=[[1]]), b""), (dict(prompt="12"), b""),
                        (dict(kv_end=2, kv=[dict(dtype="int64", shape=[])]), b"\0" * 8)):
     with pytest.raises(ValueError):
@@ -276,6 +282,61 @@ def test_a_receiver_that_keeps_the_request_on_the_device_replays_it():
   receiver.run()
   assert moved.output == solo(FakeModel, prompt, new)
   assert receiver.state["pages"] == {}
+
+
+def test_a_receiver_that_cannot_restage_host_pages_replays_the_request():
+  """A receiver whose model cannot restage positions from host pages (the tiered
+  backend with DSA: its selector state comes from hidden states) took a handoff's
+  K/V, then every step raised and the request held its slot for good. It replays
+  the request now, with the uninterrupted tokens, and never reads the frame's
+  pages (a model without ``read_pages`` accepts it too)."""
+  @dataclasses.dataclass
+  class NoRestage(FakeModel):
+    supports_prefix_cache: bool = False
+
+    def load_prefix(self, state, slot, length):
+      raise ValueError("the tiered backend cannot load a cached prefix")
+
+    def read_pages(self, state, pages):
+      raise AttributeError("read_pages")
+
+  prompt, new = list(range(1, 30)), 10
+  sender = Engine(FakeModel())
+  req = sender.submit(prompt, new)
+  while len(req.output) < 3:
+    sender.step()
+  handoff = sender.export(req.id, kv="all")
+  assert handoff.kv_end > 0
+  receiver = Engine(NoRestage())
+  moved = receiver.accept(handoff)
+  assert moved.imported is None
+  receiver.run()
+  assert moved.state is State.FINISHED and moved.output == solo(FakeModel, prompt, new)
+  assert receiver.pool.in_use == 0
+
+
+def test_pages_of_non_finite_kv_are_refused():
+  """Non-finite K/V from the wire would enter the receiver's prefix cache and
+  poison later requests sharing the prefix: refused, nothing queued (floats of
+  NumPy's and ml_dtypes' kinds; integer fields are not floats)."""
+  import ml_dtypes  # noqa: PLC0415
+
+  for dtype in (np.float32, ml_dtypes.bfloat16):
+    @dataclasses.dataclass
+    class FloatPages(FakeModel):
+      def read_pages(self, state, pages, dtype=dtype):
+        return [np.zeros((len(pages), self.page_size), dtype)]
+
+    prompt = list(range(1, 30))
+    receiver = Engine(FloatPages())
+    pages = np.zeros((7, 4), dtype)
+    pages[np.random.default_rng().integers(7), 2] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+      receiver.accept(handoff_lib.Handoff("h", prompt, [7], 5, kv_start=0, kv_end=28,
+                                          kv=[pages]))
+    assert not receiver.requests
+    receiver.accept(handoff_lib.Handoff("h", prompt, [7], 5, kv_start=0, kv_end=28,
+                                        kv=[np.zeros((7, 4), dtype)]))
 
 
 def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():

@@ -330,14 +330,17 @@ class Engine:
     (engine untouched) on bad input."""
     handoff_lib.check(handoff, self.model.page_size, self.model.vocab_size,
                       stop_ids=self.config.eos_ids)
-    # Here the request may keep every position on the device (no host pages): then
-    # the KV has nowhere to go and the prompt and outputs are replayed instead.
+    # Here the request may keep every position on the device (no host pages), or
+    # the model may not restage positions from host pages (DSA's selector state
+    # comes from hidden states pages do not hold): then the KV has nowhere to go
+    # and the prompt and outputs are replayed instead.
     has_host = bool(self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
-    if handoff.kv_end and has_host:
+    can_load = has_host and getattr(self.model, "supports_prefix_cache", False)
+    if handoff.kv_end and can_load:
       handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     # K/V prefilled on other chunk boundaries differ from this engine's in the last
     # bits: the request replays, and the prefix cache keeps only numbers computed here.
-    keeps_kv = (bool(handoff.kv_end) and has_host
+    keeps_kv = (bool(handoff.kv_end) and can_load
                 and handoff.chunk_size == self.model.chunk_size)
     kv_end = handoff.kv_end
     if keeps_kv and kv_end < len(handoff.prompt):

@@ -32,6 +32,7 @@ import json
 import socket
 import struct
 import time
+import ml_dtypes
 import numpy as np
 
 from kvtier_jax.serving.request import SamplingParams, is_int
@@ -82,15 +83,18 @@ class Handoff:
     try:
       header = json.loads(data[8:8 + size])
       specs = header.pop("kv")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
       raise ValueError(f"a malformed handoff header: {err}") from err
+    if not isinstance(specs, list):
+      raise ValueError(f"a malformed handoff header: kv={specs!r:.80} is not a list")
     at, kv = 8 + size, []
     for spec in specs:
       try:
         dtype, shape = _dtype(spec["dtype"]), list(spec["shape"])
       except (TypeError, KeyError) as err:
         raise ValueError(f"a malformed handoff page field {spec}: {err}") from err
-      if dtype.hasobject or not all(is_int(n) and n >= 0 for n in shape):
+      if (dtype.hasobject or dtype.itemsize == 0
+          or not all(is_int(n) and n >= 0 for n in shape)):
         raise ValueError(f"a malformed handoff page field {spec}")
       count = int(np.prod(shape)) * dtype.itemsize
       if at + count > len(data):
@@ -105,6 +109,15 @@ class Handoff:
       return cls(kv=kv, **header)
     except (TypeError, KeyError) as err:
       raise ValueError(f"a malformed handoff header: {err}") from err
+
+
+def _floating(dtype: np.dtype) -> bool:
+  """NumPy's floats and ml_dtypes' (bfloat16, float8), which NumPy calls void."""
+  try:
+    ml_dtypes.finfo(dtype)
+  except ValueError:
+    return False
+  return True
 
 
 def _dtype(name: str) -> np.dtype:
@@ -153,7 +166,12 @@ def _read(sock: socket.socket, size: int) -> bytes:
 def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> None:
   """Clear errors for a handoff an engine cannot continue; ``stop_ids``: the
   receiver's own (its eos ids), which end a request as the handoff's do."""
-  for name in ("prompt", "output", "stop_ids"):  # a frame from the wire: any JSON
+  if not isinstance(handoff.request_id, str):  # a frame from the wire: any JSON
+    raise ValueError(f"the handoff's request_id {handoff.request_id!r:.80} is not a str")
+  if not isinstance(handoff.sampling, SamplingParams):
+    raise ValueError(f"the handoff's sampling {handoff.sampling!r:.80} is not "
+                     "SamplingParams")
+  for name in ("prompt", "output", "stop_ids"):
     ids = getattr(handoff, name)
     if not isinstance(ids, (list, tuple)) or not all(map(is_int, ids)):
       raise ValueError(f"the handoff's {name} {ids!r:.80}: not integer ids in a list")
@@ -201,3 +219,6 @@ def check_pages(handoff: Handoff, layout: list[np.ndarray]) -> None:
     if got.shape[1:] != want.shape[1:] or got.dtype != want.dtype:
       raise ValueError(f"page field {i} is {got.dtype}{list(got.shape[1:])} per page; "
                        f"this engine's is {want.dtype}{list(want.shape[1:])}")
+    # Non-finite K/V would enter the prefix cache and poison later requests.
+    if _floating(got.dtype) and not np.isfinite(got).all():
+      raise ValueError(f"page field {i} holds non-finite values")
