@@ -111,15 +111,19 @@ class ChurnSelector:
     u = jnp.arange(self.num_units)[None, :, None]
     salt = (layer * 7 + r * 131 + u * 17) * 40503  # per-stream window offset
     start = (salt + step[:, None, None] * shift) % prompt_len
-    cols = jnp.arange(window + ahead + self.include_newest)
-    # The walk's step for each column: the newest takes column ``window``, the
-    # ranking's tail follows it (one elementwise op: no concatenation launched).
-    walk = cols - (cols > window) if self.include_newest else cols
+    cols = jnp.arange(window + ahead + (self.include_newest and ahead > 0))
+    # With a ranking's tail the newest takes column ``window`` and the tail follows
+    # it (one elementwise select); without one it is appended (the full-KV step's
+    # compile fuses that concatenation: a select there cost it one launch more).
+    walk = cols - (cols > window) if self.include_newest and ahead else cols
     idx = (start + walk[None, None, :]) % prompt_len
     # One permutation for every stream, each at its own offset. (An offset added
     # after the multiplication too cancelled the window's when mult = -1 mod
     # prompt_len: every stream then selected the same positions.)
     pos = (mult * idx) % prompt_len
-    if self.include_newest:
+    if self.include_newest and ahead:
       pos = jnp.where(cols == window, newest[:, None, None], pos)
+    elif self.include_newest:
+      last = jnp.broadcast_to(newest[:, None, None], (num_req, self.num_units, 1))
+      pos = jnp.concatenate([pos, last], axis=-1)
     return pos.astype(jnp.int32), state
