@@ -122,7 +122,6 @@ def _floating(dtype: np.dtype) -> bool:
 
 def _dtype(name: str) -> np.dtype:
   if name == "bfloat16":
-    import ml_dtypes  # noqa: PLC0415 - only when a bf16 tier is sent
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name)
 
