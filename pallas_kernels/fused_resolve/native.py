@@ -91,11 +91,19 @@ def _prune_other_libraries(path: pathlib.Path) -> None:
   other sources (each load touches its file). A process that has one loaded keeps
   it (POSIX unlinks a mapped file lazily); a checkout that loads one again later
   builds it again."""
+  def loaded_at(p: pathlib.Path) -> float:
+    try:
+      return p.stat().st_mtime
+    except OSError:  # removed meanwhile (another checkout pruning)
+      return float("inf")
   others = sorted((p for p in path.parent.glob("fused_resolve-*.so") if p != path),
-                  key=lambda p: p.stat().st_mtime, reverse=True)
+                  key=loaded_at, reverse=True)
   for stale in others[_KEEP_LIBRARIES:]:
-    stale.unlink(missing_ok=True)
-    stale.with_suffix(".lock").unlink(missing_ok=True)
+    try:
+      stale.unlink(missing_ok=True)
+      stale.with_suffix(".lock").unlink(missing_ok=True)
+    except OSError:  # not ours to remove (permissions): the cache just keeps it
+      pass
 
 
 @functools.cache
