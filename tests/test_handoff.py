@@ -266,17 +266,23 @@ def test_a_handoffs_pages_are_not_booked_as_disk_prefix_recomputed():
   assert again.output == moved.output and alone.disk_recomputed_tokens == 24
 
 
-def test_a_receiver_that_keeps_the_request_on_the_device_replays_it():
-  """A handoff with K/V to an engine where the whole request fits the hot cache
-  (no host pages there): nothing is written to the receiver's host pages and the
-  request continues with its uninterrupted tokens by replay."""
-  prompt, new = list(range(1, 30)), 10
+def _exported_with_kv(prompt, new):
+  """A request that decoded 3 tokens on a FakeModel engine, exported with its K/V."""
   sender = Engine(FakeModel())
   req = sender.submit(prompt, new)
   while len(req.output) < 3:
     sender.step()
   handoff = sender.export(req.id, kv="all")
   assert handoff.kv_end > 0
+  return handoff
+
+
+def test_a_receiver_that_keeps_the_request_on_the_device_replays_it():
+  """A handoff with K/V to an engine where the whole request fits the hot cache
+  (no host pages there): nothing is written to the receiver's host pages and the
+  request continues with its uninterrupted tokens by replay."""
+  prompt, new = list(range(1, 30)), 10
+  handoff = _exported_with_kv(prompt, new)
   receiver = Engine(FakeModel(hot_slots=96))
   moved = receiver.accept(handoff)
   receiver.run()
@@ -301,12 +307,7 @@ def test_a_receiver_that_cannot_restage_host_pages_replays_the_request():
       raise AttributeError("read_pages")
 
   prompt, new = list(range(1, 30)), 10
-  sender = Engine(FakeModel())
-  req = sender.submit(prompt, new)
-  while len(req.output) < 3:
-    sender.step()
-  handoff = sender.export(req.id, kv="all")
-  assert handoff.kv_end > 0
+  handoff = _exported_with_kv(prompt, new)
   receiver = Engine(NoRestage())
   moved = receiver.accept(handoff)
   assert moved.imported is None
