@@ -288,5 +288,15 @@ class TierConfig:
     meta = 3 * self.num_layers * self.num_units * self.hot_slots * 4
     return hot + meta
 
+  def check_step_inputs(self, q, k_new, v_new, per_layer: bool = False) -> None:
+    """Trace-time: q [L, R, Hq, D] and k_new / v_new [L, R, Hkv, D] (without L
+    ``per_layer``). Another head count would regroup the queries silently."""
+    lead = () if per_layer else (self.num_layers,)
+    want_q = (*lead, self.num_requests, self.num_q_heads, self.head_dim)
+    want_kv = (*lead, self.num_requests, self.num_kv_heads, self.head_dim)
+    if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
+      raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
+                       f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
+
   def replace(self, **changes) -> "TierConfig":
     return dataclasses.replace(self, **changes)

@@ -95,12 +95,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
                                             carry.anchor, carry.ok)
       return out, carry.replace(tier=tier)
     tier = carry.tier
-    want_q = (cfg.num_requests, cfg.num_q_heads, cfg.head_dim)
-    want_kv = (cfg.num_requests, cfg.num_kv_heads, cfg.head_dim)
-    if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
-      # (another head count would regroup the queries silently)
-      raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
-                       f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
+    cfg.check_step_inputs(q, k_new, v_new, per_layer=True)
     check_state_capacity(selector, carry.sel, cfg.max_len)
     check_state_layout(carry.sel, carry.params, cfg.num_layers, cfg.num_requests)
     check_ranking(selector, cfg.top_k, cfg.select_width)
@@ -205,12 +200,7 @@ def decode_step(cfg: TierConfig, selector, carry: TieredCarry, q, k_new, v_new, 
   Returns:
     (out [L, R, Hq, D], carry committed; run ``append_newest`` next).
   """
-  want_q = (cfg.num_layers, cfg.num_requests, cfg.num_q_heads, cfg.head_dim)
-  want_kv = (cfg.num_layers, cfg.num_requests, cfg.num_kv_heads, cfg.head_dim)
-  if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
-    # (another head count would regroup the queries silently)
-    raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
-                     f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
+  cfg.check_step_inputs(q, k_new, v_new)
   attend = tiered_attend(cfg, selector)
   share = cfg.index_share
   group = lambda a: None if a is None else a.reshape(

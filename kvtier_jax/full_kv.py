@@ -55,11 +55,7 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
   valid selections (the tiered step refuses others, with its status word).
   """
   num_req = cfg.num_requests
-  want_q = (cfg.num_layers, num_req, cfg.num_q_heads, cfg.head_dim)
-  want_kv = (cfg.num_layers, num_req, cfg.num_kv_heads, cfg.head_dim)
-  if q.shape != want_q or k_new.shape != want_kv or v_new.shape != want_kv:
-    raise ValueError(f"q / k_new / v_new have shapes {q.shape} / {k_new.shape} / "
-                     f"{v_new.shape}, expected {want_q} / {want_kv} / {want_kv}")
+  cfg.check_step_inputs(q, k_new, v_new)
   check_state_capacity(selector, sel, cfg.max_len)
   check_state_layout(sel, None, cfg.num_layers, num_req)
   r = jnp.arange(num_req)
