@@ -360,6 +360,27 @@ def prefill(cfg: TierConfig, state: TieredKVState, k_prompt, v_prompt, prompt_le
                        seq_len=prompt_lens.astype(jnp.int32))
 
 
+def check_install(cfg: TierConfig, slot, k, v, length) -> None:
+  """``install_request``'s inputs against ``cfg``: K/V [L, T', Hkv, D], a scalar
+  integer slot and length; their values too where they are concrete."""
+  want = (cfg.num_layers, "T'", cfg.num_kv_heads, cfg.head_dim)
+  for name, x in (("k", k), ("v", v)):
+    if (np.ndim(x) != 4 or np.shape(x) != np.shape(k)
+        or any(w != "T'" and n != w for n, w in zip(np.shape(x), want))):
+      raise ValueError(f"{name} {np.shape(x)} must be [L, T', Hkv, D] = {list(want)}, "
+                       f"as k {np.shape(k)}")
+  for name, x in (("slot", slot), ("length", length)):
+    dtype = (x if hasattr(x, "dtype") else np.asarray(x)).dtype
+    if np.ndim(x) != 0 or np.dtype(dtype).kind not in "iu":
+      raise ValueError(f"{name} {dtype}{list(np.shape(x))} must be one integer")
+  if not isinstance(slot, jax.core.Tracer) and not 0 <= int(slot) < cfg.num_requests:
+    raise ValueError(f"slot {int(slot)} is outside [0, {cfg.num_requests}) (R)")
+  most = min(np.shape(k)[1], cfg.max_len)
+  if not isinstance(length, jax.core.Tracer) and not 0 <= int(length) <= most:
+    raise ValueError(f"length {int(length)} must be in [0, {most}] (the K/V given, "
+                     f"max_len={cfg.max_len})")
+
+
 def install_request(cfg: TierConfig, state: TieredKVState, slot, k, v, length):
   """Make request slot ``slot`` decode after a prompt of ``length`` positions.
 
@@ -367,8 +388,12 @@ def install_request(cfg: TierConfig, state: TieredKVState, slot, k, v, length):
   ``v`` [L, T', Hkv, D] are the prompt's K/V on the device (T' >= length), from
   which the hot cache is warmed per ``cfg.warm_start``; the slot's metadata
   restarts (LRU = slot order, scores 0) and ``seq_len[slot] = length``. The
-  counters stay cumulative.
+  counters stay cumulative. Raises ValueError on shapes that do not fit ``cfg``
+  and, where ``slot`` / ``length`` are concrete, on a slot outside [0, R) or a
+  length outside [0, min(T', max_len)]: a longer one would mark slots resident
+  that hold copies of the last row given.
   """
+  check_install(cfg, slot, k, v, length)
   num_layers, length_all = k.shape[:2]
   pos = warm_positions(cfg, jnp.reshape(length, (1,)))[0]  # [B]
   src = jnp.clip(pos, 0, length_all - 1)

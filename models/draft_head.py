@@ -131,19 +131,6 @@ def train(cfg: ModelConfig, weights, feat_prev, token, feat_next, label,
   return head, np.stack(history)
 
 
-def model_fingerprint(weights) -> str:
-  """A short hash of every weight of the model (names, shapes, dtypes, bytes): a
-  fine-tune that moves one element of one layer reads apart. Hashing SmolLM2's
-  538 MB takes ~0.9 s on this CPU, once per save or load."""
-  import hashlib
-  key = hashlib.blake2b(digest_size=8)
-  for name in sorted(weights):
-    part = np.ascontiguousarray(np.asarray(weights[name]))
-    key.update(str((name, part.dtype, part.shape)).encode())
-    key.update(part.tobytes())
-  return key.hexdigest()
-
-
 def save(path, head: DraftHead, metadata: dict | None = None,
          weights=None) -> pathlib.Path:
   """Saves the head's parameters (orbax) beside ``draft_head.json`` (its sizes and,
@@ -155,7 +142,7 @@ def save(path, head: DraftHead, metadata: dict | None = None,
     checkpointer.save(path / "params", nnx.state(head, nnx.Param), force=True)
   (path / "draft_head.json").write_text(json.dumps(dict(
       format=_FORMAT, embed_dim=head.embed_dim, hidden_dim=head.hidden_dim,
-      model_fingerprint=None if weights is None else model_fingerprint(weights),
+      model_fingerprint=None if weights is None else tfm.model_fingerprint(weights),
       metadata=metadata or {}), indent=2, default=str) + "\n")
   return path
 
@@ -179,7 +166,7 @@ def load(path, num_layers: int | None = None, embed_dim: int | None = None,
     raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
   saved_with = meta.get("model_fingerprint")
   if weights is not None and saved_with is not None:
-    if saved_with != (here := model_fingerprint(weights)):
+    if saved_with != (here := tfm.model_fingerprint(weights)):
       raise ValueError(f"{path}: trained on another model (fingerprint {saved_with}, "
                        f"the model here: {here})")
   if embed_dim is not None and meta["embed_dim"] != embed_dim:

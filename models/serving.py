@@ -45,7 +45,8 @@ from models.backends import (
   warn_past_context,
 )
 from models.config import ModelConfig
-from models.transformer import Transformer, apply_decode, apply_prefill_chunk
+from models.transformer import (Transformer, apply_decode, apply_prefill_chunk,
+                                model_fingerprint)
 
 
 @flax.struct.dataclass
@@ -437,6 +438,15 @@ class ServingBackend:
       real = pages[at:at + size]
       group[:len(real)] = real
       yield jnp.asarray(group), len(real)
+
+  @functools.cached_property
+  def model_id(self) -> str:
+    """What the K/V of a handed-off request depend on: every weight, and the RoPE
+    base, norm epsilon, attention form and dtype (computed at the first handoff
+    with K/V, ~0.9 s for SmolLM2)."""
+    cfg = self.cfg
+    return (f"{model_fingerprint(self.model.weights())}/{cfg.attention}/{cfg.dtype}/"
+            f"{cfg.rope_theta!r}/{cfg.rms_eps!r}")
 
   def read_pages(self, state: ServingState, pages) -> list[np.ndarray]:
     """Host pages' contents (a disk tier stores them): [K, V], each

@@ -308,6 +308,13 @@ class MeshServingBackend:
       if where.size:
         yield row, where, (pages[where] % self._local_pages).tolist()
 
+  @property
+  def model_id(self) -> str:
+    """The rows' model identity; tensor parallel sums each layer's partial outputs
+    in another order, so its K/V are another model's in the last bits."""
+    one = self.groups[0].model_id
+    return one if self.width == 1 else f"{one}/tp{self.width}"
+
   def read_pages(self, state, pages) -> list[np.ndarray]:
     if not len(pages):  # the one-device backend's empty fields, of a whole row
       return self._on_row(state, 0, lambda b, s: (s, b.read_pages(s, [])))[1]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import pathlib
 import time
@@ -669,3 +670,15 @@ def first_layers(cfg: ModelConfig, params: dict[str, np.ndarray], num_layers: in
   cut = {name: (value[:num_layers] if name in _LAYER_WEIGHTS else value)
          for name, value in params.items()}
   return cfg.replace(num_layers=num_layers), cut
+
+
+def model_fingerprint(weights) -> str:
+  """A short hash of every weight of the model (names, shapes, dtypes, bytes): a
+  fine-tune that moves one element of one layer reads apart. Hashing SmolLM2's
+  538 MB takes ~0.9 s on this CPU, once per use."""
+  key = hashlib.blake2b(digest_size=8)
+  for name in sorted(weights):
+    part = np.ascontiguousarray(np.asarray(weights[name]))
+    key.update(str((name, part.dtype, part.shape)).encode())
+    key.update(part.tobytes())
+  return key.hexdigest()

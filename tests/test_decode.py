@@ -845,6 +845,30 @@ def test_replacement_policy_changes_victims_not_outputs(policy):
   assert misses > 0
 
 
+def test_install_request_refuses_inputs_that_do_not_fit():
+  """A slot past R would drop every write (a silent no-op admission); a length
+  past the K/V given would mark resident slots holding copies of its last row."""
+  cfg = make_cfg(hot_slots=24, top_k=16)
+  h = Harness(cfg, [200, 260, 300], seed=3)
+  rng = np.random.default_rng()
+  shape = (cfg.num_layers, 40, cfg.num_kv_heads, cfg.head_dim)
+  k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+  install = functools.partial(decode.install_request, cfg, h.state)
+  install(0, k, v, 40)  # fits
+  for args, match in [((cfg.num_requests, k, v, 10), "slot"), ((-1, k, v, 10), "slot"),
+                      ((0, k, v, 41), "length"), ((0, k, v, -1), "length"),
+                      ((0, k, v, 2.0), "length"), ((0, k, v[:, :39], 10), "v"),
+                      ((0, k[:-1], v[:-1], 10), "k"), ((0, k[..., :-1], v, 10), "k"),
+                      ((jnp.arange(2), k, v, 10), "slot")]:
+    with pytest.raises(ValueError, match=match):
+      install(*args)
+  # Traced slot and length: the shapes are still checked at trace time.
+  jitted = jax.jit(install)
+  jitted(0, k, v, 40)
+  with pytest.raises(ValueError, match="k"):
+    jitted(0, k[:, :, :, :-1], v[:, :, :, :-1], 10)
+
+
 @pytest.mark.parametrize("warm_start,length", [("head_tail", 150), ("first", 150),
                                                ("head_tail", 20)])
 def test_install_request_restarts_one_slot_and_leaves_the_rest(warm_start, length):

@@ -316,6 +316,35 @@ def test_a_receiver_that_cannot_restage_host_pages_replays_the_request():
   assert receiver.pool.in_use == 0
 
 
+def test_kv_from_another_model_is_not_taken():
+  """K/V computed by other weights would decode other numbers here: a receiver
+  whose ``model_id`` differs from the sender's (or who has one where the sender
+  had none) replays the request; an equal id takes the pages, across the wire."""
+  @dataclasses.dataclass
+  class Named(FakeModel):
+    model_id: str = "a"
+
+  prompt, new = list(range(1, 30)), 10
+  sender = Engine(Named())
+  req = sender.submit(prompt, new)
+  while len(req.output) < 3:
+    sender.step()
+  handoff = handoff_lib.Handoff.from_bytes(sender.export(req.id, kv="all").to_bytes())
+  assert handoff.model_id == "a" and handoff.kv_end > 0
+  unnamed = _exported_with_kv(prompt, new)
+  assert unnamed.model_id is None
+  for model, frame, takes in [(Named(), handoff, True), (Named(model_id="b"), handoff, False),
+                              (FakeModel(), handoff, False), (Named(), unnamed, False),
+                              (FakeModel(), unnamed, True)]:
+    receiver = Engine(model)
+    moved = receiver.accept(frame)
+    assert (moved.imported is not None) == takes, (model, frame.model_id)
+    receiver.run()
+    assert moved.output == solo(FakeModel, prompt, new)
+  with pytest.raises(ValueError, match="model_id"):
+    Engine(Named()).accept(dataclasses.replace(handoff, model_id=3))
+
+
 def test_pages_of_non_finite_kv_are_refused():
   """Non-finite K/V from the wire would enter the receiver's prefix cache and
   poison later requests sharing the prefix: refused, nothing queued (floats of
@@ -413,6 +442,19 @@ def test_send_and_recv_frames_at_a_capped_rate():
   a.close()
   with pytest.raises(ConnectionError):
     handoff_lib.recv(b)
+
+
+def test_recv_refuses_a_frame_longer_than_max_bytes_before_reading_it():
+  a, b = socket.socketpair()
+  size = int(np.random.default_rng().integers(10, 1000))
+  a.sendall(struct.pack("<Q", 1 << 40) + bytes(size))  # announces 1 TiB, sends less
+  with pytest.raises(ValueError, match="max_bytes"):
+    handoff_lib.recv(b, max_bytes=1 << 30)
+  handoff_lib.send(a, bytes(size))
+  b.recv(size)  # (the refused frame's bytes)
+  assert handoff_lib.recv(b, max_bytes=size) == bytes(size)  # at the limit: taken
+  a.close()
+  b.close()
 
 
 @pytest.mark.parametrize("size", [1000, 70_000, 3 << 16])

@@ -135,6 +135,21 @@ def test_a_replica_that_hangs_alive_times_the_client_out():
   assert 0.3 <= time.perf_counter() - start < 10
 
 
+def test_sessions_whose_turns_share_an_id_are_refused_before_anything_is_sent():
+  """Two turns of one id on two replicas: the second reply found its record spent
+  (a KeyError mid-run); on one replica the engine refused it, and its failure was
+  read as the first turn's."""
+  import multiprocessing
+  from kvtier_jax.serving import bench, replica
+  ours, theirs = multiprocessing.Pipe()
+  twins = [bench.Rollout("s", (1, 2, 3), (4,), ()) for _ in range(2)]
+  named = bench.Rollout("a", (1, 2, 3), (4, 4), ((5,),), turn_ids=("x", "x"))
+  for sessions in (twins, [named]):
+    with pytest.raises(ValueError, match="more than one turn"):
+      replica.drive_sessions([ours, ours], sessions, "prefix", 8, 0.0)
+  assert not theirs.poll(0.1)  # nothing was sent
+
+
 def test_sessions_keep_their_sampling_through_the_replicas():
   """A sampled session's turns decode with its own ``SamplingParams`` on the
   replica (they were sent without them and decoded greedily), and a submitted

@@ -9,6 +9,7 @@ import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from models import backends, serving, setup, text
+from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
 
 pytest.importorskip("models.transformer")
@@ -191,9 +192,17 @@ def test_handoff_continues_on_another_engine_with_the_same_tokens(model_and_ids)
       start = len(main.radix.match_prefix(prompt[:128])[0]) * 16
     moved = main.accept(relay.export(str(i), kv=kv, start=start))
     assert req.state is State.HANDED_OFF and moved.output == req.output
+    assert (moved.imported is not None) == (kv == "all")  # one model_id: K/V taken
     main.run()
     assert moved.state is State.FINISHED and moved.output == want[i].output, i
   assert main.cached_tokens > 0  # the second handoff reuses the receiver's cached prompt
+  # One element of one weight moved: another model, whose K/V are not taken.
+  weights = model.weights()
+  name = sorted(weights)[int(np.random.default_rng().integers(len(weights)))]
+  moved_weights = {**weights, name: weights[name].ravel().at[0].add(1).reshape(
+      weights[name].shape)}
+  other = backend(Transformer.from_params(model.cfg, moved_weights), "tiered")
+  assert other.model_id != relay.model.model_id == main.model.model_id
   relay.pool.check(relay.radix.held_pages())
   main.pool.check(main.radix.held_pages())
 

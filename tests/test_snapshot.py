@@ -143,6 +143,30 @@ def test_a_snapshot_of_another_shape_is_refused(tmp_path):
                      EngineConfig(**CONFIG))
 
 
+def test_a_snapshot_of_another_model_identity_is_refused(tmp_path):
+  """A host tier saved by one model's weights would decode another's requests with
+  the first one's K/V: another ``model_id`` (or none where one was saved) is a
+  ``SnapshotError``; the same one restores."""
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Named(FakeModel):
+    model_id: str = "a"
+
+  engine = Engine(Named(), EngineConfig(prefix_cache=True))
+  engine.submit(list(range(1, 30)), 5)
+  engine.step()
+  snapshot.save(engine, tmp_path / "snap")
+  for model in (Named(model_id="b"), FakeModel()):
+    with pytest.raises(snapshot.SnapshotError, match="model_id=a"):
+      snapshot.restore(tmp_path / "snap", model, EngineConfig(prefix_cache=True))
+  again = snapshot.restore(tmp_path / "snap", Named(), EngineConfig(prefix_cache=True))
+  again.run()
+  engine.run()
+  assert [r.output for r in again.requests.values()] == [
+      r.output for r in engine.requests.values()]
+
+
 def test_a_snapshot_of_another_partitioning_or_disk_size_is_refused_before_any_build(
     tmp_path):
   """Data-parallel partitions and the disk tier's size are the snapshot's shape

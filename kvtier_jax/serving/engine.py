@@ -313,6 +313,7 @@ class Engine:
         raise ValueError(f"start={start} must be page-aligned and below {end}")
       pages = self.pool.table[req.slot, start // size:-(-end // size)].tolist()
       out.kv_start, out.kv_end = start, end
+      out.model_id = getattr(self.model, "model_id", None)
       out.kv = [np.array(f) for f in self.model.read_pages(self.state, pages)]
     if req.state is State.WAITING:
       self.waiting.remove(req)
@@ -341,7 +342,8 @@ class Engine:
     # K/V prefilled on other chunk boundaries differ from this engine's in the last
     # bits: the request replays, and the prefix cache keeps only numbers computed here.
     keeps_kv = (bool(handoff.kv_end) and can_load
-                and handoff.chunk_size == self.model.chunk_size)
+                and handoff.chunk_size == self.model.chunk_size
+                and handoff.model_id == getattr(self.model, "model_id", None))
     kv_end = handoff.kv_end
     if keeps_kv and kv_end < len(handoff.prompt):
       # The rest of the prompt is prefilled here, in whole chunks: K/V past the last

@@ -10,8 +10,9 @@ engine, which continues it with exactly the tokens an uninterrupted run yields:
   receiver caches (prompt and generated tokens); the receiver writes them into its
   host tier and starts decoding at once. A prompt's K/V depend on its chunk
   boundaries in the last bits (the matmuls are blocked by chunk), so a receiver
-  whose prefill chunk differs from the sender's does not take them: it replays, as
-  for **extend**, and caches only numbers it computed;
+  whose prefill chunk differs from the sender's, or whose model identity
+  (``model_id``: the weights) differs, does not take them: it replays, as for
+  **extend**, and caches only numbers it computed;
 * **extend**: only token ids (plus, optionally, the prompt's whole chunks beyond the
   receiver's cached prefix): the receiver prefills what is missing of the prompt and
   replays the relayed outputs through its decode steps (no sampling), rebuilding
@@ -56,6 +57,9 @@ class Handoff:
   # The sender's prefill chunk. A prompt's K/V depend on its chunk boundaries in
   # the last bits, so only a receiver with the same chunks uses them (None: unknown).
   chunk_size: int | None = None
+  # The sender's model identity (``ServingModel.model_id``): K/V computed by other
+  # weights are not taken, the request replays instead (None: unknown).
+  model_id: str | None = None
 
   @property
   def kv_bytes(self) -> int:
@@ -66,6 +70,7 @@ class Handoff:
                   max_new_tokens=self.max_new_tokens,
                   sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
                   kv_start=self.kv_start, kv_end=self.kv_end, chunk_size=self.chunk_size,
+                  model_id=self.model_id,
                   kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
     blob = json.dumps(header).encode()
     parts = [struct.pack("<Q", len(blob)), blob]
@@ -145,9 +150,14 @@ def send(sock: socket.socket, payload: bytes, bytes_per_s: float | None = None,
   return time.perf_counter() - start
 
 
-def recv(sock: socket.socket) -> bytes:
-  """One frame ``send`` wrote (raises ``ConnectionError`` if the peer closed)."""
+def recv(sock: socket.socket, max_bytes: int | None = None) -> bytes:
+  """One frame ``send`` wrote (raises ``ConnectionError`` if the peer closed).
+  ``max_bytes``: refuse (``ValueError``) a frame announcing more, before reading
+  it, so a corrupt or hostile length cannot make the reader buffer without end;
+  the connection is then out of step and should be closed."""
   (size,) = struct.unpack("<Q", _read(sock, 8))
+  if max_bytes is not None and size > max_bytes:
+    raise ValueError(f"a frame of {size} bytes exceeds max_bytes={max_bytes}")
   return _read(sock, size)
 
 
@@ -182,6 +192,8 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
   if handoff.chunk_size is not None and not (is_int(handoff.chunk_size)
                                              and handoff.chunk_size >= 1):
     raise ValueError(f"chunk_size={handoff.chunk_size!r} must be a positive int or None")
+  if handoff.model_id is not None and not isinstance(handoff.model_id, str):
+    raise ValueError(f"model_id={handoff.model_id!r:.80} must be a str or None")
   if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in handoff.kv):
     raise ValueError("the handoff's page fields must be arrays of pages (ndim >= 1)")
   if len(handoff.output) >= handoff.max_new_tokens:

@@ -72,6 +72,11 @@ class ServingModel(Protocol):
   # may only hold pages of its own range (default 1).
   num_partitions: int
 
+  # Optional: what a request's K/V depend on (a hash of the weights...). A handoff's
+  # K/V are taken only by an engine whose model has the sender's ``model_id`` (a
+  # model without one matches only another without one).
+  model_id: str
+
   # Optional: a prefix cache (``EngineConfig.prefix_cache``) needs both.
   supports_prefix_cache: bool
 

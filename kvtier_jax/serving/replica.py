@@ -86,9 +86,14 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, 
   turn's successor is sent ``env_seconds`` after it finished (a turn that failed
   ends its session, as ``bench.drive`` ends a rollout). Returns per-request
   records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E).
+  Turn ids must be unique (``ValueError`` before anything is sent).
   ``reply_timeout_s``: raise ``TimeoutError`` when requests are outstanding and no
   replica has said anything for that long (a replica that hangs but lives; one
   that exits raises ``EOFError``)."""
+  ids = [s.turn(t, (), 0.0).id for s in sessions for t in range(len(s.max_new_tokens))]
+  taken = sorted({i for i in ids if ids.count(i) > 1})
+  if taken:  # their replies could not be told apart
+    raise ValueError(f"request ids {taken[:5]} are used by more than one turn")
   router = Router(len(conns), chunk_size, policy)
   start = time.perf_counter()
   now = lambda: time.perf_counter() - start
