@@ -28,11 +28,13 @@ import dataclasses
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
+from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
@@ -77,6 +79,7 @@ class MeshServingBackend:
     if host_pages is not None and host_pages < rows:
       raise ValueError(f"host_pages={host_pages}: each of {rows} rows needs a page")
     cfg = model.cfg
+    self._real_units = cfg.num_kv_heads  # before padding (units: KV heads at width > 1)
     if width > 1:
       if selector_params is not None or getattr(selector, "reads_hidden", False):
         raise ValueError("tensor parallel (model > 1) needs a selector without "
@@ -251,6 +254,13 @@ class MeshServingBackend:
       state = group.init()
       if self.width > 1:  # built on one device, then split by head over the row
         mesh = self._row_meshes[row]
+        # A per-device counter is every device's own [L], concatenated: the row's
+        # width devices each get a whole copy (splitting one [L] gave each device
+        # L/width entries, and the step's writes past them were dropped).
+        own = sharding.per_device_leaves(state.cache, _PER_DEVICE)
+        state = state.replace(cache=jax.tree.map(
+            lambda x, o: jnp.tile(x, (self.width,) + (1,) * (x.ndim - 1)) if o else x,
+            state.cache, own))
         state = jax.device_put(state, ServingState(
             jax.tree.map(lambda x, s: NamedSharding(
                 mesh, s, memory_kind=x.sharding.memory_kind), state.cache, self._specs,
@@ -379,5 +389,18 @@ class MeshServingBackend:
       group.set_lengths(lens[r * self._per:(r + 1) * self._per])
     return state
 
-  stats = ServingBackend.stats  # the same counters, summed over every device's cache
+  def stats(self, state: ShardedState) -> dict:
+    """The one-device counters, summed over every device's cache. Hits and misses
+    count the model's KV heads only (a padded head's selections are over zero keys,
+    not the model's); fetched rows and bytes count what crossed the link, padded
+    heads' rows included."""
+    if self.backend != "tiered":
+      return {}
+    tier = state.cache.tier
+    real = self._real_units if self.width > 1 else tier.hits.shape[2]
+    tier = tier.replace(hits=tier.hits[:, :, :real], misses=tier.misses[:, :, :real])
+    stats = kv_state.cache_stats(self.tier_cfg, tier)
+    return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
+                                  "host_to_device_bytes")}
+
   compiled_prefills = staticmethod(ServingBackend.compiled_prefills)

@@ -89,7 +89,8 @@ def main():
   np.testing.assert_array_equal(backend.read_pages(state, [0])[0], one_page[0])
   print(json.dumps({"pages": num_pages, "writes": writes,
                     "empty_shape": list(empty[0].shape),
-                    "dense_refused": dense_refuses_past_max_len(model, mesh)}))
+                    "dense_refused": dense_refuses_past_max_len(model, mesh),
+                    "counters": [decode_counters(mesh, heads) for heads in (2, 3)]}))
 
 
 def dense_refuses_past_max_len(model, mesh) -> int:
@@ -108,6 +109,46 @@ def dense_refuses_past_max_len(model, mesh) -> int:
       assert "reached max_len=16" in str(err), err
       refused += 1
   return refused
+
+
+def decode_counters(mesh, kv_heads: int) -> dict:
+  """A tiered mesh (model = 2) decoding one slot: every layer's fetched rows are
+  counted, one per miss of every unit (padded heads' included: their rows cross the
+  link), and ``stats`` counts hits and misses of the model's own heads only (a
+  padded head selects over zero keys). Raises on a mismatch."""
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=4,
+                                 num_q_heads=2 * kv_heads, num_kv_heads=kv_heads,
+                                 head_dim=8, ffn_hidden_dim=48, name="tiny")
+  model = tfm.Transformer(cfg, rngs=nnx.Rngs(1))
+  prompt, steps, layers = 48, 6, cfg.num_layers
+  selector, _ = build_selector("quest_kv", cfg, top_k=16)
+  backend = sharded_serving.MeshServingBackend(
+      model, "tiered", 4, 64, mesh=mesh, selector=selector, chunk_size=16,
+      page_size=8, hot_slots=24, host_pages=ROWS * PAGES_PER_ROW * 2)
+  table = np.full((4, 8), -1, np.int32)
+  table[3] = backend._local_pages + np.arange(8)  # row 1's second slot
+  state = backend.set_pages(backend.init(), table)
+  tokens = np.random.default_rng().integers(0, 64, prompt + steps).astype(np.int32)
+  for start in range(0, prompt, 16):
+    state, _ = backend.prefill(state, 3, tokens[start:start + 16], start, 16)
+  state = backend.start_decoding(state, 3, prompt)
+
+  def arrays(state):
+    tier = state.cache.tier  # fetched rows: every device's own [L], concatenated
+    return (np.asarray(tier.hits), np.asarray(tier.misses),
+            np.asarray(tier.fetched_rows).reshape(-1, layers).sum(0))
+
+  before, stats_before = arrays(state), backend.stats(state)
+  for p in range(prompt, prompt + steps):
+    state, _ = backend.decode(state, np.where(np.arange(4) == 3, tokens[p], 0),
+                              np.arange(4) == 3)
+  hits, misses, fetched = (b - a for a, b in zip(before, arrays(state)))
+  got = {k: v - stats_before[k] for k, v in backend.stats(state).items()}
+  assert (fetched == misses.sum((1, 2))).all() and (fetched > 0).all(), (fetched, misses)
+  want = dict(hits=int(hits[:, :, :kv_heads].sum()), misses=int(misses[:, :, :kv_heads].sum()),
+              fetched_rows=int(fetched.sum()))
+  assert {k: got[k] for k in want} == want, (got, want)
+  return dict(got, padded=int(hits[:, :, kv_heads:].sum() + misses[:, :, kv_heads:].sum()))
 
 
 if __name__ == "__main__":
