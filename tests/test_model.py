@@ -321,9 +321,10 @@ def test_first_layers_is_the_full_model_with_its_later_layers_silenced():
       first_layers(cfg, params, bad)
 
 
-def test_a_cut_model_gets_the_first_layers_of_a_distilled_indexer(tmp_path):
+def test_a_cut_model_gets_the_first_layers_of_a_distilled_indexer(tmp_path, monkeypatch):
   """``setup.build_selector("dsa", ...)`` on a cut model: the saved indexer's first
-  layers, bit for bit; an indexer for fewer layers than the model is refused."""
+  layers, bit for bit; an indexer for fewer layers than the model, or of another
+  width, is refused."""
   from kvtier_jax.selectors.distill import save_indexer
   from kvtier_jax.selectors.dsa import IndexerParams
   from models import setup
@@ -345,6 +346,14 @@ def test_a_cut_model_gets_the_first_layers_of_a_distilled_indexer(tmp_path):
                          16, tmp_path / "indexer")
   with pytest.raises(FileNotFoundError, match="no distilled indexer"):  # a typo
     setup.build_selector("dsa", cfg, 16, tmp_path / "indexr")
+  # Another model's width: refused when named, a random indexer (warned) when it is
+  # the default one (SmolLM2's); it failed at the first decode step with a TypeError.
+  wide = ModelConfig.smollm2_135m(embed_dim=2 * dm, num_layers=3, name="wide")
+  with pytest.raises(ValueError, match=f"width-{dm} model"):
+    setup.build_selector("dsa", wide, 16, tmp_path / "indexer")
+  monkeypatch.setattr(setup, "DEFAULT_INDEXER", tmp_path / "indexer")
+  _, fallback = setup.build_selector("dsa", wide, 16)
+  assert fallback.wq.shape[:2] == (3, 2 * dm)
 
 
 # Tokenizer -------------------------------------------------------------------
@@ -487,6 +496,36 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
   assert old != np.float32(value)
   assert not any(orphan.exists() for orphan in orphans) and elsewhere.exists()
   assert gguf_loader.load_gguf(path).params["final_norm"][0] == np.float32(value)
+
+
+def test_a_cache_write_keeps_the_most_recently_used_other_entry_only(tmp_path,
+                                                                     monkeypatch):
+  """Each module edit, ``gguf`` upgrade or rewritten GGUF makes a new ~540 MB entry:
+  a write removes the file's entries but the most recently used other one (random
+  use times); other files' entries and non-entries stay."""
+  import os
+  import types
+
+  from models import gguf_loader
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path))
+  rng = np.random.default_rng()
+  make = lambda name: [(tmp_path / f"{name}{s}").write_bytes(b"x") for s in (".npz", ".json")]
+  olds = [f"model_q4-{rng.bytes(16).hex()}" for _ in range(int(rng.integers(2, 6)))]
+  used = rng.permutation(len(olds))
+  for name, when in zip(olds, used):
+    make(name)
+    os.utime(tmp_path / f"{name}.json", (1e9 + when, 1e9 + when))
+  others = [f"other-{rng.bytes(16).hex()}", "model_q4-notakey", "model_q4_more-" + "0" * 32]
+  for name in others:
+    make(name)
+  loaded = types.SimpleNamespace(params={"w": np.ones((2,), np.float32)}, metadata={},
+                                 tokenizer=types.SimpleNamespace(to_str=lambda: "{}"))
+  entry = tmp_path / f"model_q4-{rng.bytes(16).hex()}"
+  gguf_loader._write_cache(entry, loaded, ())
+  kept = sorted(p.name for p in tmp_path.iterdir())
+  newest = olds[int(np.argmax(used))]
+  want = sorted(f"{n}{s}" for n in (entry.name, newest, *others) for s in (".npz", ".json"))
+  assert kept == want
 
 
 def test_a_failed_cache_write_leaves_no_partial_file(tmp_path, monkeypatch):

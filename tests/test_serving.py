@@ -350,6 +350,45 @@ def test_on_token_may_end_its_own_request_and_a_later_one_of_the_batch():
   assert engine.pool.in_use == 0 and engine._device_in_use == 0
 
 
+def test_an_on_token_that_raises_fails_its_request_and_leaves_the_engine_consistent():
+  """A streaming client gone mid-batch (its callback raises): its request fails and
+  lets go; the step still samples every other request of the batch, and raises the
+  callback's exception after. Before, later requests of the batch had advanced
+  without a token and every later step raised IndexError; a callback raising on a
+  first token sampled by prefill skipped the length check (2 tokens of 1)."""
+  factory = lambda: FakeModel(num_slots=4)
+  engine = Engine(factory())
+  at = int(np.random.default_rng().integers(1, 6))
+
+  def gone(req, token):
+    if len(req.output) == at:
+      raise ConnectionResetError("client went away")
+
+  def gone_at_once(req, token):
+    raise ConnectionResetError("client went away")
+
+  before = engine.submit(list(range(1, 30)), 8)  # slot 0, sampled before the failure
+  failing = engine.submit([5, 6, 7], 8, on_token=gone)  # slot 1
+  after = engine.submit([8, 9, 10], 8)  # slot 2: sampled after it in the batch
+  single = engine.submit([3, 4], 1, on_token=gone_at_once)  # its one token, in prefill
+  raised = 0
+  while engine.has_work:
+    try:
+      engine.step()
+    except ConnectionResetError as err:
+      raised += 1
+      assert "now failed" in "".join(getattr(err, "__notes__", [])), err
+    engine.pool.check()
+  assert raised == 2
+  assert failing.state is State.FAILED and "client went away" in failing.reason
+  assert len(failing.output) == at
+  assert single.state is State.FAILED and len(single.output) == 1
+  for req in (before, after):
+    assert req.state is State.FINISHED
+    assert req.output == solo(factory, req.prompt, req.max_new_tokens), req.id
+  assert engine.pool.in_use == 0 and engine._device_in_use == 0
+
+
 def test_auto_ids_skip_ids_callers_chose():
   engine = Engine(FakeModel())
   engine.submit([1, 2, 3], 2, request_id="req-1")

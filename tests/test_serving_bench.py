@@ -284,6 +284,25 @@ def test_decode_throughput_counts_new_tokens_not_replays():
   assert sum(s["decode_batch"] for s in served.steps) > outputs - first_tokens
 
 
+def test_tokens_a_request_made_before_it_was_handed_off_count_on_the_sender():
+  """A request decodes some tokens on one engine and moves to another: the sender's
+  summary counts the tokens it made (it counted none, and the receiver leaves them
+  out as relayed: nobody counted them), the receiver's the rest."""
+  rng = np.random.default_rng()
+  relayed, new = int(rng.integers(1, 6)), 10
+  sender, receiver = Engine(FakeModel()), Engine(FakeModel())
+  start = sender.now()
+  req = sender.submit(list(range(1, 20)), new)
+  while len(req.output) < relayed:
+    sender.step()
+  moved = receiver.accept(sender.export(req.id, kv="none"))
+  sent = bench.summarize(bench.Served([req], [], start, sender.now()))
+  receiver.run()
+  got = bench.summarize(bench.Served([moved], [], start, receiver.now()))
+  assert (sent["handed_off"], sent["output_tokens"]) == (1, relayed)
+  assert (got["finished"], got["output_tokens"]) == (1, new - relayed)
+
+
 def test_a_run_cut_short_counts_the_tokens_its_running_requests_made():
   """A deadline cut leaves requests running: their tokens were generated in the
   window (the throughput counted finished requests' only, so it moved with where

@@ -276,11 +276,13 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
   prompt_tokens = sum(len(r.prompt) for r in done)
   # Generated here: an accepted handoff's relayed tokens are the sender's output,
   # a restored request's earlier tokens the saved run's. Requests still running (a
-  # run cut at a deadline) generated theirs in the window too; failed and aborted
-  # ones are left out.
+  # run cut at a deadline) generated theirs in the window too, as did requests
+  # handed off to another engine before they left (the receiver leaves them out as
+  # relayed); failed and aborted ones are left out.
   running = [r for r in reqs if not r.state.done]
+  handed_off = [r for r in reqs if r.state is State.HANDED_OFF]
   output_tokens = sum(len(r.output) - max(r.relayed, before.get(r.id, 0))
-                      for r in done + running)
+                      for r in done + running + handed_off)
   # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
   decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
 
@@ -289,7 +291,7 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
             and (slo_tpot_s is None or p["tpot_s"] is None or p["tpot_s"] <= slo_tpot_s))
 
   row = dict(requests=len(reqs), finished=len(done), unfinished=len(running),
-             failed=sum(r.state is State.FAILED for r in reqs),
+             handed_off=len(handed_off), failed=sum(r.state is State.FAILED for r in reqs),
              refused=len(served.refused),
              duration_s=duration, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
              request_throughput=len(done) / duration,

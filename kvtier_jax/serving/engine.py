@@ -203,6 +203,7 @@ class Engine:
     self._device_in_use = 0
     self._last_stats = model.stats(self.state)
     self._peak, self._new_tokens = dict(running=0, device=0, host=0), 0  # per step
+    self._callback_errors: list[Exception] = []  # raised by on_token this step
     self.steps = 0
 
   # Submission and abort --------------------------------------------------------
@@ -215,7 +216,13 @@ class Engine:
              stop_ids: Iterable[int] = (), request_id: str | None = None,
              on_token: Callable[[Request, int], None] | None = None,
              arrival: float | None = None) -> Request:
-    """Queue a request; raises ``ValueError`` (engine untouched) on bad input."""
+    """Queue a request; raises ``ValueError`` (engine untouched) on bad input.
+
+    ``on_token(request, token)`` runs as each token is sampled; it may abort or
+    export requests. If it raises (a streaming client gone), its request fails
+    (``State.FAILED``, released), the step finishes every other request's
+    bookkeeping, and ``step`` then raises the first such exception: the engine
+    stays consistent and can go on stepping."""
     return self._new_request(prompt, max_new_tokens, sampling_params, stop_ids,
                              request_id, on_token, arrival)
 
@@ -379,6 +386,7 @@ class Engine:
     start = self.now()
     self._peak = dict(running=0, device=0, host=0)
     self._new_tokens = 0
+    self._callback_errors = []
     self._admit()
     self._note_peak()
     if self.config.prefill_policy == "blocking" and self._prefilling() is not None:
@@ -407,6 +415,8 @@ class Engine:
                device_bytes_in_use=self._device_in_use, **delta)
     if self._on_step:
       self._on_step(row)
+    if self._callback_errors:
+      raise self._callback_errors[0]
     return row
 
   def _note_peak(self) -> None:
@@ -759,7 +769,16 @@ class Engine:
       if req.metrics.first_token is None:
         req.metrics.first_token = now
       if req.on_token:
-        req.on_token(req, token)
+        try:
+          req.on_token(req, token)
+        except Exception as err:  # noqa: BLE001 - re-raised by step, once consistent
+          if not req.state.done:
+            self._release(req)
+            self._end(req, State.FAILED, f"on_token raised {type(err).__name__}: {err}")
+          err.add_note(f"raised by on_token of request {req.id!r} (now "
+                       f"{req.state.value}); the engine's step completed")
+          self._callback_errors.append(err)
+          continue
         if req.state.done:  # the callback ended it (abort, export): released
           continue
       if len(req.output) >= req.max_new_tokens or token in req.stop_ids:
