@@ -293,6 +293,36 @@ def test_lpm_does_not_rank_a_request_by_a_prefix_it_cannot_use():
   assert short.output == solo(factory, short.prompt, 2)
 
 
+def test_an_admission_eviction_cannot_help_keeps_the_cached_prefixes():
+  """A request whose prompt needs more pages than the free ones and every evictable
+  cached page together waits without evicting: the cached prefixes stayed for later
+  requests (they were given up for an admission that failed anyway)."""
+  rng = np.random.default_rng()
+  model = FakeModel(num_host_pages=40)  # pages of 4 tokens
+  engine = Engine(model, EngineConfig(prefix_cache=True))
+  prompt = lambda n: rng.integers(1, VOCAB - 1, n).tolist()
+  engine.submit(prompt(21), 2)
+  engine.run()
+  cached = engine.radix.held_pages()
+  assert len(cached) == 4  # two chunks of 8 tokens
+  running = engine.submit(prompt(80), 16)  # 20 pages (its prompt's, cached: locked)
+  while running.state is not State.DECODING:
+    engine.step()
+  big = engine.submit(prompt(84), 4)  # 21 pages > 16 free + 4 evictable
+  waited = 0
+  while running.state is State.DECODING:
+    evictable = sum(map(len, engine.radix.evictable_pages().values()))
+    short = engine.pool.free_in(0) + evictable < 21
+    engine.step()
+    if big.state is State.WAITING and short:
+      assert set(cached) <= set(engine.radix.held_pages()), engine.steps
+      waited += 1
+  assert waited > 0
+  engine.run()
+  assert big.state is State.FINISHED and big.output == solo(FakeModel, big.prompt, 4)
+  engine.pool.check(engine.radix.held_pages())
+
+
 def test_schedule_is_checked():
   with pytest.raises(ValueError, match="schedule"):
     EngineConfig(prefix_cache=True, schedule="sjf")

@@ -642,6 +642,10 @@ class Engine:
     fresh = num_pages - len(shared)
     part = self.pool.slot_partition(slot)
     if fresh > self.pool.free_in(part) and self.radix is not None:
+      evictable = self.radix.evictable_pages(
+          lambda pages: self.pool.page_partition(pages[0])).get(part, [])
+      if fresh > self.pool.free_in(part) + len(evictable):
+        return False  # evicting could not make room: keep the cached prefixes
       self._evict(fresh - self.pool.free_in(part), part)
     if fresh > self.pool.free_in(part):
       return False
