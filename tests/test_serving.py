@@ -273,6 +273,9 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
     engine.submit([1, 2], 4, stop_ids=[2.7])
   with pytest.raises(ValueError, match="eos_ids"):
     EngineConfig(eos_ids=(2.7,))
+  for eos in (VOCAB, -1):  # at construction, not at every submit after
+    with pytest.raises(ValueError, match="eos_ids .* outside the model's vocabulary"):
+      Engine(FakeModel(), EngineConfig(eos_ids=(3, eos)))
   for sp, match in [(SamplingParams(temperature=-1), "temperature"),
                     (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-2), "top_k"),
                     (SamplingParams(seed=2**40), "seed")]:

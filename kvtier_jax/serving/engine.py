@@ -166,6 +166,10 @@ class Engine:
     if config.kv_budget_bytes is not None and config.kv_budget_bytes < model.staging_bytes():
       raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} is below the prefill "
                        f"staging buffer ({model.staging_bytes()} bytes)")
+    bad = [t for t in config.eos_ids if not 0 <= t < model.vocab_size]
+    if bad:  # (every submit would be refused, blaming its stop ids)
+      raise ValueError(f"eos_ids {bad} are outside the model's vocabulary of "
+                       f"{model.vocab_size}")
     self.model, self.config = model, config
     self._clock, self._t0 = clock, clock()
     self._on_step = on_step
