@@ -47,17 +47,25 @@ def _rows(x) -> int:
   return math.prod(x.shape[:-1])
 
 
-def position_table(keys, values, num_positions: int, fill: int):
+def position_table(keys, values, num_positions: int, fill: int, *, smallest=False):
   """i32[..., P]: ``table[..., keys[..., j]] = values[..., j]`` per row, ``fill``
   elsewhere; keys outside ``[0, P)`` (-1 padding) are dropped. Duplicate keys keep
-  one of their values."""
+  one of their values (which one, the backend's scatter decides), or the smallest
+  with ``smallest`` (a scatter-min: deterministic on every backend)."""
   flat_keys = keys.reshape(-1, keys.shape[-1])
   row = jnp.arange(flat_keys.shape[0], dtype=jnp.int32)[:, None]
   # Padding goes to P, past the end, and is dropped (-1 would wrap to P - 1).
   col = jnp.where((flat_keys >= 0) & (flat_keys < num_positions), flat_keys,
                   num_positions)
-  table = jnp.full((flat_keys.shape[0], num_positions), fill, jnp.int32).at[row, col].set(
-      values.reshape(flat_keys.shape).astype(jnp.int32), mode="drop")
+  values = values.reshape(flat_keys.shape).astype(jnp.int32)
+  if smallest:
+    big = jnp.iinfo(jnp.int32).max
+    table = jnp.full((flat_keys.shape[0], num_positions), big, jnp.int32).at[
+        row, col].min(values, mode="drop")
+    table = jnp.where(table == big, fill, table)
+  else:
+    table = jnp.full((flat_keys.shape[0], num_positions), fill, jnp.int32).at[
+        row, col].set(values, mode="drop")
   return table.reshape(keys.shape[:-1] + (num_positions,))
 
 
@@ -71,11 +79,14 @@ def table_lookup(table, queries, fill: int):
   return jnp.where(inside, got, fill).reshape(queries.shape)
 
 
-def index_in(keys, queries, *, method: str = "auto", num_positions: int | None = None):
+def index_in(keys, queries, *, method: str = "auto", num_positions: int | None = None,
+             repeats: bool = False):
   """i32[..., n]: the index of each query in its row of ``keys`` (-1: absent).
 
   Args:
-    keys: i32[..., m] positions, distinct within a row (-1 padding).
+    keys: i32[..., m] positions, distinct within a row (-1 padding), or with
+      ``repeats`` possibly not: a repeated key's first index, whichever the method
+      (the search's stable sort finds it; the map keeps it by a scatter-min).
     queries: i32[..., n] positions (-1 never found).
     method: "auto", "map" or "search" (module docstring).
     num_positions: a bound on every position (the map's table size).
@@ -83,7 +94,8 @@ def index_in(keys, queries, *, method: str = "auto", num_positions: int | None =
   method = choose(method, num_positions, _rows(keys))
   lane = jnp.broadcast_to(jnp.arange(keys.shape[-1], dtype=jnp.int32), keys.shape)
   if method == "map":
-    return table_lookup(position_table(keys, lane, num_positions, EMPTY), queries, EMPTY)
+    table = position_table(keys, lane, num_positions, EMPTY, smallest=repeats)
+    return table_lookup(table, queries, EMPTY)
   masked = jnp.where(keys >= 0, keys, jnp.iinfo(jnp.int32).max)
   order = jnp.argsort(masked, axis=-1)
   srt = jnp.take_along_axis(masked, order, axis=-1)
@@ -127,13 +139,14 @@ def resident_mask(slot_pos, positions, *, method: str = "auto",
 
 
 def duplicate_mask(selected, *, method: str = "auto", num_positions: int | None = None):
-  """bool[..., k]: entries whose position an earlier-found lane of the row also holds
-  (at least one lane of every repeated position is flagged; padding never, nor a
-  position >= ``num_positions``, which the map cannot hold: out of range, not a
-  repeat, whichever the method)."""
+  """bool[..., k]: entries whose position an earlier lane of the row also holds
+  (every repeat after a position's first lane, whichever the method: the lookahead
+  fetches the first, best-ranked, lane; padding never, nor a position >=
+  ``num_positions``, which the map cannot hold: out of range, not a repeat)."""
   lane = jnp.broadcast_to(jnp.arange(selected.shape[-1], dtype=jnp.int32),
                           selected.shape)
-  owner = index_in(selected, selected, method=method, num_positions=num_positions)
+  owner = index_in(selected, selected, method=method, num_positions=num_positions,
+                   repeats=True)
   counted = selected >= 0
   if num_positions is not None:
     counted &= selected < num_positions
@@ -142,6 +155,8 @@ def duplicate_mask(selected, *, method: str = "auto", num_positions: int | None 
 
 def rank_of(slot_pos, ranks, *, method: str = "auto", num_positions: int | None = None):
   """i32[..., B]: each slot's position's index in ``ranks`` [..., m] (best first,
-  -1 padding); m for empty slots and positions not ranked."""
-  got = index_in(ranks, slot_pos, method=method, num_positions=num_positions)
+  -1 padding; a position ranked twice: its best rank); m for empty slots and
+  positions not ranked."""
+  got = index_in(ranks, slot_pos, method=method, num_positions=num_positions,
+                 repeats=True)
   return jnp.where(got >= 0, got, ranks.shape[-1])

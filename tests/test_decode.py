@@ -580,17 +580,22 @@ def test_fused_path_prefetches_like_the_unfused_step():
 def test_a_repeated_prefetch_position_takes_one_slot_on_every_path():
   """Predicted positions are a guess: a repeat is fetched once, never into two
   slots (a position held twice made the XLA, Pallas and fused RESOLVE disagree on
-  the next hit). Every metadata array equal across the paths, outputs exact."""
+  the next hit), at its first lane, whichever the lookup (the map kept the last
+  lane, the search the first: under a cap they fetched other positions). Every
+  metadata array equal across the paths, outputs exact."""
   seed = int(np.random.default_rng().integers(2**31))
   impls = (ImplConfig.every("xla", fetch_chunk=3),
+           ImplConfig.every("xla", lookup="search"),
            ImplConfig(resolve="pallas", attention="xla", fetch="pallas"), FUSED,
            FUSED_PALLAS)
-  cfgs = [make_cfg(impl=impl, lookahead_cap=6) for impl in impls]
+  cfgs = [make_cfg(impl=impl, lookahead_cap=3) for impl in impls]
   runs = [Harness(c, [60, 90, 70], seed=seed) for c in cfgs]
   for step in range(6):
     sel = draw_selection(runs[0].rng, cfgs[0], runs[0].decoder.seq_len, runs[0].prev)
     ahead = draw_selection(runs[0].rng, cfgs[0], runs[0].decoder.seq_len, sel)[..., :6]
-    ahead[..., 1] = ahead[..., 0]  # a repeat (and -1 with -1 where empty)
+    # A repeat two or more lanes on (and -1 with -1 where empty): the lanes between
+    # shift under the cap when the later lane is the one kept.
+    ahead[..., int(runs[0].rng.integers(2, 6))] = ahead[..., 0]
     inputs = step_inputs(runs[0].rng, cfgs[0])
     for h in runs:
       h.prev = runs[0].prev

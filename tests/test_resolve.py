@@ -125,6 +125,30 @@ def test_position_table_and_its_lookup_match_numpy():
                         num_positions=num_positions), want, err_msg=method)
 
 
+def test_repeated_keys_are_found_at_their_first_lane_by_both_methods():
+  """Keys that repeat (a prediction, a ranking): ``index_in(repeats=True)``, and so
+  ``duplicate_mask`` and ``rank_of``, answer with the first lane on both methods
+  (the map's plain scatter kept whichever lane the backend wrote last)."""
+  from kvtier_jax import lookup
+  rng = np.random.default_rng()
+  num_positions, width = 12, 10  # few positions: many repeats
+  keys = rng.integers(-1, num_positions, size=(3, 4, width)).astype(np.int32)
+  queries = rng.integers(-1, num_positions, size=(3, 4, 7)).astype(np.int32)
+  first = lambda row, q: list(row).index(q) if q >= 0 and q in row else -1
+  want = np.array([[first(keys[r], q) for q in queries[r]]
+                   for r in np.ndindex(3, 4)]).reshape(queries.shape)
+  dup = np.array([[k >= 0 and first(keys[r], k) != j for j, k in enumerate(keys[r])]
+                  for r in np.ndindex(3, 4)]).reshape(keys.shape)
+  rank = np.where(want >= 0, want, width)
+  for method in ("map", "search"):
+    args = dict(method=method, num_positions=num_positions)
+    np.testing.assert_array_equal(lookup.index_in(keys, queries, repeats=True, **args),
+                                  want, err_msg=method)
+    np.testing.assert_array_equal(lookup.duplicate_mask(keys, **args), dup, err_msg=method)
+    np.testing.assert_array_equal(lookup.rank_of(queries, keys, **args), rank,
+                                  err_msg=method)
+
+
 def test_map_lookup_needs_a_position_bound():
   with pytest.raises(ValueError, match="num_positions"):
     resolve([[1, -1]], [[0, 1]], [[1]], [3], lookup_method="map")
