@@ -28,7 +28,7 @@ flags.DEFINE_list("contexts", ["4096", "8192", "32768", "131072", "1048576"],
                   "Context lengths (tokens).")
 flags.DEFINE_float("kv_budget_gb", 30.0, "Device KV budget per GPU: 8xH200 (1.1 TB) "
                    "minus ~750 GB of GLM-5.1 FP8 weights and activations leaves ~240 GB, "
-                   "the paper's ~60 requests x ~4 GB at 32K.")
+                   "about the paper's ~60 requests at 32K (this table's accounting: 72 x 3.28 GB).")
 flags.DEFINE_integer("devices", 8, "GPUs (throughput is summed over them).")
 flags.DEFINE_integer("max_batch", 64, "Serving batch limit per GPU.")
 flags.DEFINE_float("miss_rate", 0.134, "Miss rate for the IO term (paper LRU, B=2k).")

@@ -119,10 +119,10 @@ def line_plot(path: pathlib.Path, xs: Sequence[float], ys: Sequence[float],
   plt.close(fig)
 
 
-def latest_trace(text: str | None = "any") -> pathlib.Path:
-  """The newest full (not --smoke) trace run; of one text if ``text`` is not "any"
-  (the run's ``--prompt_file``: None for the pydoc corpus, ``models.text.HELDOUT``,
-  ``models.text.TEST``)."""
+def latest_trace(text: str | None = None) -> pathlib.Path:
+  """The newest full (not --smoke) trace run of one text (the run's
+  ``--prompt_file``: None for the pydoc corpus, ``models.text.HELDOUT``,
+  ``models.text.TEST``), or of any text with ``text="any"``."""
   runs = sorted(pathlib.Path(RESULTS, "trace").glob("*/traces.npz"))
   flags_of = {r: json.loads((r.parent / "config.json").read_text())["flags"] for r in runs}
   full = [r for r in runs if not flags_of[r].get("smoke")

@@ -3,8 +3,9 @@
 Lowering happens against this machine's CPU devices with
 ``lowering_platforms=("cuda",)`` (so ``pinned_host`` memory kinds survive in the
 avals), then the StableHLO is compiled by a compile-only CUDA client built from
-``h200_target_config.txtpb``. Needs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
-of the same version as jaxlib (``pip install -e .[audit]``); no GPU, no driver.
+``h200_target_config.txtpb``. Needs the CUDA plugin and PJRT of the same version as
+jaxlib: ``jax-cuda12-*`` 0.10.2 (``pip install -e .[audit]``) or ``jax-cuda13-*``
+0.11.2 (constraints-jax011.txt, CI's second stage); no GPU, no driver.
 """
 
 from __future__ import annotations

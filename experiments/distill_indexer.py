@@ -62,7 +62,8 @@ flags.DEFINE_integer("rope_dim", 32, "Rotated leading features of index q/k.")
 flags.DEFINE_list("top_k", ["64", "128", "256"], "k values to report recall at.")
 flags.DEFINE_integer("seed", 0, "Initialisation, query rows and minibatches.")
 flags.DEFINE_string("out", "results/indexer/smollm2",
-                    "Checkpoint directory (--smoke: the run folder's indexer/).")
+                    "Checkpoint directory (--smoke: the run folder's indexer/; with "
+                    "--out_root and no --out: <out_root>/indexer/smollm2).")
 flags.DEFINE_string("prompt_file", None, "Text instead of the pydoc topics.")
 flags.DEFINE_bool("smoke", False, "Tiny spans and few steps (about a minute).")
 flags.DEFINE_string("out_root", None, "Results root (default ./results).")
@@ -192,7 +193,11 @@ def main(argv):
   if FLAGS.eval_tokens <= top_ks[-1]:
     raise app.UsageError("--eval_tokens must exceed max(--top_k)")
   out = common.start_run("distill_indexer", FLAGS.flag_values_dict(), FLAGS.out_root)
-  ckpt_dir = out / "indexer" if FLAGS.smoke else pathlib.Path(FLAGS.out)
+  ckpt_dir = (out / "indexer" if FLAGS.smoke else pathlib.Path(FLAGS.out)
+              if FLAGS["out"].present or FLAGS.out_root is None
+              # Another results root keeps its indexer: the default one is what
+              # --selector=dsa loads.
+              else pathlib.Path(FLAGS.out_root, "indexer", "smollm2"))
   wall = time.perf_counter()
 
   model, tokenizer, info = tfm.load_smollm2()

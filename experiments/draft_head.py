@@ -132,8 +132,9 @@ def main(argv):
                   "acceptance of the next token (held-out text)", "draft head")
   print(note)
   print(table)
+  layers = f" --model_layers={FLAGS.model_layers}" if FLAGS.model_layers else ""
   print(f"next-step agreement and critical misses: python -m experiments.prefetch "
-        f"--prompt_file={out / 'heldout.txt'} --draft_ckpt={ckpt}")
+        f"--prompt_file={out / 'heldout.txt'} --draft_ckpt={ckpt}{layers}")
   print(f"results: {out}")
 
 

@@ -14,7 +14,8 @@ the cold count; its warm rate is not a strict lower bound (a policy can move a f
 misses, at most about B per stream, into the uncounted steps).
 
 Command (~2-4 min on a 2-core CPU for the default trace):
-  python -m experiments.miss_rate          # latest results/trace/*/traces.npz
+  python -m experiments.miss_rate    # the latest trace of the pydoc text (not
+                                     # the held-out or test text, kept for policies)
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def replay_rates(sel: np.ndarray, capacity: int, policy: str, warm_after: int,
 
 def main(argv):
   del argv
-  path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace()
+  path = pathlib.Path(FLAGS.trace) if FLAGS.trace else common.latest_trace(None)
+  known, prompt_file = common.trace_text(path)
+  print(f"trace {path} (text: {prompt_file or 'pydoc' if known else 'unknown'})")
   data = np.load(path)
   names = FLAGS.selectors or common.trace_names(data)
   out = common.start_run("miss_rate", dict(FLAGS.flag_values_dict(), trace=str(path)),

@@ -134,6 +134,8 @@ def exposed_io_ms(miss_rate: float, link: str, hidden_s_per_layer: float = 0.0,
 def main(argv):
   del argv
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
+  if FLAGS["prompt_tokens"].present:  # (the shared flag's default is not this table's)
+    prompt = FLAGS.prompt_tokens
   out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt),
                          FLAGS.out_root)
   model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
@@ -220,7 +222,9 @@ def main(argv):
       pref, useful = pref[:-1], useful[:-1]
       rate = miss.sum() / max(1, int((real[1:] >= 0).sum()))
       rows.append(dict(selector=name, variant=variant, critical_miss_rate=rate,
-                       prefetched_per_miss=pref.sum() / max(1, miss.sum()),
+                       # (None without critical misses: no miss to divide by)
+                       prefetched_per_miss=(pref.sum() / miss.sum() if miss.sum()
+                                            else None),
                        useful_share=useful.sum() / max(1, pref.sum()),
                        agreement=agreement.get(variant),
                        io_h200_ms=exposed_io_ms(rate, "h200_pcie5"),

@@ -16,6 +16,7 @@ import pathlib
 from absl import app, flags
 
 from experiments import common
+from models import text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("results", str(common.RESULTS), "Results root.")
@@ -58,16 +59,48 @@ SECTIONS = [
 ]
 
 
+# The text a section's title names (``--prompt_file``: None is the pydoc corpus).
+TITLE_TEXT = {"trace": None, "miss_rate": None, "policies": text.HELDOUT}
+
+
+def _flags(run: pathlib.Path) -> dict:
+  return json.loads((run / "config.json").read_text())["flags"]
+
+
 def is_smoke(run: pathlib.Path) -> bool:
-  return bool(json.loads((run / "config.json").read_text())["flags"].get("smoke"))
+  return bool(_flags(run).get("smoke"))
+
+
+def run_text(run: pathlib.Path) -> tuple[bool, str | None]:
+  """(known, ``--prompt_file``) of the text a run read: its own flag, or its
+  trace's (miss_rate, policies); unknown for a trace without its run's config."""
+  flags_ = _flags(run)
+  if flags_.get("trace"):
+    return common.trace_text(pathlib.Path(flags_["trace"]))
+  return True, flags_.get("prompt_file")
 
 
 def latest_run(root: pathlib.Path, experiment: str) -> pathlib.Path | None:
-  """The newest full run of ``experiment``; the newest ``--smoke`` one only when no
-  full run exists (its section says so)."""
+  """The newest full run of ``experiment`` (of the text its title names, where it
+  names one and such a run exists); the newest ``--smoke`` one only when no full
+  run exists (its section says so)."""
   runs = sorted(p.parent for p in (root / experiment).glob("*/table.md"))
   full = [r for r in runs if not is_smoke(r)]
+  if experiment in TITLE_TEXT:
+    full = [r for r in full if run_text(r) == (True, TITLE_TEXT[experiment])] or full
   return (full or runs or [None])[-1]
+
+
+def describe(run: pathlib.Path, experiment: str) -> str:
+  """What of a run's flags the section's title does not say (its text where it is
+  not the title's, a model cut to its first layers)."""
+  notes = []
+  known, read = run_text(run)
+  if experiment in TITLE_TEXT and (known, read) != (True, TITLE_TEXT[experiment]):
+    notes.append(f"text: {read or 'pydoc' if known else 'unknown'}, not the title's")
+  if _flags(run).get("model_layers"):
+    notes.append(f"SmolLM2's first {_flags(run)['model_layers']} layers")
+  return f" ({'; '.join(notes)})" if notes else ""
 
 
 def main(argv):
@@ -84,6 +117,7 @@ def main(argv):
       continue
     config = json.loads((run / "config.json").read_text())
     smoke = " (a `--smoke` run: no full run yet)" if is_smoke(run) else ""
+    smoke += describe(run, name)
     lines += [f"Run `{run.relative_to(root)}`{smoke}: `{command}`, {config.get('device_kind')}, "
               f"jax {config.get('jax')}, git {config.get('git_sha')}.", ""]
     lines += [(run / "table.md").read_text().rstrip(), ""]

@@ -105,6 +105,9 @@ def io_rows():
 
 def main(argv):
   del argv
+  if FLAGS["prompt_tokens"].present:
+    raise app.UsageError("--prompt_tokens: not used here (the context lengths are "
+                         "--contexts)")
   out = common.start_run("step_time", FLAGS.flag_values_dict(), FLAGS.out_root)
   contexts = list(map(int, FLAGS.contexts))
   model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, max(contexts) + 8,

@@ -850,6 +850,30 @@ def test_replacement_policy_changes_victims_not_outputs(policy):
   assert misses > 0
 
 
+def test_a_carry_given_a_prefetch_it_was_not_built_for_is_refused_clearly():
+  """The anchor's plan is sized by ``init_carry``'s prefetch: a prefetch put into a
+  carry built without one (or of another width) failed deep in the layer scan
+  ("anchor.slot is NoneType"); it is a ValueError naming the fix."""
+  cfg = make_cfg(impl="xla")
+  h = Harness(cfg, [60, 90, 70], seed=5)
+  selector = selectors.GivenSelector(cfg.top_k, cfg.num_units)
+  rng = np.random.default_rng()
+  sel = jnp.asarray(draw_selection(rng, cfg, h.decoder.seq_len, h.prev))
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (
+      (cfg.num_layers, cfg.num_requests, cfg.num_q_heads, cfg.head_dim),
+      (cfg.num_layers, cfg.num_requests, cfg.num_kv_heads, cfg.head_dim),
+      (cfg.num_layers, cfg.num_requests, cfg.num_kv_heads, cfg.head_dim)))
+  ahead = lambda width: jnp.full(sel.shape[:-1] + (width,), 3, jnp.int32)
+  for built, given in ((None, 2), (2, 3), (2, None)):
+    carry = decode.init_carry(cfg, h.state, sel, prefetch=None if built is None
+                              else ahead(built)).replace(
+                                  prefetch=None if given is None else ahead(given))
+    with pytest.raises(ValueError, match=r"init_carry\(\.\.\., prefetch=\)"):
+      decode.decode_step(cfg, selector, carry, q, k, v)
+  carry = decode.init_carry(cfg, h.state, sel, prefetch=ahead(2))
+  decode.decode_step(cfg, selector, carry, q, k, v)  # built for it: runs
+
+
 def test_install_request_refuses_inputs_that_do_not_fit():
   """A slot past R would drop every write (a silent no-op admission); a length
   past the K/V given would mark resident slots holding copies of its last row."""

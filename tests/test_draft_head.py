@@ -155,7 +155,9 @@ def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypat
     (run_dir / "traces.npz").write_bytes(b"")
     (run_dir / "config.json").write_text(json_lib.dumps(
         {"flags": {"prompt_file": prompt_file, "smoke": smoke}}))
-  assert common.latest_trace().parent.name == "20260101-000001"
+  # The default is the pydoc text's (miss_rate's table read a newer held-out trace).
+  assert common.latest_trace().parent.name == "20260101-000000"
+  assert common.latest_trace("any").parent.name == "20260101-000001"
   assert common.latest_trace(None).parent.name == "20260101-000000"
   assert common.latest_trace(text.HELDOUT).parent.name == "20260101-000001"
   with pytest.raises(FileNotFoundError, match="--prompt_file=other"):

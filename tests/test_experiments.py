@@ -156,9 +156,19 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
     fake.mkdir(parents=True)
     (fake / "config.json").write_text(json.dumps(dict(flags=dict(smoke=True))))
     (fake / "table.md").write_text(f"| smoke {experiment} |\n")
+  # Table 1 names the pydoc text: a newer trace of the held-out text does not replace
+  # its run; a section with no run of its title's text shows another, labelled.
+  for name, prompt_file in (("20000101-000000", None), ("20000101-000001", "heldout")):
+    trace_run = tmp_path / "trace" / name
+    trace_run.mkdir(parents=True)
+    (trace_run / "config.json").write_text(json.dumps(dict(flags=dict(
+        smoke=False, prompt_file=prompt_file))))
+    (trace_run / "table.md").write_text(f"| trace of {prompt_file or 'pydoc'} |\n")
   run("experiments.report", f"--results={tmp_path}")
   report = (tmp_path / "REPORT.md").read_text()
   assert "Table 2" in report and "| toy |" in report
+  assert "text: unknown, not the title's" in report  # the toy trace has no config
+  assert "| trace of pydoc |" in report and "| trace of heldout |" not in report
   assert "| smoke miss_rate |" not in report and "| smoke bench_decode |" in report
   assert report.count("a `--smoke` run") == 1
 
