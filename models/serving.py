@@ -553,6 +553,17 @@ class ServingBackend:
     whose placement drifts between chunks compiles it again)."""
     return _prefill._cache_size()
 
+  @property
+  def stats_modulus(self) -> dict:
+    """The counters are int32 per (layer, request, unit) and per layer on the
+    device: each wraps (hits after ~1M steps at k = 2048), and their sums are
+    exact modulo 2^32, so a step's delta is too (the engine takes it modulo)."""
+    if self.backend != "tiered":
+      return {}
+    rows = 2**32
+    return dict(hits=rows, misses=rows, fetched_rows=rows,
+                host_to_device_bytes=rows * 2 * self.tier_cfg.row_bytes)
+
   def stats(self, state: ServingState) -> dict:
     if self.backend != "tiered":
       return {}

@@ -389,6 +389,8 @@ class MeshServingBackend:
       group.set_lengths(lens[r * self._per:(r + 1) * self._per])
     return state
 
+  stats_modulus = ServingBackend.stats_modulus  # (the same int32 counters)
+
   def stats(self, state: ShardedState) -> dict:
     """The one-device counters, summed over every device's cache. Hits and misses
     count the model's KV heads only (a padded head's selections are over zero keys,

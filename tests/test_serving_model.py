@@ -4,6 +4,7 @@ with staggered arrivals, mixed lengths, an abort, a seeded sampled request,
 preemption under host-page pressure, misses served from the host tier, and no
 recompilation as requests come and go."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -361,3 +362,31 @@ def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
     logits.append(np.asarray(out)[0])
   assert np.isfinite(logits[1]).all()
   np.testing.assert_array_equal(logits[1], logits[0])
+
+
+def test_step_counters_stay_exact_when_the_device_counters_wrap(model_and_ids):
+  """The device counters are int32 per (layer, request, unit) and per layer: in a
+  long-lived engine they wrap (hits after ~1M steps at k = 2048). An engine whose
+  counters start 3 short of 2^31 reports every step's hits, misses and bytes as
+  one starting at 0 does (a negative delta at the wrap, before)."""
+  model, ids = model_and_ids
+  prompt = ids[:150].tolist()
+  rows = {}
+  for start in (0, 2**31 - 3):
+    engine = Engine(backend(model, "tiered"), EngineConfig(max_step_tokens=64))
+    tier = engine.state.cache.tier
+    near = lambda x: x + jnp.asarray(start, x.dtype)
+    tier = tier.replace(hits=near(tier.hits), misses=near(tier.misses),
+                        fetched_rows=near(tier.fetched_rows))
+    engine.state = engine.state.replace(cache=engine.state.cache.replace(tier=tier))
+    engine._last_stats = engine.model.stats(engine.state)
+    engine.submit(prompt, 12)
+    rows[start] = []
+    while engine.has_work:
+      step = engine.step()
+      rows[start].append({k: step[k] for k in ("hits", "misses", "fetched_rows",
+                                               "host_to_device_bytes")})
+  assert rows[0] == rows[2**31 - 3]
+  assert sum(r["misses"] for r in rows[0]) > 0
+  wrapped = engine.state.cache.tier
+  assert (np.asarray(wrapped.hits) < 0).any()  # the counters did wrap

@@ -400,7 +400,9 @@ class Engine:
       prefilled = self._prefill(self.config.max_step_tokens - decoded)
     self._note_peak()
     stats = self.model.stats(self.state)
+    modulus = getattr(self.model, "stats_modulus", {})
     delta = {k: stats[k] - self._last_stats.get(k, 0) for k in stats}
+    delta = {k: v % modulus[k] if k in modulus else v for k, v in delta.items()}
     self._last_stats = stats
     self.steps += 1
     # ``running`` and the bytes in use are at the step's end, after finished

@@ -103,3 +103,7 @@ class ServingModel(Protocol):
 
   def stats(self, state: Any) -> dict:
     """Cumulative counters: hits, misses, host-to-device bytes (tiered)."""
+
+  # Optional: counters that wrap (fixed-width on the device): ``{name: modulus}``;
+  # the engine's per-step deltas are taken modulo it (exact while a step adds less).
+  stats_modulus: dict
