@@ -60,6 +60,10 @@ def main(argv):
   print(f"trace {path} (text: {prompt_file or 'pydoc' if known else 'unknown'})")
   data = np.load(path)
   names = FLAGS.selectors or common.trace_names(data)
+  steps = min(data[n].shape[0] for n in names)
+  if steps <= FLAGS.warm_after:  # (the warm rate would read 0 of 0 steps as 0%)
+    raise app.UsageError(f"--warm_after={FLAGS.warm_after} leaves no step of the "
+                         f"{steps}-step trace {path} to count")
   out = common.start_run("miss_rate", dict(FLAGS.flag_values_dict(), trace=str(path)),
                          FLAGS.out_root)
   rows = []

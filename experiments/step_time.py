@@ -78,8 +78,14 @@ def time_backend(model, ids, backend, context, selector, params):
 
 
 def latest_lru_miss_rate() -> tuple[float, str]:
+  """The newest full miss_rate run's warm LRU rate at B = 2k on the DSA trace of
+  the pydoc text (not the held-out or test text, nor a --smoke run)."""
   runs = sorted(pathlib.Path(common.RESULTS, "miss_rate").glob("*/rows.jsonl"))
   for run in reversed(runs):
+    flags_ = json.loads((run.parent / "config.json").read_text())["flags"]
+    if flags_.get("smoke") or common.trace_text(pathlib.Path(flags_["trace"])) != (
+        True, None):
+      continue
     rows = [json.loads(l) for l in run.read_text().splitlines() if l.strip()]
     for r in rows:
       if r["selector"] == "dsa" and r["policy"] == "lru" and r["B_over_k"] == 2.0:

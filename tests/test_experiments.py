@@ -76,6 +76,30 @@ def test_capacity_measured_kv_bytes_agree_with_the_formula(tmp_path):
   assert measured["selector_MiB"] == pytest.approx(measured["selector_charged_MiB"])
 
 
+def test_step_time_reads_the_lru_miss_rate_of_the_pydoc_texts_trace(tmp_path,
+                                                                     monkeypatch):
+  """The IO model's miss rate comes from the newest miss_rate run on the pydoc
+  text's DSA trace: a newer run on the held-out text's trace (whose rate it took
+  before, labelled as ours) is passed over; without any, the paper's 13.4%."""
+  from experiments import common, step_time
+  monkeypatch.setattr(common, "RESULTS", tmp_path)
+  assert step_time.latest_lru_miss_rate()[0] == 0.134
+  rates = np.random.default_rng().uniform(0.05, 0.2, 2)
+  for name, prompt_file, rate in (("20000101-000000", None, rates[0]),
+                                  ("20000101-000001", "heldout", rates[1])):
+    trace = tmp_path / "trace" / name
+    trace.mkdir(parents=True)
+    (trace / "config.json").write_text(json.dumps(dict(flags=dict(prompt_file=prompt_file))))
+    run_dir = tmp_path / "miss_rate" / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(dict(flags=dict(
+        trace=str(trace / "traces.npz")))))
+    (run_dir / "rows.jsonl").write_text(json.dumps(dict(
+        selector="dsa", policy="lru", B_over_k=2.0, warm=float(rate))) + "\n")
+  rate, source = step_time.latest_lru_miss_rate()
+  assert rate == rates[0] and "20000101-000000" in source
+
+
 def test_step_time_counts_cache_traffic_over_the_timed_steps_only():
   """The warm-up steps right after prefill carry most of the misses: the cache
   counters, like the step time, are the timed steps', per step. A fake runner with
@@ -149,6 +173,12 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   want = cache_sim.replay(sel, 32, "rank", ranks=common.trace_streams(ranks))
   assert want.sum() != cache_sim.replay(sel, 32, "rank").sum()  # the ranking matters
   assert by[("rank", 32)]["cold"] == pytest.approx(want.sum() / (sel >= 0).sum())
+  # A trace no longer than --warm_after has no warm step: refused (its warm rate
+  # read 0 of 0 steps as 0%).
+  proc = subprocess.run([sys.executable, "-m", "experiments.miss_rate", f"--trace={path}",
+                         "--warm_after=40", f"--out_root={tmp_path / 'refused'}"],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0 and "leaves no step of the 40-step trace" in proc.stderr
   # A newer --smoke run does not replace the full one; a section with only a smoke
   # run shows it, labelled (smoke runs replaced full ones in REPORT.md).
   for experiment in ("miss_rate", "bench_decode"):
