@@ -51,21 +51,17 @@ def position_table(keys, values, num_positions: int, fill: int, *, smallest=Fals
   """i32[..., P]: ``table[..., keys[..., j]] = values[..., j]`` per row, ``fill``
   elsewhere; keys outside ``[0, P)`` (-1 padding) are dropped. Duplicate keys keep
   one of their values (which one, the backend's scatter decides), or the smallest
-  with ``smallest`` (a scatter-min: deterministic on every backend)."""
+  with ``smallest`` (a scatter-min, deterministic on every backend; ``fill`` must
+  then exceed every value)."""
   flat_keys = keys.reshape(-1, keys.shape[-1])
   row = jnp.arange(flat_keys.shape[0], dtype=jnp.int32)[:, None]
   # Padding goes to P, past the end, and is dropped (-1 would wrap to P - 1).
   col = jnp.where((flat_keys >= 0) & (flat_keys < num_positions), flat_keys,
                   num_positions)
   values = values.reshape(flat_keys.shape).astype(jnp.int32)
-  if smallest:
-    big = jnp.iinfo(jnp.int32).max
-    table = jnp.full((flat_keys.shape[0], num_positions), big, jnp.int32).at[
-        row, col].min(values, mode="drop")
-    table = jnp.where(table == big, fill, table)
-  else:
-    table = jnp.full((flat_keys.shape[0], num_positions), fill, jnp.int32).at[
-        row, col].set(values, mode="drop")
+  table = jnp.full((flat_keys.shape[0], num_positions), fill, jnp.int32).at[row, col]
+  table = (table.min(values, mode="drop") if smallest
+           else table.set(values, mode="drop"))
   return table.reshape(keys.shape[:-1] + (num_positions,))
 
 
@@ -94,8 +90,16 @@ def index_in(keys, queries, *, method: str = "auto", num_positions: int | None =
   method = choose(method, num_positions, _rows(keys))
   lane = jnp.broadcast_to(jnp.arange(keys.shape[-1], dtype=jnp.int32), keys.shape)
   if method == "map":
-    table = position_table(keys, lane, num_positions, EMPTY, smallest=repeats)
-    return table_lookup(table, queries, EMPTY)
+    if not repeats:
+      return table_lookup(position_table(keys, lane, num_positions, EMPTY), queries,
+                          EMPTY)
+    # The smallest lane: a scatter-min over a table of "none" above every lane,
+    # read back as -1 after the gather (a pass over the whole table would be a
+    # kernel of its own).
+    none = jnp.iinfo(jnp.int32).max
+    got = table_lookup(position_table(keys, lane, num_positions, none, smallest=True),
+                       queries, EMPTY)
+    return jnp.where(got == none, EMPTY, got)
   masked = jnp.where(keys >= 0, keys, jnp.iinfo(jnp.int32).max)
   order = jnp.argsort(masked, axis=-1)
   srt = jnp.take_along_axis(masked, order, axis=-1)
