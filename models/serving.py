@@ -448,6 +448,16 @@ class ServingBackend:
     return (f"{model_fingerprint(self.model.weights())}/{cfg.attention}/{cfg.dtype}/"
             f"{cfg.rope_theta!r}/{cfg.rms_eps!r}")
 
+  @functools.cached_property
+  def decode_id(self) -> str:
+    """What a request's tokens depend on beside the weights: the backend, the
+    selector (its settings and parameters) and the index sharing; not B, the
+    policy or the warm start, which only move data (a snapshot restores onto an
+    equal id only)."""
+    params = "-" if self.params is None else model_fingerprint(
+        {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(self.params))})
+    return f"{self.backend}/{self.selector!r}/{params}/share{self.index_share}"
+
   def read_pages(self, state: ServingState, pages) -> list[np.ndarray]:
     """Host pages' contents (a disk tier stores them): [K, V], each
     [n, L, Pg, U, Hg, D]."""

@@ -319,6 +319,10 @@ class MeshServingBackend:
         yield row, where, (pages[where] % self._local_pages).tolist()
 
   @property
+  def decode_id(self) -> str:
+    return self.groups[0].decode_id
+
+  @property
   def model_id(self) -> str:
     """The rows' model identity; tensor parallel sums each layer's partial outputs
     in another order, so its K/V are another model's in the last bits."""

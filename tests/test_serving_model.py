@@ -143,6 +143,16 @@ def test_disk_tier_round_trips_host_pages_and_keeps_the_tokens(model_and_ids, tm
     assert got[i].output == want[i].output, i
   assert engine.disk_loaded_tokens >= 2 * 128, "no prefix came back from disk"
   assert engine.cached_tokens > engine.disk_loaded_tokens, "none restaged from the host"
+  # Not into a backend whose selection differs with the same array shapes (index
+  # sharing: other positions attended, other tokens); it restored silently.
+  selector, params = setup.build_selector("quest", model.cfg, 32)
+  shared = serving.ServingBackend(model, "tiered", 3, 256, selector=selector,
+                                  selector_params=params, chunk_size=64, page_size=16,
+                                  hot_slots=48, host_pages=20, index_share=2)
+  with pytest.raises(snapshot.SnapshotError, match="decode_id"):
+    snapshot.restore(snap, shared, EngineConfig(
+        max_step_tokens=64, kv_budget_bytes=BUDGET, disk_dir=str(tmp_path / "disk3"),
+        **config))
   # Restored from the snapshot into a new backend, the run ends the same way.
   restored = snapshot.restore(snap, backend(model, "tiered", 20), EngineConfig(
       max_step_tokens=64, kv_budget_bytes=BUDGET, disk_dir=str(tmp_path / "disk2"),

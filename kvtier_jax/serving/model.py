@@ -76,6 +76,9 @@ class ServingModel(Protocol):
   # K/V are taken only by an engine whose model has the sender's ``model_id`` (a
   # model without one matches only another without one).
   model_id: str
+  # Optional: what the tokens depend on beside the weights (the selector, index
+  # sharing...): a snapshot restores only onto a model of the saved ``decode_id``.
+  decode_id: str
 
   # Optional: a prefix cache (``EngineConfig.prefix_cache``) needs both.
   supports_prefix_cache: bool

@@ -12,7 +12,8 @@ Refusing bad input: orbax writes a snapshot under a temporary name and renames i
 when complete, and marks it committed; on top of that every array and the JSON are
 checksummed (sha256) at save and verified at restore, before anything is built. A
 missing, partial or corrupt snapshot, or one of another model shape or identity
-(``ServingModel.model_id``: its K/V would be another model's numbers), raises
+(``ServingModel.model_id``: its K/V would be another model's numbers; ``decode_id``:
+another selection would decode other tokens), raises
 ``SnapshotError``; nothing half-loaded is ever returned.
 """
 
@@ -128,10 +129,12 @@ def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(
     if saved[field] != here:
       raise SnapshotError(f"{path}: saved with {field}={saved[field]}, the model "
                           f"has {here}")
-  # The host tier's K/V are the saved model's numbers (older snapshots: unnamed).
-  if "model_id" in saved and saved["model_id"] != getattr(model, "model_id", None):
-    raise SnapshotError(f"{path}: saved with model_id={saved['model_id']}, the model "
-                        f"is {getattr(model, 'model_id', None)}")
+  # The host tier's K/V are the saved model's numbers, its requests' tokens those
+  # of the saved selection (older snapshots: unnamed, not checked).
+  for field in ("model_id", "decode_id"):
+    if field in saved and saved[field] != getattr(model, field, None):
+      raise SnapshotError(f"{path}: saved with {field}={saved[field]}, the model "
+                          f"has {getattr(model, field, None)}")
   if bool(books["radix"]) != config.prefix_cache or (
       bool(books["disk"]) != bool(config.disk_pages)):
     raise SnapshotError(f"{path}: saved with prefix_cache={bool(books['radix'])}, disk tier "
@@ -181,7 +184,8 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
   return dict(
       model={**{f: getattr(engine.model, f) for f in _SHAPE_FIELDS},
              "num_partitions": engine.pool.partitions,
-             "model_id": getattr(engine.model, "model_id", None)},
+             "model_id": getattr(engine.model, "model_id", None),
+             "decode_id": getattr(engine.model, "decode_id", None)},
       now=engine.now(), steps=engine.steps, admitted=engine._admitted,
       device_in_use=engine._device_in_use, prompt_tokens=engine.prompt_tokens,
       cached_tokens=engine.cached_tokens, disk_loaded_tokens=engine.disk_loaded_tokens,
