@@ -261,7 +261,8 @@ def test_a_cached_prompt_of_whole_chunks_pins_no_copy_of_its_last_chunk():
   own. The tree's copy of it must stay evictable: locked, it left a pool that
   fits the request exactly (9 pages) one page short, and the request preempted
   itself forever. It finishes without a preemption, with its solo tokens."""
-  factory = lambda: FakeModel(max_len=33, num_host_pages=9, num_slots=2)
+  factory = lambda **kw: FakeModel(**{**dict(max_len=33, num_host_pages=9, num_slots=2),
+                                      **kw})
   engine = Engine(factory(), EngineConfig(max_step_tokens=9, prefix_cache=True))
   prompt = list(range(1, 17))  # 2 chunks of 8
   first = engine.submit(prompt, 33 - 16)
@@ -275,6 +276,14 @@ def test_a_cached_prompt_of_whole_chunks_pins_no_copy_of_its_last_chunk():
   assert again.state is State.FINISHED and again.metrics.preemptions == 0
   assert again.output == first.output == solo(factory, prompt, 33 - 16)
   engine.pool.check(engine.radix.held_pages())
+  # With room, both whole chunks stay cached: a prompt extending it shares all 16.
+  roomy = Engine(factory(num_host_pages=20), EngineConfig(prefix_cache=True))
+  roomy.submit(prompt, 4)
+  roomy.run()
+  longer = roomy.submit(prompt + [5, 6, 7], 4)
+  roomy.run()
+  assert longer.metrics.cached_tokens == 16
+  assert longer.output == solo(factory, prompt + [5, 6, 7], 4)
 
 
 def test_lpm_does_not_rank_a_request_by_a_prefix_it_cannot_use():

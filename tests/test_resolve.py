@@ -162,8 +162,9 @@ def test_map_lookup_refuses_positions_past_its_bound():
   args = (np.array([[100, 5, -1]]), np.array([[0, 1, 2]]), np.array([[100, 5]]),
           np.array([200]))
   for method in ("map", "auto", "search"):
-    with pytest.raises(ValueError, match="outside num_positions=64"):
-      resolve(*args, lookup_method=method, num_positions=64)
+    for bound in (64, 200):  # (200: the newest position equals it, outside)
+      with pytest.raises(ValueError, match=f"outside num_positions={bound}"):
+        resolve(*args, lookup_method=method, num_positions=bound)
   out = resolve(*args, lookup_method="map", num_positions=201)
   np.testing.assert_array_equal(out.is_miss, [[False, False]])
 
@@ -255,6 +256,7 @@ def test_install_newest_fills_lowest_empty_slot_as_mru():
 @pytest.mark.parametrize("bad,match", [
     (dict(selected=[[1, 1, -1]]), "appears twice"),
     (dict(selected=[[1, 9, -1]]), "out of range"),
+    (dict(selected=[[1, 6, -1]]), "out of range"),  # newest + 1: not written yet
     (dict(selected=[[1, -3, -1]]), "out of range"),
     (dict(lru=[[0, 0, 1, 2]]), "permutation"),
     (dict(slot_pos=[[1, 1, -1, -1]]), "held by two slots"),

@@ -245,6 +245,11 @@ def test_the_kept_tokens_are_the_smallest_prefix_reaching_top_p_in_float64():
       want[:limit][edge] = got[:limit][edge]
     np.testing.assert_array_equal(got, want, err_msg=f"{top_k=} {top_p=}")
     assert got[0]
+  # Exactly at the boundary (exact in f32): two equal logits of mass 1/2 each; the
+  # first reaches top_p = 1/2, so the second is not kept; 3/4 needs both.
+  pair = jnp.asarray([1.0, 1.0, -jnp.inf, -jnp.inf], jnp.float32)
+  for top_p, want in ((0.5, [True, False, False, False]), (0.75, [True, True, False, False])):
+    np.testing.assert_array_equal(sampling.kept(pair, 0, np.float32(top_p)), want)
 
 
 def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
@@ -394,6 +399,58 @@ def test_an_on_token_that_raises_fails_its_request_and_leaves_the_engine_consist
     assert req.state is State.FINISHED
     assert req.output == solo(factory, req.prompt, req.max_new_tokens), req.id
   assert engine.pool.in_use == 0 and engine._device_in_use == 0
+
+
+def test_an_aborted_waiting_request_stays_aborted():
+  """Aborted while it waits for a slot: it leaves the queue at once, is never
+  admitted later and keeps no output."""
+  engine = Engine(FakeModel(num_slots=1))
+  running = engine.submit(list(range(1, 20)), 6)
+  waiting = engine.submit([4, 5, 6], 5)
+  engine.step()
+  assert waiting.state is State.WAITING
+  engine.abort(waiting.id)
+  assert waiting not in engine.waiting
+  engine.run()
+  assert waiting.state is State.ABORTED and waiting.output == []
+  assert waiting.metrics.first_token is None
+  assert running.output == solo(FakeModel, running.prompt, 6)
+
+
+@pytest.mark.parametrize("schedule", ["fcfs", "lpm"])
+def test_a_preempted_request_resumes_before_those_waiting(schedule):
+  """Preempted under page pressure, a request goes back to the head of the queue:
+  it is admitted again before a request that was already waiting (it had waited
+  behind it), under FCFS, and under LPM, whose key puts readmissions first even
+  before a request with a longer cached prefix."""
+  rng = np.random.default_rng()
+  engine = Engine(FakeModel(num_slots=2, num_host_pages=24),
+                  EngineConfig(prefix_cache=schedule == "lpm", schedule=schedule))
+  prompt = lambda n: rng.integers(1, VOCAB - 1, n).tolist()
+  first = engine.submit(prompt(44), 20)  # grows to 16 of the 24 pages
+  second = engine.submit(prompt(24), 40)  # to 16: the newer one is preempted
+  while second.state is not State.DECODING:
+    engine.step()
+  # Waits (both slots taken); shares first's 40 cached tokens, second only its 24.
+  newcomer = engine.submit(first.prompt[:40] + prompt(2), 4)
+  while not second.metrics.preemptions:
+    engine.step()
+    assert first.state is not State.FINISHED, "no page pressure"
+  assert list(engine.waiting)[:2] == [second, newcomer]
+  engine.run()
+  assert second.admit_order < newcomer.admit_order
+  for req in (first, second, newcomer):
+    assert req.output == solo(FakeModel, req.prompt, req.max_new_tokens), req.id
+
+
+def test_prefill_spends_the_step_budget_in_whole_chunks():
+  """A step budget of whole chunks is prefilled to its last token (a chunk that
+  exactly fits the rest of the budget runs): 16 then 16 then the prompt's last 8
+  at max_step_tokens = 16 and chunks of 8."""
+  engine = Engine(FakeModel(num_slots=1), EngineConfig(max_step_tokens=16))
+  req = engine.submit(list(range(1, 41)), 2)
+  rows = [engine.step()["prefill_tokens"] for _ in range(3)]
+  assert rows == [16, 16, 8] and req.state is State.DECODING
 
 
 def test_auto_ids_skip_ids_callers_chose():
