@@ -19,11 +19,11 @@ from tests.test_serving import FakeModel
 CONFIG = dict(max_step_tokens=20, prefix_cache=True, disk_pages=20)
 
 
-def build(seed, disk_dir=None):
+def build(seed, disk_dir=None, config=CONFIG):
   """An engine with a disk tier under page pressure and its arrival schedule
   (engine step -> requests submitted before it)."""
   rng = np.random.default_rng(seed)
-  engine = Engine(PoisoningModel(num_host_pages=24), EngineConfig(disk_dir=disk_dir, **CONFIG))
+  engine = Engine(PoisoningModel(num_host_pages=24), EngineConfig(disk_dir=disk_dir, **config))
   schedule = {}
   for i, request in enumerate(shared_prefix_workload(rng, 40)):
     schedule.setdefault(int(rng.integers(0, 60)), []).append((f"r{i}", request))
@@ -35,12 +35,25 @@ def feed(engine, schedule):
     engine.submit(prompt, new, sp, request_id=rid)
 
 
-def finish(engine, schedule):
+def finish(engine, schedule, rows=None):
+  """Runs to the end; each request's (state, output). ``rows``: a list that gets
+  every step's row without its clock readings."""
   while engine.has_work or engine.steps <= max(schedule):
     feed(engine, schedule)
-    engine.step()
+    row = engine.step()
+    if rows is not None:
+      rows.append({k: v for k, v in row.items() if k not in ("t", "seconds")})
     engine.pool.check(engine.radix.held_pages())
   return {rid: (r.state, r.output) for rid, r in engine.requests.items()}
+
+
+def schedule_books(engine):
+  """Each request's admission order, cached tokens, preemptions and overtakes, and
+  the prefix tree's nodes (tree order) with their LRU stamps."""
+  nodes = [(n.key, n.last_used, tuple(n.pages), tuple(n.disk))
+           for n in engine.radix._nodes()]
+  return nodes, {rid: (r.admit_order, r.metrics.cached_tokens, r.metrics.preemptions,
+                       r.overtaken) for rid, r in engine.requests.items()}
 
 
 def books(engine):
@@ -67,6 +80,32 @@ def test_restored_engine_continues_exactly(tmp_path):
   assert finish(restored, schedule) == want
   with pytest.raises(FileExistsError):
     snapshot.save(restored, tmp_path / "snap")
+
+
+@pytest.mark.parametrize("schedule_name", ["fcfs", "lpm"])
+def test_a_restored_engine_schedules_and_evicts_as_the_original(tmp_path, schedule_name):
+  """Not only the tokens: after a restore every step admits, prefills, preempts,
+  evicts and caches as the uninterrupted engine does (same step rows, admission
+  order, cached tokens, overtakes): the tree's LRU clock, the waiting order and the
+  overtake counts are restored, not rebuilt. The disk policy is "load" (auto's
+  choice reads clocks)."""
+  seed = int(np.random.default_rng().integers(2**31))
+  config = dict(CONFIG, disk_policy="load", schedule=schedule_name)
+  engine, schedule = build(seed, str(tmp_path / "disk"), config)
+  stop = int(np.random.default_rng(seed).integers(20, 50))
+  while engine.steps < stop:
+    feed(engine, schedule)
+    engine.step()
+  snapshot.save(engine, tmp_path / "snap")
+  want_rows = []
+  want = finish(engine, schedule, want_rows)
+  restored = snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
+                              EngineConfig(disk_dir=str(tmp_path / "disk2"), **config))
+  got_rows = []
+  assert finish(restored, schedule, got_rows) == want
+  assert got_rows == want_rows, seed
+  assert schedule_books(restored) == schedule_books(engine), seed
+  assert sum(r["cached_pages"] for r in want_rows) > 0  # the tree was in use
 
 
 def test_killed_process_resumes_from_its_last_snapshot(tmp_path):
