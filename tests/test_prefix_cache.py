@@ -627,6 +627,17 @@ def test_page_pool_partitions_hand_out_their_own_pages():
   pool.release(0)
   assert pool.free_in(0) == 4 and pool.num_free == 6
   pool.check()
+  # Dropping pages of both devices (a tree's references): each device counts only
+  # its own pages that became free (eviction for one device must not stop early).
+  pool.retain([4, 5])  # (the tree's references beside slot 2's)
+  pool.release(2)
+  assert pool.drop([4, 5], partition=0) == 0 and pool.free_in(1) == 4
+  assert pool.grow(0, 2)
+  held = pool.table[0, :2].tolist()
+  pool.retain(held)
+  pool.release(0)
+  assert pool.drop(held, partition=0) == 2 and pool.free_in(0) == 4
+  pool.check()
   with pytest.raises(ValueError, match="partitions must divide"):
     PagePool(7, num_slots=4, pages_per_slot=4, partitions=2)
 
