@@ -27,8 +27,7 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
   for step in range(steps):
     token = jnp.argmax(ref, axis=-1)
     ref, got = sparse.step(token), tiered.step(token)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(ref, -1))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     if step == 0:  # the step compiles once: later calls (committed tokens) reuse it
       compiled = backends.tiered_step._cache_size()
   assert backends.tiered_step._cache_size() == compiled
