@@ -100,12 +100,14 @@ class Harness:
   """Steps the tiered cache and the full-KV reference side by side.
 
   Never-written memory (host tier, hot cache, full KV) is poisoned with NaN, so a
-  read of anything not written leaks into the outputs.
+  read of anything not written leaks into the outputs. Without a ``seed`` the
+  inputs are drawn fresh (``self.seed`` names them in failure messages).
   """
 
-  def __init__(self, cfg, prompt_lens, seed=0, selector=None):
+  def __init__(self, cfg, prompt_lens, seed=None, selector=None):
     self.cfg = cfg
-    self.rng = np.random.default_rng(seed)
+    self.seed = int(np.random.default_rng().integers(2**31)) if seed is None else seed
+    self.rng = np.random.default_rng(self.seed)
     kp, vp = random_kv(self.rng, cfg, max(prompt_lens))
     self.decoder = driver.TieredDecoder(cfg, selector)
     self.state = self.decoder.prefill(kv_state.init_state(cfg, fill=np.nan), kp, vp,
