@@ -16,6 +16,7 @@ replica reports all replicas' stats, gathered by a collective, not by the router
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import multiprocessing.connection
 import time
@@ -90,8 +91,9 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, 
   ``reply_timeout_s``: raise ``TimeoutError`` when requests are outstanding and no
   replica has said anything for that long (a replica that hangs but lives; one
   that exits raises ``EOFError``)."""
-  ids = [s.turn(t, (), 0.0).id for s in sessions for t in range(len(s.max_new_tokens))]
-  taken = sorted({i for i in ids if ids.count(i) > 1})
+  ids = collections.Counter(s.turn(t, (), 0.0).id for s in sessions
+                            for t in range(len(s.max_new_tokens)))
+  taken = sorted(i for i, n in ids.items() if n > 1)
   if taken:  # their replies could not be told apart
     raise ValueError(f"request ids {taken[:5]} are used by more than one turn")
   router = Router(len(conns), chunk_size, policy)
