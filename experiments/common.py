@@ -142,6 +142,15 @@ def trace_text(path: pathlib.Path) -> tuple[bool, str | None]:
   return True, json.loads(config.read_text())["flags"].get("prompt_file")
 
 
+def run_text(run: pathlib.Path) -> tuple[bool, str | None]:
+  """(known, ``--prompt_file``) of the text a run read: its own flag, or its
+  trace's (miss_rate, policies); unknown for a trace without its run's config."""
+  flags_ = json.loads((pathlib.Path(run) / "config.json").read_text())["flags"]
+  if flags_.get("trace"):
+    return trace_text(pathlib.Path(flags_["trace"]))
+  return True, flags_.get("prompt_file")
+
+
 def trace_names(data) -> list[str]:
   """Selector traces in a traces.npz (i16[T, L, U, k]; not their ``_ranks``)."""
   return [n for n in data.files if data[n].ndim == 4 and not n.endswith("_ranks")]

@@ -71,15 +71,6 @@ def is_smoke(run: pathlib.Path) -> bool:
   return bool(_flags(run).get("smoke"))
 
 
-def run_text(run: pathlib.Path) -> tuple[bool, str | None]:
-  """(known, ``--prompt_file``) of the text a run read: its own flag, or its
-  trace's (miss_rate, policies); unknown for a trace without its run's config."""
-  flags_ = _flags(run)
-  if flags_.get("trace"):
-    return common.trace_text(pathlib.Path(flags_["trace"]))
-  return True, flags_.get("prompt_file")
-
-
 def latest_run(root: pathlib.Path, experiment: str) -> pathlib.Path | None:
   """The newest full run of ``experiment`` (of the text its title names, where it
   names one and such a run exists); the newest ``--smoke`` one only when no full
@@ -87,7 +78,7 @@ def latest_run(root: pathlib.Path, experiment: str) -> pathlib.Path | None:
   runs = sorted(p.parent for p in (root / experiment).glob("*/table.md"))
   full = [r for r in runs if not is_smoke(r)]
   if experiment in TITLE_TEXT:
-    full = [r for r in full if run_text(r) == (True, TITLE_TEXT[experiment])] or full
+    full = [r for r in full if common.run_text(r) == (True, TITLE_TEXT[experiment])] or full
   return (full or runs or [None])[-1]
 
 
@@ -95,7 +86,7 @@ def describe(run: pathlib.Path, experiment: str) -> str:
   """What of a run's flags the section's title does not say (its text where it is
   not the title's, a model cut to its first layers)."""
   notes = []
-  known, read = run_text(run)
+  known, read = common.run_text(run)
   if experiment in TITLE_TEXT and (known, read) != (True, TITLE_TEXT[experiment]):
     notes.append(f"text: {read or 'pydoc' if known else 'unknown'}, not the title's")
   if _flags(run).get("model_layers"):

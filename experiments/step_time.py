@@ -82,9 +82,8 @@ def latest_lru_miss_rate() -> tuple[float, str]:
   the pydoc text (not the held-out or test text, nor a --smoke run)."""
   runs = sorted(pathlib.Path(common.RESULTS, "miss_rate").glob("*/rows.jsonl"))
   for run in reversed(runs):
-    flags_ = json.loads((run.parent / "config.json").read_text())["flags"]
-    if flags_.get("smoke") or common.trace_text(pathlib.Path(flags_["trace"])) != (
-        True, None):
+    smoke = json.loads((run.parent / "config.json").read_text())["flags"].get("smoke")
+    if smoke or common.run_text(run.parent) != (True, None):
       continue
     rows = [json.loads(l) for l in run.read_text().splitlines() if l.strip()]
     for r in rows:

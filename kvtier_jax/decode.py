@@ -144,12 +144,12 @@ def begin_step(cfg: TierConfig, carry: TieredCarry) -> TieredCarry:
   resident, so an empty slot is left while ``newest < B``. Otherwise the row would
   exist nowhere (invariant 1); the engine allocates the page first. On a mesh the
   first layer agrees on it with the other devices (no collective of its own)."""
-  planned = carry.anchor.prefetch_pos
-  width = None if carry.prefetch is None else np.shape(carry.prefetch)[-1]
-  if (None if planned is None else planned.shape[-1]) != width:
-    raise ValueError(f"the carry's prefetch ({width} positions) does not fit the "
-                     f"anchor it was built with ({None if planned is None else planned.shape[-1]}):"
-                     " build it with init_carry(..., prefetch=) of this width")
+  width = lambda x: None if x is None else np.shape(x)[-1]
+  if width(carry.prefetch) != width(carry.anchor.prefetch_pos):
+    raise ValueError(f"the carry's prefetch ({width(carry.prefetch)} positions) does "
+                     f"not fit the anchor it was built with "
+                     f"({width(carry.anchor.prefetch_pos)}): build it with "
+                     "init_carry(..., prefetch=) of this width")
   tier = carry.tier
   newest = tier.seq_len
   unpaged = ~layer_lib.has_page(cfg, tier.page_table, newest)

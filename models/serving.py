@@ -574,10 +574,15 @@ class ServingBackend:
     return dict(hits=rows, misses=rows, fetched_rows=rows,
                 host_to_device_bytes=rows * 2 * self.tier_cfg.row_bytes)
 
-  def stats(self, state: ServingState) -> dict:
+  def stats(self, state: ServingState, units: int | None = None) -> dict:
+    """``units``: count hits and misses of the first ``units`` only (the mesh's
+    padded heads are not the model's); fetched rows and bytes count every row."""
     if self.backend != "tiered":
       return {}
-    stats = kv_state.cache_stats(self.tier_cfg, state.cache.tier)
+    tier = state.cache.tier
+    if units is not None:
+      tier = tier.replace(hits=tier.hits[:, :, :units], misses=tier.misses[:, :, :units])
+    stats = kv_state.cache_stats(self.tier_cfg, tier)
     return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
                                   "host_to_device_bytes")}
 

@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
-from kvtier_jax import state as kv_state
 from kvtier_jax.driver import StepRefused, describe_status
 from models.backends import tier_config, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
@@ -400,13 +399,6 @@ class MeshServingBackend:
     count the model's KV heads only (a padded head's selections are over zero keys,
     not the model's); fetched rows and bytes count what crossed the link, padded
     heads' rows included."""
-    if self.backend != "tiered":
-      return {}
-    tier = state.cache.tier
-    real = self._real_units if self.width > 1 else tier.hits.shape[2]
-    tier = tier.replace(hits=tier.hits[:, :, :real], misses=tier.misses[:, :, :real])
-    stats = kv_state.cache_stats(self.tier_cfg, tier)
-    return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
-                                  "host_to_device_bytes")}
+    return ServingBackend.stats(self, state, self._real_units if self.width > 1 else None)
 
   compiled_prefills = staticmethod(ServingBackend.compiled_prefills)
