@@ -120,12 +120,14 @@ def line_plot(path: pathlib.Path, xs: Sequence[float], ys: Sequence[float],
 
 
 def latest_trace(text: str | None = None) -> pathlib.Path:
-  """The newest full (not --smoke) trace run of one text (the run's
-  ``--prompt_file``: None for the pydoc corpus, ``models.text.HELDOUT``,
-  ``models.text.TEST``), or of any text with ``text="any"``."""
+  """The newest full trace run of one text (the run's ``--prompt_file``: None for
+  the pydoc corpus, ``models.text.HELDOUT``, ``models.text.TEST``), or of any text
+  with ``text="any"``. Full: not --smoke and of the whole model (not
+  --model_layers: another model's selections)."""
   runs = sorted(pathlib.Path(RESULTS, "trace").glob("*/traces.npz"))
   flags_of = {r: json.loads((r.parent / "config.json").read_text())["flags"] for r in runs}
   full = [r for r in runs if not flags_of[r].get("smoke")
+          and not flags_of[r].get("model_layers")
           and (text == "any" or flags_of[r].get("prompt_file") == text)]
   if not full:
     which = "" if text == "any" else f" --prompt_file={text}" if text else ""

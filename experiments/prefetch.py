@@ -133,6 +133,10 @@ def exposed_io_ms(miss_rate: float, link: str, hidden_s_per_layer: float = 0.0,
 
 def main(argv):
   del argv
+  if ModelConfig.glm_5_1().num_layers % FLAGS.share:
+    raise app.UsageError(f"--share={FLAGS.share} must divide the IO model's "
+                         f"{ModelConfig.glm_5_1().num_layers} layers (as index sharing "
+                         "requires of a model)")
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
   if FLAGS["prompt_tokens"].present:  # (the shared flag's default is not this table's)
     prompt = FLAGS.prompt_tokens

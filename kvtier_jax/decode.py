@@ -161,10 +161,16 @@ def begin_step(cfg: TierConfig, carry: TieredCarry) -> TieredCarry:
 
 def commit_step(carry: TieredCarry) -> TieredCarry:
   """After all layers: the decoded position joins the context of every active
-  request, unless a layer refused."""
+  request, unless a layer refused. A committed step has used its prefetch (a
+  prediction for the step after it): it is emptied, so a carry stepped again
+  without a new one does not fetch a stale prediction; a refused step keeps it for
+  the retry."""
   tier = carry.tier
   step = (carry.ok & carry.active).astype(jnp.int32)
-  return carry.replace(tier=tier.replace(seq_len=tier.seq_len + step))
+  prefetch = carry.prefetch
+  if prefetch is not None:
+    prefetch = jnp.where(carry.ok, EMPTY, prefetch)
+  return carry.replace(tier=tier.replace(seq_len=tier.seq_len + step), prefetch=prefetch)
 
 
 def finish_draft(before: TieredCarry, after: TieredCarry) -> TieredCarry:

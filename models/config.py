@@ -238,6 +238,16 @@ class ModelConfig:
     rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
       raise ValueError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+    # Scaled RoPE (linear / YaRN keys, or Llama 3's per-frequency factors stored as
+    # a ``rope_freqs.weight`` tensor) would be read as plain RoPE: other keys, other
+    # tokens, silently.
+    scaling = str(meta.get("llama.rope.scaling.type", "none"))
+    factor = float(meta.get("llama.rope.scaling.factor", 1.0))
+    if scaling != "none" or factor != 1.0:
+      raise ValueError(f"scaled RoPE ({scaling}, factor {factor}) is not supported")
+    if tensor_names is not None and "rope_freqs.weight" in tensor_names:
+      raise ValueError("scaled RoPE (per-frequency factors in rope_freqs.weight) is "
+                       "not supported")
     return cls(
         name=name,
         vocab_size=int(meta["llama.vocab_size"]),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import warnings
 
 from flax import nnx
 import jax
@@ -165,10 +166,12 @@ def load(path, num_layers: int | None = None, embed_dim: int | None = None,
   if meta.get("format") != _FORMAT:
     raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
   saved_with = meta.get("model_fingerprint")
-  if weights is not None and saved_with is not None:
-    if saved_with != (here := tfm.model_fingerprint(weights)):
-      raise ValueError(f"{path}: trained on another model (fingerprint {saved_with}, "
-                       f"the model here: {here})")
+  if weights is not None and saved_with is None:
+    warnings.warn(f"{path}: saved without its model's fingerprint (save(weights=...)): "
+                  "whether it was trained on this model is not checked", stacklevel=2)
+  elif weights is not None and saved_with != (here := tfm.model_fingerprint(weights)):
+    raise ValueError(f"{path}: trained on another model (fingerprint {saved_with}, "
+                     f"the model here: {here})")
   if embed_dim is not None and meta["embed_dim"] != embed_dim:
     raise ValueError(f"{path}: a head for features of width {meta['embed_dim']}, the "
                      f"model here has {embed_dim}")

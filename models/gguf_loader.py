@@ -261,7 +261,9 @@ def load_gguf(path: str | pathlib.Path | None = None, *, cache: bool = True) -> 
   cfg = ModelConfig.smollm2_135m(gguf_metadata=metadata, gguf_tensor_names=names)
   loaded = LoadedGGUF(config=cfg, params=load_params(reader, cfg),
                       tokenizer=build_tokenizer(reader), metadata=metadata, path=path)
-  if entry is not None:
+  # Stored only under the key of what was parsed: a file rewritten since it was
+  # hashed would put its new arrays under the old contents' key.
+  if entry is not None and _cache_entry(path) == entry:
     try:
       _write_cache(entry, loaded, names)
     except OSError:  # a read-only home: run uncached

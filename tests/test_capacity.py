@@ -49,3 +49,20 @@ def test_throughput_model():
   assert hidden.tokens_per_second(cfg, 32, 0.5) == model.tokens_per_second(cfg, 32, None)
   assert capacity.concurrency(10e9, 3e9, 64) == 3
   assert capacity.concurrency(10e9, 1e6, 64) == 64
+
+
+def test_exposed_io_counts_the_layers_that_fetch():
+  """Misses x rows x bytes over the link plus its latency, per fetching layer, less
+  what overlap hides; zero fetching layers expose nothing (it read as every layer)."""
+  from experiments.analysis import io_model
+  cfg = ModelConfig.glm_5_1()
+  link = io_model.Link(bandwidth=50e9, latency=10e-6)
+  layer_s = 8 * 0.25 * cfg.top_k * cfg.kv_bytes_per_token_per_layer / 50e9 + 10e-6
+  assert io_model.exposed_io_ms(cfg, 8, 0.25, link) == pytest.approx(
+      1e3 * cfg.num_layers * layer_s, rel=1e-12)
+  assert io_model.exposed_io_ms(cfg, 8, 0.25, link, fetching_layers=26) == pytest.approx(
+      1e3 * 26 * layer_s, rel=1e-12)
+  assert io_model.exposed_io_ms(cfg, 8, 0.25, link, fetching_layers=0) == 0.0
+  assert io_model.exposed_io_ms(cfg, 8, 0.25, link, hidden_s_per_layer=1.0) == 0.0
+  with pytest.raises(ValueError, match="fetching_layers"):
+    io_model.exposed_io_ms(cfg, 8, 0.25, link, fetching_layers=cfg.num_layers + 1)

@@ -874,6 +874,44 @@ def test_a_carry_given_a_prefetch_it_was_not_built_for_is_refused_clearly():
   decode.decode_step(cfg, selector, carry, q, k, v)  # built for it: runs
 
 
+def test_a_carrys_prefetch_serves_one_step():
+  """A prefetch predicts the step after the one it is given to: a carry stepped on
+  without a new one fetched the stale prediction again, every step (rows the
+  selection no longer asked for, evicting ones it did). The committed step empties
+  it; a refused one keeps it for the retry."""
+  cfg = make_cfg(impl="xla", hot_slots=32, top_k=16)
+  h = Harness(cfg, [300, 250, 400])
+  selector = selectors.GivenSelector(cfg.top_k, cfg.num_units)
+  step = jax.jit(functools.partial(decode.decode_step, cfg, selector))
+  rng = h.rng
+  ahead = np.asarray(draw_selection(rng, cfg, h.decoder.seq_len - 1, h.prev))[..., :4]
+  sel = jnp.asarray(draw_selection(rng, cfg, h.decoder.seq_len, h.prev))
+  carry = decode.init_carry(cfg, h.state, sel, prefetch=jnp.asarray(ahead))
+  inputs = step_inputs(rng, cfg)
+  _, carry = step(carry, *inputs)
+  assert int(np.asarray(carry.tier.prefetched).sum()) > 0
+  np.testing.assert_array_equal(np.asarray(carry.prefetch), -1)
+  # Stepping on is stepping with no prediction: the same slots, LRU order and
+  # counters as a carry whose prefetch is emptied by hand (a stale one re-promoted
+  # its rows to MRU every step, or fetched them again once evicted).
+  emptied = jax.tree.map(jnp.copy, carry.replace(prefetch=jnp.full(ahead.shape, -1)))
+  for _ in range(4):
+    sel = jnp.asarray(draw_selection(rng, cfg, np.asarray(carry.tier.seq_len), h.prev))
+    inputs = step_inputs(rng, cfg)
+    _, carry = step(carry.replace(sel=sel), *inputs)
+    _, emptied = step(emptied.replace(sel=sel), *inputs)
+    for name in ("slot_pos", "lru", "misses", "prefetched"):
+      np.testing.assert_array_equal(np.asarray(getattr(carry.tier, name)),
+                                    np.asarray(getattr(emptied.tier, name)), err_msg=name)
+  # A refused step (a selection past the context) keeps the prefetch it was given.
+  bad = np.asarray(draw_selection(rng, cfg, np.asarray(carry.tier.seq_len), h.prev))
+  bad[0, 0, 0, 0] = int(np.asarray(carry.tier.seq_len)[0]) + 5
+  _, refused = step(carry.replace(sel=jnp.asarray(bad), prefetch=jnp.asarray(ahead)),
+                    *step_inputs(rng, cfg))
+  assert int(refused.status) != 0
+  np.testing.assert_array_equal(np.asarray(refused.prefetch), ahead)
+
+
 def test_install_request_refuses_inputs_that_do_not_fit():
   """A slot past R would drop every write (a silent no-op admission); a length
   past the K/V given would mark resident slots holding copies of its last row."""

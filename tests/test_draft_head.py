@@ -97,6 +97,10 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
   tuned = dict(weights, **{name: jnp.asarray(flat.reshape(weights[name].shape))})
   with pytest.raises(ValueError, match="another model"):
     draft_head.load(path, num_layers=cfg.num_layers, weights=tuned)
+  # Saved without the fingerprint: loads, with a warning that nothing was checked.
+  unchecked = draft_head.save(tmp_path / "unchecked", head)
+  with pytest.warns(UserWarning, match="not checked"):
+    draft_head.load(unchecked, num_layers=cfg.num_layers, weights=tuned)
   (path / "draft_head.json").write_text(json.dumps({"format": "other"}))
   with pytest.raises(ValueError, match="format"):
     draft_head.load(path)
@@ -147,15 +151,17 @@ def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypat
 
   from experiments import common
   monkeypatch.setattr(common, "RESULTS", tmp_path)
-  for name, prompt_file, smoke in [("20260101-000000", None, False),
-                                   ("20260101-000001", "heldout", False),
-                                   ("20260101-000002", None, True)]:
+  for name, prompt_file, smoke, layers in [("20260101-000000", None, False, None),
+                                           ("20260101-000001", "heldout", False, None),
+                                           ("20260101-000002", None, True, None),
+                                           ("20260101-000003", None, False, 2)]:
     run_dir = tmp_path / "trace" / name
     run_dir.mkdir(parents=True)
     (run_dir / "traces.npz").write_bytes(b"")
     (run_dir / "config.json").write_text(json_lib.dumps(
-        {"flags": {"prompt_file": prompt_file, "smoke": smoke}}))
-  # The default is the pydoc text's (miss_rate's table read a newer held-out trace).
+        {"flags": {"prompt_file": prompt_file, "smoke": smoke, "model_layers": layers}}))
+  # The default is the pydoc text's (miss_rate's table read a newer held-out trace),
+  # of the whole model (a --model_layers run is another model's selections).
   assert common.latest_trace().parent.name == "20260101-000000"
   assert common.latest_trace("any").parent.name == "20260101-000001"
   assert common.latest_trace(None).parent.name == "20260101-000000"
@@ -211,6 +217,12 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
                          f"--draft_ckpt={run_dir / 'draft_head'}", layers],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "was trained on the pydoc text" in proc.stderr
+  # An index sharing the IO model's 78 layers cannot have is refused, not modelled
+  # with the wrong anchor count.
+  proc = subprocess.run([sys.executable, "-m", "experiments.prefetch", "--smoke",
+                         "--share=4", f"--out_root={tmp_path / 'share'}", layers],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0 and "--share=4 must divide" in proc.stderr
   # The CLI's look-ahead with the head: the library's jitted draft pass prefetches,
   # and the greedy tokens are those of the run without it.
   generate = ("experiments.generate", layers, f"--prompt_file={run_dir / 'heldout.txt'}",

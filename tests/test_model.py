@@ -114,6 +114,16 @@ def test_config_validated_against_gguf_metadata(loaded):
   with pytest.raises(ValueError, match="tied_embeddings"):
     ModelConfig.smollm2_135m(gguf_metadata=meta,
                              gguf_tensor_names=reader_names + ["output.weight"])
+  # Scaled RoPE is refused, not read as plain RoPE (keys, then tokens, would differ).
+  for scaled in ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+                 {"llama.rope.scaling.type": "yarn"},
+                 {"llama.rope.scaling.factor": 2.0}):
+    with pytest.raises(ValueError, match="scaled RoPE"):
+      ModelConfig.from_gguf_metadata(dict(meta, **scaled), reader_names)
+  with pytest.raises(ValueError, match="rope_freqs"):
+    ModelConfig.from_gguf_metadata(meta, reader_names + ["rope_freqs.weight"])
+  assert ModelConfig.from_gguf_metadata(dict(meta, **{"llama.rope.scaling.type": "none"}),
+                                        reader_names, name="smollm2_135m") == model.cfg
 
 
 def test_missing_package_error_names_pip_command(monkeypatch):
@@ -496,6 +506,38 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
   assert old != np.float32(value)
   assert not any(orphan.exists() for orphan in orphans) and elsewhere.exists()
   assert gguf_loader.load_gguf(path).params["final_norm"][0] == np.float32(value)
+
+
+def test_a_file_rewritten_while_it_loads_is_not_cached_under_its_old_contents(
+    tmp_path, monkeypatch):
+  """The key is the file's hash before parsing: a rewrite in between stored the new
+  arrays under the old contents' key, so the old file, put back, loaded them."""
+  import shutil
+
+  from models import gguf_loader
+  try:
+    source = gguf_loader.gguf_path()
+  except gguf_loader.ModelNotInstalledError as e:
+    pytest.skip(str(e))
+  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
+  path = tmp_path / source.name
+  shutil.copy2(source, path)
+  tensor = {t.name: t for t in gguf_loader.open_reader(path).tensors}["output_norm.weight"]
+  original = path.read_bytes()
+  value = np.float32(np.random.default_rng().uniform(50, 100))
+  opened = gguf_loader.open_reader
+
+  def rewrite_then_open(p):  # the rewrite lands between the hash and the parse
+    with open(path, "r+b") as f:
+      f.seek(int(tensor.data_offset))
+      f.write(value.tobytes())
+    return opened(p)
+
+  monkeypatch.setattr(gguf_loader, "open_reader", rewrite_then_open)
+  assert gguf_loader.load_gguf(path).params["final_norm"][0] == value
+  monkeypatch.setattr(gguf_loader, "open_reader", opened)
+  path.write_bytes(original)
+  assert gguf_loader.load_gguf(path).params["final_norm"][0] != value
 
 
 def test_a_cache_write_keeps_the_most_recently_used_other_entry_only(tmp_path,

@@ -358,6 +358,31 @@ def test_on_token_may_end_its_own_request_and_a_later_one_of_the_batch():
   assert engine.pool.in_use == 0 and engine._device_in_use == 0
 
 
+def test_a_model_serves_the_newest_engine_built_on_it():
+  """A second engine on one model: the model keeps bookkeeping beside the engine's
+  state (the tiered backend's per-slot length mirror), which the two would share.
+  The first refuses to step on; the second serves as an engine on a model of its
+  own."""
+  rng = np.random.default_rng()
+  prompt = rng.integers(1, VOCAB, int(rng.integers(5, 40))).tolist()
+  shared = FakeModel()
+  first = Engine(shared)
+  first.submit(rng.integers(1, VOCAB, 30).tolist(), 20)
+  for _ in range(3):
+    first.step()
+  second = Engine(shared)
+  with pytest.raises(RuntimeError, match="another Engine was built on this model"):
+    first.step()
+  got = second.submit(prompt, 12)
+  while second.has_work:
+    second.step()
+  solo = Engine(FakeModel())
+  want = solo.submit(prompt, 12)
+  while solo.has_work:
+    solo.step()
+  assert got.state is State.FINISHED and got.output == want.output
+
+
 def test_an_on_token_that_raises_fails_its_request_and_leaves_the_engine_consistent():
   """A streaming client gone mid-batch (its callback raises): its request fails and
   lets go; the step still samples every other request of the batch, and raises the

@@ -41,4 +41,7 @@ def exposed_io_ms(cfg: ModelConfig, batch: int, miss_rate: float, link: Link,
   ``fetching_layers`` (default: every layer) that fetch on it at ``miss_rate``."""
   layer_s = (miss_bytes_per_layer(cfg, batch, miss_rate) / link.bandwidth + link.latency
              - hidden_s_per_layer)
-  return 1e3 * (fetching_layers or cfg.num_layers) * max(0.0, layer_s)
+  layers = cfg.num_layers if fetching_layers is None else fetching_layers
+  if not 0 <= layers <= cfg.num_layers:
+    raise ValueError(f"fetching_layers={layers} outside [0, {cfg.num_layers}]")
+  return 1e3 * layers * max(0.0, layer_s)

@@ -173,6 +173,15 @@ class Engine:
     self.model, self.config = model, config
     self._clock, self._t0 = clock, clock()
     self._on_step = on_step
+    # A model serves the newest engine built on it: it keeps bookkeeping beside the
+    # engine's state (the tiered backend's per-slot length mirror), which two engines
+    # stepping in turn would share (room checks on another engine's lengths). The
+    # lease tells an older engine to stop.
+    self._lease = object()
+    try:
+      model._kvtier_engine_lease = self._lease
+    except AttributeError:  # (a model that takes no attributes: not checked)
+      pass
     self.state = model.init()
     pages_per_slot = -(-model.max_len // model.page_size)
     self.pool = PagePool(model.num_host_pages, model.num_slots, pages_per_slot,
@@ -387,6 +396,9 @@ class Engine:
 
   def step(self) -> dict:
     """Admit, decode, prefill; returns this step's metrics."""
+    if getattr(self.model, "_kvtier_engine_lease", self._lease) is not self._lease:
+      raise RuntimeError("another Engine was built on this model since this one: a "
+                         "model serves one engine at a time (build a model per engine)")
     start = self.now()
     self._peak = dict(running=0, device=0, host=0)
     self._new_tokens = 0

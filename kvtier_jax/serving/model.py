@@ -14,7 +14,8 @@ import numpy as np
 
 
 class ServingModel(Protocol):
-  """A model with a cache backend, decoding ``num_slots`` requests together.
+  """A model with a cache backend, decoding ``num_slots`` requests together. It
+  serves one engine at a time, the newest built on it (an older one refuses to step).
 
   Attributes:
     num_slots: S, requests decoded together (the compiled batch).
