@@ -300,6 +300,11 @@ def test_a_newest_row_that_would_exist_nowhere_is_refused(impl):
   lens = [16, cfg.hot_slots, 40]  # request 1: no pages, its 32 slots full
   with pytest.raises(ValueError, match="needs 3 pages"):
     decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [40, 8, 40])
+  last_missing = table.copy()
+  last_missing[0, :2] = [5, 6]  # positions 32..39 would go to the scratch page
+  with pytest.raises(ValueError, match="needs 3 pages"):
+    decoder.prefill(base.replace(page_table=jnp.asarray(last_missing)), kp, vp,
+                    [40, 8, 40])
   with pytest.raises(ValueError, match="no host pages"):
     decoder.prefill(base.replace(page_table=jnp.asarray(table)), kp, vp, [16, 33, 40])
   full = full_kv.init_full_kv(cfg, kp, vp, jnp.asarray(lens), fill=np.nan)
@@ -872,6 +877,19 @@ def test_a_carry_given_a_prefetch_it_was_not_built_for_is_refused_clearly():
       decode.decode_step(cfg, selector, carry, q, k, v)
   carry = decode.init_carry(cfg, h.state, sel, prefetch=ahead(2))
   decode.decode_step(cfg, selector, carry, q, k, v)  # built for it: runs
+
+
+def test_a_refusal_names_each_of_its_reasons():
+  """The status word is a bit set: each reason is described, and only those set."""
+  from kvtier_jax.resolve import STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE
+  reasons = {STATUS_OUT_OF_RANGE: "out of range", STATUS_DUPLICATE: "repeats",
+             STATUS_CAPACITY: "max_len"}
+  assert driver.describe_status(0) == "ok"
+  for mask in range(1, 8):
+    status = sum(bit for i, bit in enumerate(reasons) if mask >> i & 1)
+    text = driver.describe_status(status)
+    for bit, words in reasons.items():
+      assert (words in text) == bool(status & bit), (status, text)
 
 
 def test_a_carrys_prefetch_serves_one_step():

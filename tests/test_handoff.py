@@ -85,6 +85,8 @@ def test_handoff_wire_format_and_refusals():
   assert all((a == b).all() and a.dtype == b.dtype for a, b in zip(back.kv, kv))
   with pytest.raises(ValueError, match="truncated"):
     handoff_lib.Handoff.from_bytes(handoff.to_bytes()[:-5])
+  with pytest.raises(ValueError, match="1 unexpected bytes"):
+    handoff_lib.Handoff.from_bytes(handoff.to_bytes() + b"\0")
   engine = Engine(FakeModel())
   with pytest.raises(ValueError, match="page-aligned"):  # 10 > 9 + 2 - 1 computed
     engine.accept(handoff_lib.Handoff("r", list(range(9)), [4, 5], 10, kv_start=0,
@@ -388,6 +390,18 @@ def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
   with pytest.raises(ValueError, match="page fields"):
     receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
                                         kv=[kv[0], kv[0]]))
+  # The receiver's page shape in another dtype: it would fail at admission, after
+  # queueing.
+  other_dtype = np.int32 if kv[0].dtype != np.int32 else np.int64
+  with pytest.raises(ValueError, match="page field 0"):
+    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
+                                        kv=[kv[0][:8].astype(other_dtype)]))
+  # A relayed token one past the vocabulary; a K/V range off a page boundary.
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [VOCAB], 5))
+  with pytest.raises(ValueError, match="page-aligned"):
+    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=2, kv_end=29,
+                                        kv=[kv[0][:8]]))
   assert not receiver.requests
   other = receiver.submit([3, 4, 5], 4)
   receiver.run()

@@ -624,6 +624,10 @@ def test_page_pool_partitions_hand_out_their_own_pages():
   assert not pool.grow(1, 2) and pool.free_in(0) == 1  # device 0 has one page left
   with pytest.raises(ValueError, match="another partition"):
     pool.share(3, [0])
+  with pytest.raises(ValueError, match="nobody holds"):  # page 3: free
+    pool.share(1, [3])
+  with pytest.raises(ValueError, match="retaining a free page"):
+    pool.retain([2, 3])
   pool.release(0)
   assert pool.free_in(0) == 4 and pool.num_free == 6
   pool.check()

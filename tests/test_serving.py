@@ -10,6 +10,7 @@ cache backends."""
 import dataclasses
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -202,6 +203,34 @@ def test_sampling_draws_depend_on_seed_and_position_not_on_the_batch():
   other[[0, 2, 3]] = rng.standard_normal((3, 300))
   again, _ = sampling.sample(jnp.asarray(other), **moved)
   assert int(np.asarray(again)[1]) == tokens[1]
+
+
+def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key():
+  """One NaN or inf among finite logits marks the row (a whole-row poison is not
+  the only failure); a row's draw is ``categorical(fold_in(fold_in(key(0), seed),
+  position))`` over its kept logits, the documented key (snapshots and handoffs
+  rely on it: a reordered fold would change every sampled stream)."""
+  rng = np.random.default_rng()
+  vocab = 200
+  logits = rng.standard_normal((4, vocab)).astype(np.float32)
+  where = rng.integers(vocab, size=3)
+  logits[0, where[0]], logits[1, where[1]], logits[2, where[2]] = np.nan, np.inf, -np.inf
+  zeros = np.zeros(4, np.float32)
+  _, finite = sampling.sample(jnp.asarray(logits), zeros, np.zeros(4, np.int32),
+                              zeros + 1, np.zeros(4, np.int32), np.zeros(4, np.int32))
+  np.testing.assert_array_equal(np.asarray(finite), [False, False, False, True])
+  logits = rng.standard_normal((6, vocab)).astype(np.float32)
+  seed = rng.integers(0, 2**31, 6).astype(np.int32)
+  position = rng.integers(0, 2**20, 6).astype(np.int32)
+  temperature = np.float32(0.7)
+  tokens, _ = sampling.sample(jnp.asarray(logits), np.full(6, temperature, np.float32),
+                              np.zeros(6, np.int32), np.ones(6, np.float32), seed, position)
+  for row in range(6):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), int(seed[row])),
+                             int(position[row]))
+    order = np.argsort(-logits[row], kind="stable")
+    pick = int(jax.random.categorical(key, jnp.asarray(logits[row][order] / temperature)))
+    assert int(np.asarray(tokens)[row]) == order[pick]
 
 
 def test_sampling_frequencies_follow_the_truncated_softmax():

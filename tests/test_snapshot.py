@@ -4,6 +4,7 @@ request's tokens as the uninterrupted run does, with its page pool, radix tree a
 disk tier intact; a missing, partial, corrupt or mismatched snapshot is refused."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,16 +97,42 @@ def test_a_restored_engine_schedules_and_evicts_as_the_original(tmp_path, schedu
   while engine.steps < stop:
     feed(engine, schedule)
     engine.step()
+  saved_now = engine.now()
   snapshot.save(engine, tmp_path / "snap")
   want_rows = []
   want = finish(engine, schedule, want_rows)
   restored = snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
                               EngineConfig(disk_dir=str(tmp_path / "disk2"), **config))
+  assert restored.now() >= saved_now  # its clock goes on from the snapshot's
   got_rows = []
   assert finish(restored, schedule, got_rows) == want
   assert got_rows == want_rows, seed
   assert schedule_books(restored) == schedule_books(engine), seed
   assert sum(r["cached_pages"] for r in want_rows) > 0  # the tree was in use
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute"])
+def test_a_restored_engine_keeps_its_disk_and_prefix_counters(tmp_path, policy):
+  """The disk tier's counters (pages written, read, loaded and their seconds, which
+  ``auto`` weighs) and the engine's token counters go on from the snapshot's; the
+  restore's own writes of the disk pages are not counted again."""
+  counters = lambda e: (e.disk.pages_written, e.disk.pages_read, e.disk.load_seconds,
+                        e.disk.pages_loaded, e.disk_loaded_tokens,
+                        e.disk_recomputed_tokens, e.prompt_tokens, e.cached_tokens,
+                        e.imported_tokens)
+  config = dict(CONFIG, disk_policy=policy)
+  engine, schedule = build(int(np.random.default_rng().integers(2**31)),
+                           str(tmp_path / "disk"), config)
+  used = (lambda e: e.disk_loaded_tokens) if policy == "load" else (
+      lambda e: e.disk_recomputed_tokens)
+  while not used(engine) and engine.steps < 200:
+    feed(engine, schedule)
+    engine.step()
+  assert used(engine) > 0 and engine.disk.pages_written > len(engine.radix.disk_pages())
+  snapshot.save(engine, tmp_path / "snap")
+  restored = snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
+                              EngineConfig(disk_dir=str(tmp_path / "disk2"), **config))
+  assert counters(restored) == counters(engine)
 
 
 def test_killed_process_resumes_from_its_last_snapshot(tmp_path):
@@ -146,7 +173,8 @@ def damage_array_files(path, how):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax
-@pytest.mark.parametrize("damage", ["flip", "truncate", "uncommitted", "books", "missing"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "uncommitted", "books", "missing",
+                                    "swapped"])
 def test_damaged_snapshots_are_refused(tmp_path, damage):
   engine, schedule = build(0)
   for _ in range(30):
@@ -156,6 +184,11 @@ def test_damaged_snapshots_are_refused(tmp_path, damage):
   snapshot.save(engine, path)
   if damage in ("flip", "truncate"):
     damage_array_files(path, damage)
+  elif damage == "swapped":  # well-formed arrays of another step: only checksums see it
+    engine.step()
+    snapshot.save(engine, tmp_path / "later")
+    shutil.rmtree(path / "arrays")
+    shutil.copytree(tmp_path / "later" / "arrays", path / "arrays")
   elif damage == "uncommitted":
     os.remove(path / "commit_success.txt")
   elif damage == "books":
@@ -191,6 +224,7 @@ def test_a_snapshot_of_another_model_identity_is_refused(tmp_path):
   @dataclasses.dataclass
   class Named(FakeModel):
     model_id: str = "a"
+    decode_id: str = "x"
 
   engine = Engine(Named(), EngineConfig(prefix_cache=True))
   engine.submit(list(range(1, 30)), 5)
@@ -199,6 +233,9 @@ def test_a_snapshot_of_another_model_identity_is_refused(tmp_path):
   for model in (Named(model_id="b"), FakeModel()):
     with pytest.raises(snapshot.SnapshotError, match="model_id=a"):
       snapshot.restore(tmp_path / "snap", model, EngineConfig(prefix_cache=True))
+  # The same weights selecting otherwise (another selector or index sharing).
+  with pytest.raises(snapshot.SnapshotError, match="decode_id=x"):
+    snapshot.restore(tmp_path / "snap", Named(decode_id="y"), EngineConfig(prefix_cache=True))
   again = snapshot.restore(tmp_path / "snap", Named(), EngineConfig(prefix_cache=True))
   again.run()
   engine.run()
