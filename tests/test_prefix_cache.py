@@ -886,6 +886,16 @@ def test_a_disk_directory_serves_one_engine_at_a_time(tmp_path):
   with pytest.raises(ValueError, match="closed"):  # it no longer holds the directory
     tier.write([np.zeros((1, 2))])
   DiskTier(str(tmp_path), 4)
+  # An engine dropped inside a reference cycle (an on_token closure over it) is not
+  # freed until a collection: the next engine collects it rather than refuse.
+  gc.disable()
+  try:
+    cyclic = Engine(model(), config)
+    cyclic.submit([1, 2, 3], 2, on_token=lambda req, token, engine=cyclic: engine.steps)
+    del cyclic
+    Engine(model(), config)
+  finally:
+    gc.enable()
 
 
 def test_disk_tier_needs_the_prefix_cache():

@@ -1,6 +1,7 @@
 """The prefix-aware router (kvtier_jax/serving/router.py) against a brute-force
 record of what it sent where, and replicas in two processes (experiments.route)."""
 
+import collections
 import re
 
 import numpy as np
@@ -174,6 +175,114 @@ def test_sessions_keep_their_sampling_through_the_replicas():
       break
   _stop(conns)
   assert rid == "stops" and rest[1] == want[:want.index(stop) + 1]
+
+
+def test_session_turns_continue_their_history_and_each_reports_one_first_token(
+    monkeypatch):
+  """Turn 2's prompt is turn 1's prompt + its output + the environment's tokens:
+  its tokens are that prompt's solo tokens. Each request says "first" once (TTFT
+  before E2E), and the router hears of every end (its load goes back to zero)."""
+  from kvtier_jax.serving import Engine, bench, replica
+  from kvtier_jax.serving.router import Router
+  from tests.test_serving import FakeModel, solo
+  ends = []
+
+  class Recording(Router):
+    def done(self, r):
+      super().done(r)
+      ends.append(list(self.load))
+
+  monkeypatch.setattr(replica, "Router", Recording)
+  rng = np.random.default_rng()
+  prompt = tuple(rng.integers(3, 60, 20).tolist())
+  env = tuple(rng.integers(3, 60, 3).tolist())
+  conns = _replicas(2, lambda: Engine(FakeModel()))
+  firsts = collections.Counter()
+  recv = type(conns[0]).recv
+
+  def counting(conn):
+    msg = recv(conn)
+    if msg[0] == "first":
+      firsts[msg[1]] += 1
+    return msg
+
+  monkeypatch.setattr(type(conns[0]), "recv", counting)
+  sessions = [bench.Rollout("s", prompt, (6, 5), (env,)),
+              bench.Rollout("u", prompt[:9], (4,), ())]
+  run = replica.drive_sessions(conns, sessions, "prefix", 8, 0.0)
+  monkeypatch.undo()
+  _stop(conns)
+  records = run["records"]
+  out0 = solo(FakeModel, list(prompt), 6)
+  assert records["s/t0"]["output"] == out0
+  assert records["s/t1"]["output"] == solo(FakeModel, list(prompt) + out0 + list(env), 5)
+  assert records["s/t1"]["prompt_tokens"] == len(prompt) + 6 + len(env)
+  assert firsts == {rid: 1 for rid in records}
+  assert all(0 < rec["ttft_s"] <= rec["e2e_s"] for rec in records.values())
+  assert len(ends) == len(records) == 3 and ends[-1] == [0, 0]
+
+
+def test_a_replica_refuses_a_malformed_sampling_and_resets_its_counts():
+  """Sampling with an unknown field is refused like any bad request (it raised a
+  TypeError and killed the replica); a reset starts its counts afresh: the same
+  requests before and after report the same stats."""
+  from kvtier_jax.serving import Engine, EngineConfig
+  from tests.test_serving import FakeModel, solo
+  (conn,) = _replicas(1, lambda: Engine(FakeModel(), EngineConfig(prefix_cache=True)))
+
+  def serve(requests):
+    for rid, prompt, sampling in requests:
+      conn.send(("submit", dict(id=rid, prompt=prompt, max_new_tokens=3,
+                                sampling=sampling)))
+    done = {}
+    while len(done) < len(requests):
+      assert conn.poll(30), done
+      kind, rid, *rest = conn.recv()
+      if kind == "done":
+        done[rid] = rest
+    return done
+
+  prompt = list(range(3, 23))
+  done = serve([("bad", prompt, {"bogus": 1}), ("ok", prompt, {})])
+  assert done["bad"] == ["failed", [], None]
+  assert done["ok"][:2] == ["finished", solo(FakeModel, prompt, 3)]
+  stats = []
+  for _ in range(2):
+    conn.send(("reset",))
+    kind, got = conn.recv()
+    assert kind == "stats" and conn.recv() == ("ready",)
+    stats.append(got)
+    serve([("again", prompt, {})])
+  conn.send(("stop",))
+  kind, got = conn.recv()
+  # The first reset reports the first engine's; every later engine served "again"
+  # alone, from nothing, and reports the same counts.
+  assert stats[1]["replicas"] == got["replicas"]
+  assert got["replicas"][0]["prefill_tokens"] == len(prompt)
+
+
+def test_a_replica_that_answers_slowly_but_steadily_is_not_timed_out():
+  """The client's silence clock restarts at every message: a request whose first
+  token and end each come within ``reply_timeout_s``, though together they take
+  longer, is served (the clock counted from the submit timed it out)."""
+  import multiprocessing
+  import threading
+  import time
+
+  from kvtier_jax.serving import bench, replica
+  ours, theirs = multiprocessing.Pipe()
+
+  def slow():
+    _, spec = theirs.recv()
+    time.sleep(0.6)
+    theirs.send(("first", spec["id"]))
+    time.sleep(0.6)
+    theirs.send(("done", spec["id"], "finished", [7], None))
+
+  threading.Thread(target=slow, daemon=True).start()
+  run = replica.drive_sessions([ours], [bench.Rollout("s", (1, 2, 3), (1,), ())],
+                               "prefix", 8, 0.0, reply_timeout_s=1.0)
+  assert run["records"]["s/t0"]["output"] == [7]
 
 
 def test_prefix_router_matches_brute_force_and_respects_load():

@@ -204,6 +204,16 @@ def test_summary_metrics_from_their_definitions():
   assert row["goodput"] == pytest.approx(0.2)  # a and b meet both SLOs; c misses both
   # No SLO given: every request would be "good"; no goodput is reported.
   assert bench.summarize(bench.Served(reqs, steps, 0.0, 10.0))["goodput"] is None
+  # A TPOT SLO alone: a and b meet it; a one-token request has no TPOT and meets it.
+  assert bench.summarize(bench.Served(reqs, steps, 0.0, 10.0),
+                         slo_tpot_s=1.0)["goodput"] == pytest.approx(0.2)
+  single = [hand_request("e", 10, 0.0, [1.0])]
+  assert bench.summarize(bench.Served(single, [], 0.0, 4.0),
+                         slo_tpot_s=0.1)["goodput"] == pytest.approx(0.25)
+  # Prefix hits count the admitted requests: one never admitted adds no prompt.
+  for req, cached in zip(reqs, (4, 0, 10, None)):
+    req.metrics.cached_tokens = cached
+  assert bench.first_admission_tokens(reqs) == (60, 14)
   assert row["peak_concurrency"] == 3 and row["misses"] == 3
   # The steps without a chunk; the last decoded 2 but one was a replayed output.
   assert row["decode_throughput"] == pytest.approx(3 / 0.75)
@@ -318,6 +328,12 @@ def test_a_run_cut_short_counts_the_tokens_its_running_requests_made():
           for c, cut in (("sparse", False), ("tiered", True))]
   bench.compare_with_sparse(rows, [{}, {}])
   assert rows[0]["vs_sparse"] == 1.0 and rows[1]["vs_sparse"] is None
+  # The sparse run cut short: nothing at the point compares with it.
+  rows = [dict(context=1, concurrency=1, cache=c, prefill_policy="p", cut=cut,
+               output_throughput=2.0, decode_throughput=2.0)
+          for c, cut in (("sparse", True), ("tiered", False))]
+  bench.compare_with_sparse(rows, [{}, {}])
+  assert rows[0]["vs_sparse"] is None and rows[1]["vs_sparse"] is None
 
 
 def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
@@ -374,9 +390,12 @@ def test_drive_stops_at_until_and_resumes_a_restored_engine(tmp_path):
                             1.0 * i if i < 2 else 6.0 + 2.0 * i) for i in range(8)]
   engine, clock = engine_with_clock(FakeModel(num_host_pages=30), max_step_tokens=16)
   first = bench.drive(engine, work, sleep=clock.sleep,
-                      until=lambda: engine.requests["q0"].state.done)
+                      until=lambda: engine.requests["q0"].state.done
+                      and "q1" in engine.requests and engine.requests["q1"].output)
   states = {r.state for r in first.requests}
   assert State.FINISHED in states and len(first.requests) < len(work)
+  # q1 is mid-decode: its tokens before the snapshot are the first run's.
+  assert 0 < len(engine.requests["q1"].output) < 10
   assert any(not s.done for s in states)
   snapshot.save(engine, tmp_path / "snap")
   clock = StepClock()
