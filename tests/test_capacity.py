@@ -66,3 +66,66 @@ def test_exposed_io_counts_the_layers_that_fetch():
   assert io_model.exposed_io_ms(cfg, 8, 0.25, link, hidden_s_per_layer=1.0) == 0.0
   with pytest.raises(ValueError, match="fetching_layers"):
     io_model.exposed_io_ms(cfg, 8, 0.25, link, fetching_layers=cfg.num_layers + 1)
+
+
+def test_tier_economics_from_hand_worked_values():
+  """Each term of ``models.tiers`` and the throughput roofline, by hand: a block
+  device's miss rate, the batch in the miss IO, the prefix cache's shared part on
+  either side, a tier's capacity bound, the link-bound batch under prefetch, the
+  load-or-recompute choice and its break-even."""
+  import numpy as np
+
+  from models import tiers
+  rng = np.random.default_rng()
+  cfg, acc = ModelConfig.glm_5_1(), tiers.Accelerator()
+  row = cfg.kv_bytes_per_token_per_layer
+  read = cfg.num_layers * cfg.top_k * row
+  GB = 1e9
+  # A block device reads a whole 4 KiB block per ~1 KiB row; IOPS may bound first.
+  nvme = tiers.TIERS["nvme"]
+  fast = nvme.replace(iops=1e12)
+  assert fast.miss_bandwidth(row) == pytest.approx(nvme.link_gbps * GB * row / 4096)
+  assert nvme.miss_bandwidth(row) == pytest.approx(min(nvme.iops * row,
+                                                       nvme.link_gbps * GB * row / 4096))
+  assert tiers.TIERS["ddr5"].miss_bandwidth(row) == 54 * GB  # byte-addressable
+  # The miss IO grows with the batch.
+  model = capacity.ThroughputModel(link_bandwidth=50e9, exposed_io=0.5)
+  for batch in (1, 7, 64):
+    miss = float(rng.uniform(0.01, 0.5))
+    assert model.step_seconds(cfg, batch, miss) - model.step_seconds(cfg, batch, None) \
+        == pytest.approx(0.5 * batch * miss * read / 50e9, rel=1e-9)
+  assert capacity.weight_bytes_per_device("glm_5_1", 4) == 750e9 / 4
+  # The shared part of a prefix counts once: on the device (full KV) or below.
+  context, hot = 131072, 4096
+  b = capacity.request_bytes(cfg, context, hot)
+  ddr5 = tiers.TIERS["ddr5"]
+  full = tiers.placement(cfg, context, acc, None, hot_slots=hot, miss_rate=0.1,
+                         shared_fraction=0.5)
+  assert full["device_GB"] == pytest.approx((b.full_device - 0.5 * b.full_kv) / GB)
+  tiered = tiers.placement(cfg, context, acc, ddr5, hot_slots=hot, miss_rate=0.1,
+                           shared_fraction=0.5)
+  assert tiered["below_GB"] == pytest.approx(0.5 * b.host / GB)
+  # A tier too small bounds the batch.
+  small = ddr5.replace(gb_per_accelerator=3 * b.host / GB + 1)
+  bounded = tiers.placement(cfg, context, acc, small, hot_slots=hot, miss_rate=0.1)
+  assert bounded["bound"] == small.name and bounded["requests"] == 3
+  # A context the hot cache holds misses nothing: no link bound.
+  assert tiers.placement(cfg, hot, acc, ddr5, hot_slots=hot,
+                         miss_rate=0.1)["link_bound_batch"] is None
+  assert tiers.placement(cfg, hot + 1, acc, ddr5, hot_slots=hot,
+                         miss_rate=0.1)["link_bound_batch"] is not None
+  # Prefetch hiding half the IO: the link-bound batch of the exposed half.
+  link, miss = 54e9, 0.3
+  io, hbm = 0.5 * miss * read / link, read / acc.hbm_bandwidth
+  assert tiers.link_bound_batch(cfg, acc, link, miss, exposed_io=0.5) == pytest.approx(
+      (acc.weight_bytes / acc.hbm_bandwidth) / (io - hbm))
+  # Loading a prefix back: its bytes over the link plus one access latency.
+  per_token = cfg.num_layers * row
+  tokens = int(rng.integers(1000, 100000))
+  even = nvme.link_gbps * GB / per_token  # prefill tokens/s where the two tie
+  for prefill, wins in ((2 * even, False), (even / 2, True)):
+    got = tiers.load_or_recompute(cfg, nvme, tokens, prefill)
+    assert got["load_s"] == pytest.approx(tokens * per_token / (nvme.link_gbps * GB)
+                                          + 80e-6, rel=1e-12)
+    assert got["load_wins"] is wins
+    assert got["breakeven_gbps"] == pytest.approx(per_token * prefill / GB)

@@ -349,6 +349,41 @@ def test_full_kv_backends_refuse_a_step_past_max_len(model_and_ids, name):
   again.decode(restored, tokens, np.array([True, False, False]))  # slot 0: at 11
 
 
+def test_a_max_len_off_the_chunk_grid_prefills_as_one_on_it(model_and_ids):
+  """The staging buffer is whole chunks long: with max_len = 230 (chunks of 64) the
+  last chunk's write at 192 would be clamped to 166 in a buffer of 230 rows, and
+  the prompt attended shifted K/V. Its logits are bit for bit those of max_len 256."""
+  model, ids = model_and_ids
+  selector, params = setup.build_selector("quest", model.cfg, 32)
+  logits = {}
+  for max_len in (230, 256):
+    b = serving.ServingBackend(model, "sparse", 1, max_len, selector=selector,
+                               selector_params=params, chunk_size=64, page_size=16)
+    state = b.init()
+    for start in range(0, 200, 64):
+      count = min(64, 200 - start)
+      chunk = np.zeros(64, np.int32)
+      chunk[:count] = ids[start:start + count]
+      state, out = b.prefill(state, 0, chunk, start, count)
+    logits[max_len] = np.asarray(out)
+  np.testing.assert_array_equal(logits[230], logits[256])
+
+
+def test_backend_refuses_host_contents_of_another_dtype(model_and_ids):
+  """Pages read back (the disk tier) must be the host tier's dtype as well as its
+  shape: a cast would store other numbers. A context within the hot cache needs
+  no host pages; one past it needs its pages."""
+  model, _ = model_and_ids
+  tiered = backend(model, "tiered")
+  state = tiered.init()
+  k, v = tiered.read_pages(state, [3])
+  with pytest.raises(ValueError, match="contents"):
+    tiered.write_pages(state, [3], [k.astype(np.float16), v])
+  tiered.write_pages(state, [3], [k, v])  # its own dtype: fine
+  assert tiered.host_pages(tiered.hot_slots) == 0
+  assert tiered.host_pages(tiered.hot_slots + 1) == -(-(tiered.hot_slots + 1) // 16)
+
+
 def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
   """Staging rows past a prompt hold an earlier request's prompt (NaN here): the
   dense install writes zeros there, so attention's 0 * V stays 0 and the decode
