@@ -87,6 +87,18 @@ def main():
       refused += 1
   assert refused == 5, refused
   np.testing.assert_array_equal(backend.read_pages(state, [0])[0], one_page[0])
+  # A slot's pages are its row's: slot 1 (row 0) takes row 0's page; slot 0 given
+  # row 1's is refused. Tensor parallel names another model (its sums' order).
+  table = np.full((4, 8), -1, np.int32)
+  table[1, 0] = 1
+  backend.set_pages(backend.init(), table)
+  table[0, 0] = PAGES_PER_ROW
+  try:
+    backend.set_pages(backend.init(), table)
+    raise AssertionError("a page of another row's host tier was taken")
+  except ValueError as err:
+    assert "another row" in str(err), err
+  assert backend.model_id == one.model_id + "/tp2", (backend.model_id, one.model_id)
   print(json.dumps({"pages": num_pages, "writes": writes,
                     "empty_shape": list(empty[0].shape),
                     "dense_refused": dense_refuses_past_max_len(model, mesh),
@@ -144,6 +156,16 @@ def decode_counters(mesh, kv_heads: int) -> dict:
                               np.arange(4) == 3)
   hits, misses, fetched = (b - a for a, b in zip(before, arrays(state)))
   got = {k: v - stats_before[k] for k, v in backend.stats(state).items()}
+  # A snapshot of rows at unequal lengths restores each row's length mirror: the
+  # next step's logits are the uninterrupted backend's, bit for bit.
+  again = sharded_serving.MeshServingBackend(
+      model, "tiered", 4, 64, mesh=mesh, selector=selector, chunk_size=16,
+      page_size=8, hot_slots=24, host_pages=ROWS * PAGES_PER_ROW * 2)
+  restored = again.restore_state(backend.snapshot(state))
+  last = np.where(np.arange(4) == 3, tokens[-1], 0)
+  _, want_logits = backend.decode(state, last, np.arange(4) == 3)
+  _, got_logits = again.decode(restored, last, np.arange(4) == 3)
+  np.testing.assert_array_equal(np.asarray(got_logits)[3], np.asarray(want_logits)[3])
   assert (fetched == misses.sum((1, 2))).all() and (fetched > 0).all(), (fetched, misses)
   want = dict(hits=int(hits[:, :, :kv_heads].sum()), misses=int(misses[:, :, :kv_heads].sum()),
               fetched_rows=int(fetched.sum()))
