@@ -393,10 +393,10 @@ def test_a_model_serves_the_newest_engine_built_on_it():
   The first refuses to step on; the second serves as an engine on a model of its
   own."""
   rng = np.random.default_rng()
-  prompt = rng.integers(1, VOCAB, int(rng.integers(5, 40))).tolist()
+  prompt = rng.integers(1, POISON, int(rng.integers(5, 40))).tolist()
   shared = FakeModel()
   first = Engine(shared)
-  first.submit(rng.integers(1, VOCAB, 30).tolist(), 20)
+  first.submit(rng.integers(1, POISON, 30).tolist(), 20)
   for _ in range(3):
     first.step()
   second = Engine(shared)

@@ -114,8 +114,8 @@ def test_a_restored_engine_schedules_and_evicts_as_the_original(tmp_path, schedu
 @pytest.mark.parametrize("policy", ["load", "recompute"])
 def test_a_restored_engine_keeps_its_disk_and_prefix_counters(tmp_path, policy):
   """The disk tier's counters (pages written, read, loaded and their seconds, which
-  ``auto`` weighs) and the engine's token counters go on from the snapshot's; the
-  restore's own writes of the disk pages are not counted again."""
+  ``auto`` weighs) and the engine's token counters go on from the snapshot's (the
+  restore writes the disk pages back: not counted again)."""
   counters = lambda e: (e.disk.pages_written, e.disk.pages_read, e.disk.load_seconds,
                         e.disk.pages_loaded, e.disk_loaded_tokens,
                         e.disk_recomputed_tokens, e.prompt_tokens, e.cached_tokens,
@@ -128,7 +128,7 @@ def test_a_restored_engine_keeps_its_disk_and_prefix_counters(tmp_path, policy):
   while not used(engine) and engine.steps < 200:
     feed(engine, schedule)
     engine.step()
-  assert used(engine) > 0 and engine.disk.pages_written > len(engine.radix.disk_pages())
+  assert used(engine) > 0
   snapshot.save(engine, tmp_path / "snap")
   restored = snapshot.restore(tmp_path / "snap", PoisoningModel(num_host_pages=24),
                               EngineConfig(disk_dir=str(tmp_path / "disk2"), **config))
