@@ -60,10 +60,16 @@ def check_tokens(tokens, vocab_size: int) -> None:
     raise ValueError(f"token ids {bad[:5].tolist()} must be in [0, {vocab_size})")
 
 
-def check_backend(backend: str, selector, hot_slots: int | None) -> None:
-  """Refuses a backend name, or a backend missing what it needs (Runner, ServingModel)."""
+def check_backend(backend: str, selector, hot_slots: int | None, num_layers: int,
+                  index_share: int = 1) -> None:
+  """Refuses a backend name, or a backend missing what it needs (Runner,
+  ServingModel), before anything is built (an index sharing that does not divide
+  the layers failed at the first decode step, after the prefill)."""
   if backend not in BACKENDS:
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
+  if not (isinstance(index_share, int) and index_share >= 1
+          and num_layers % index_share == 0):
+    raise ValueError(f"index_share={index_share} must divide num_layers={num_layers}")
   if backend != "dense" and selector is None:
     raise ValueError(f"the {backend} backend needs a selector")
   if backend == "tiered" and hot_slots is None:
@@ -242,7 +248,7 @@ class Runner:
                selector_params=None, hot_slots: int | None = None,
                index_share: int = 1, lookahead: str = "none", draft_head=None,
                **tier_overrides):
-    check_backend(backend, selector, hot_slots)
+    check_backend(backend, selector, hot_slots, model.cfg.num_layers, index_share)
     warn_past_context(model.cfg, max_len)
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")

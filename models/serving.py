@@ -226,7 +226,7 @@ class ServingBackend:
                chunk_size: int = 128, page_size: int = 64, host_pages: int | None = None,
                index_share: int = 1, device: jax.Device | None = None,
                **tier_overrides):
-    check_backend(backend, selector, hot_slots)
+    check_backend(backend, selector, hot_slots, model.cfg.num_layers, index_share)
     warn_past_context(model.cfg, max_len)
     if backend == "tiered" and chunk_size % page_size:
       raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="

@@ -261,6 +261,17 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   state's own, a page table with a page twice in a slot or out of range: clear
   errors. The dense backend charges no selector state."""
   model, _ = model_and_ids
+  # An index sharing that does not divide the layers: refused when built (the
+  # sparse backend prefilled, then failed its first decode step).
+  selector, params = setup.build_selector("quest", model.cfg, 32)
+  share = model.cfg.num_layers + 1
+  for name in ("sparse", "tiered"):
+    with pytest.raises(ValueError, match=f"index_share={share} must divide"):
+      serving.ServingBackend(model, name, 3, 256, selector=selector, selector_params=params,
+                             hot_slots=48, chunk_size=64, page_size=16, index_share=share)
+    with pytest.raises(ValueError, match=f"index_share={share} must divide"):
+      backends.Runner(model, name, 256, selector=selector, selector_params=params,
+                      hot_slots=48, index_share=share)
   tiered = backend(model, "tiered")
   state = tiered.init()
   tokens = np.zeros((64,), np.int32)
