@@ -25,7 +25,7 @@ optionally rate-limited (``--request_rate``, ``--burstiness``: Gamma, 1 = Poisso
 Workloads: ``synthetic`` (corpus windows; random ids with dummy weights),
 ``rollout`` or a JSONL path (experiments/workloads.py). Every variant serves the
 same requests, so ``same_tokens`` (tokens equal to the sparse run's, greedy) checks
-exactness on real weights for free. Results: results/serve_sweep/<time>/
+exactness for free (with dummy weights too: the same computation on other numbers). Results: results/serve_sweep/<time>/
 (config.json, rows.jsonl, points.jsonl (rows as they come, for runs cut short),
 requests.jsonl, steps.jsonl, table.md, plot.png:
 throughput vs concurrency, TTFT CDF, device and host memory over time).
@@ -227,7 +227,8 @@ def render(out, rows, weights: str) -> str:
           "prompt chunk (a P/D decode instance's view); admissible / bound_by: requests "
           "of the full context length that fit at once, and the limit (slots, device "
           "budget, host pool); same_tokens: finished requests whose tokens equal the "
-          "sparse run's (exactness; real weights only).")
+          "sparse run's (exactness of the implementation; on real weights, of the model's "
+          "tokens too).")
   text_md = f"{table}\n\n{note}\n\nPublished (author-reported):\n\n{paper}\n"
   (out / "table.md").write_text(text_md)
   plot(out, rows)
