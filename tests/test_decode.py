@@ -879,6 +879,115 @@ def test_a_carry_given_a_prefetch_it_was_not_built_for_is_refused_clearly():
   decode.decode_step(cfg, selector, carry, q, k, v)  # built for it: runs
 
 
+@pytest.mark.parametrize("idle_len", [10, 260])  # idle row: empty slots / full, misses
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_inactive_row_keeps_its_cache_and_counters(idle_len, prefetch):
+  """An inactive row (a serving slot not decoding) has a real selection and maybe a
+  prediction, but the step changes nothing of it: not its slots, LRU order,
+  counters or hot rows (it fetched into victims, installed its newest token into an
+  empty slot, or prefetched, while its metadata stayed)."""
+  cfg = make_cfg(impl="xla")
+  h = Harness(cfg, [200, idle_len, 300])
+  for _ in range(2):
+    h.step()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  ahead = None
+  if prefetch:
+    nxt = draw_selection(h.rng, cfg, h.decoder.seq_len + 1, sel)
+    ahead = jnp.asarray(np.where(nxt >= h.decoder.seq_len[None, :, None, None], -1, nxt))
+  before = jax.device_get(h.state)
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel), prefetch=ahead,
+                            active=np.array([True, False, True]))
+  _, carry = jax.jit(functools.partial(decode.decode_step, cfg, h.decoder.selector))(
+      carry, *step_inputs(h.rng, cfg))
+  assert int(carry.status) == 0
+  after = jax.device_get(carry.tier)
+  for name in ("slot_pos", "lru", "hits", "misses", "prefetched"):
+    np.testing.assert_array_equal(getattr(after, name)[:, 1], getattr(before, name)[:, 1],
+                                  err_msg=name)
+  B = cfg.hot_slots
+  np.testing.assert_array_equal(after.hot_k[:, 1, :, :B], before.hot_k[:, 1, :, :B])
+  np.testing.assert_array_equal(after.hot_v[:, 1, :, :B], before.hot_v[:, 1, :, :B])
+  assert after.seq_len[1] == before.seq_len[1]
+
+
+def test_cache_stats_are_the_counters_sums():
+  """Per layer and in total, against numpy sums of the [L, R, U] counters (L != R)."""
+  cfg = make_cfg(hot_slots=24, top_k=16)
+  assert cfg.num_layers != cfg.num_requests
+  h = Harness(cfg, [200, 260, 300])
+  for _ in range(3):
+    h.step()
+  st = jax.device_get(h.state)
+  hits, misses = np.asarray(st.hits, np.int64), np.asarray(st.misses, np.int64)
+  stats = kv_state.cache_stats(cfg, h.state)
+  np.testing.assert_array_equal(stats["hits_per_layer"], hits.reshape(cfg.num_layers, -1).sum(1))
+  np.testing.assert_array_equal(stats["misses_per_layer"],
+                                misses.reshape(cfg.num_layers, -1).sum(1))
+  assert stats["misses"] == misses.sum() > 0 and stats["hits"] == hits.sum() > 0
+  assert stats["miss_rate"] == misses.sum() / (hits.sum() + misses.sum())
+  rows = int(np.asarray(st.fetched_rows, np.int64).sum())
+  assert stats["host_to_device_bytes"] == rows * 2 * cfg.row_bytes
+
+
+def test_an_idle_row_at_max_len_does_not_refuse_the_others():
+  cfg = make_cfg(max_len=64)
+  h = Harness(cfg, [60, 63, 10])
+  h.step()  # request 1 reaches max_len
+  sel = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1, np.int32)
+  sel[..., 0] = 0
+  carry = decode.init_carry(cfg, h.state, jnp.asarray(sel),
+                            active=np.array([True, False, True]))
+  _, carry = jax.jit(functools.partial(decode.decode_step, cfg, h.decoder.selector))(
+      carry, *step_inputs(h.rng, cfg))
+  assert int(carry.status) == 0
+
+
+def test_the_draft_cap_counts_real_misses_not_padding():
+  """``cap_misses`` keeps the first ``cap`` non-resident positions of a row: its -1
+  padding is no miss and spends none of the cap."""
+  from kvtier_jax import layer as layer_lib
+  cfg = make_cfg()
+  rng = np.random.default_rng()
+  kp, vp = random_kv(rng, cfg, 200)
+  st = decode.prefill(cfg, kv_state.init_state(cfg), kp, vp, jnp.array([200] * 3))
+  held = np.asarray(st.slot_pos[0])
+  draft = np.full((cfg.num_requests, cfg.num_units, 8), -1, np.int32)
+  for r, u in np.ndindex(draft.shape[:2]):
+    out = [p for p in rng.permutation(200) if p not in held[r, u]][:4]
+    draft[r, u, 4:] = out  # padding first, then 4 non-resident
+  capped = np.asarray(layer_lib.cap_misses(cfg, st, 0, jnp.asarray(draft), 2))
+  np.testing.assert_array_equal(capped[..., :4], -1)
+  np.testing.assert_array_equal(capped[..., 4:6], draft[..., 4:6])
+  np.testing.assert_array_equal(capped[..., 6:], -1)
+
+
+def test_a_predicted_position_without_a_host_page_is_not_prefetched():
+  """The prefetch never reads the scratch page: a predicted position whose page is
+  missing is left out (the step itself, selecting resident rows, goes on)."""
+  cfg = make_cfg(impl="xla")
+  h = Harness(cfg, [200, 260, 300])
+  h.step()
+  held = np.asarray(h.state.slot_pos)
+  sel = np.full((cfg.num_layers, cfg.num_requests, cfg.num_units, cfg.top_k), -1, np.int32)
+  sel[..., :4] = held[..., :4]  # resident only: no miss
+  missing = next(p for p in h.rng.permutation(200)
+                 if (held[:, 1] != p).all() and p // cfg.page_size != 0)
+  ahead = np.full(sel.shape[:3] + (2,), -1, np.int32)
+  ahead[:, 1, :, 0] = missing
+  table = np.asarray(h.state.page_table).copy()
+  table[1, missing // cfg.page_size] = -1
+  state = h.state.replace(page_table=jnp.asarray(table))
+  before = jax.device_get(state)
+  carry = decode.init_carry(cfg, state, jnp.asarray(sel), prefetch=jnp.asarray(ahead))
+  _, carry = jax.jit(functools.partial(decode.decode_step, cfg, h.decoder.selector))(
+      carry, *step_inputs(h.rng, cfg))
+  assert int(carry.status) == 0
+  after = jax.device_get(carry.tier)
+  assert (after.slot_pos[:, 1] != missing).all()
+  np.testing.assert_array_equal(after.prefetched[:, 1], before.prefetched[:, 1])
+
+
 def test_a_refusal_names_each_of_its_reasons():
   """The status word is a bit set: each reason is described, and only those set."""
   from kvtier_jax.resolve import STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF_RANGE

@@ -55,6 +55,20 @@ def test_weight_decay_shrinks_the_projections_not_the_norm_scale():
           after[key] != value), key
 
 
+def test_the_head_adds_a_residual_to_the_previous_feature():
+  """f_p = f_{p-1} + head(...): a head whose output projection is zero drafts the
+  token the previous feature's own readout gives."""
+  cfg, weights = tiny_model()
+  rng = np.random.default_rng()
+  head = draft_head.DraftHead(cfg.embed_dim, 16, rngs=nnx.Rngs(int(rng.integers(2**31))))
+  head.down.kernel.value = jnp.zeros_like(head.down.kernel.value)
+  feat = jnp.asarray(rng.standard_normal((32, cfg.embed_dim)), jnp.float32)
+  token = jnp.asarray(rng.integers(0, cfg.vocab_size, 32), jnp.int32)
+  got = np.asarray(draft_head.draft_tokens(cfg, weights, head, feat, token))
+  want = np.asarray(jnp.argmax(tfm.lm_head(cfg, weights, feat), -1))
+  np.testing.assert_array_equal(got, want)
+
+
 def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
   """Labels a function of the current token (x_{p+1} = (x_p + 3) mod V): the head
   must reach far above chance from features that carry nothing (zeros); the

@@ -228,6 +228,43 @@ def test_decode_attention_ignores_invisible_rows():
       decode_attention(q, jnp.asarray(k), jnp.asarray(v), visible), base)
 
 
+def test_a_partial_prefill_chunk_gives_its_last_tokens_logits():
+  """A chunk holding fewer tokens than its width: the logits are its last real
+  token's (those of the whole prompt), whatever the staging rows past it hold (NaN
+  there never multiplies in)."""
+  from models import transformer as tfm
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny")
+  weights = Transformer(cfg, rngs=nnx.Rngs(0)).weights()
+  rng = np.random.default_rng()
+  total = int(rng.integers(9, 16))
+  tokens = rng.integers(0, 64, total).astype(np.int32)
+  want, _, _ = tfm.apply_prefill(cfg, weights, jnp.asarray(tokens[None]), jnp.array([total]))
+  shape = (cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+  stage_k, stage_v = jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan)
+  _, stage_k, stage_v, _ = tfm.apply_prefill_chunk(cfg, weights, stage_k, stage_v, None,
+                                                   jnp.asarray(tokens[:8]), 0, 8)
+  chunk = np.zeros(8, np.int32)
+  chunk[:total - 8] = tokens[8:]
+  got, *_ = tfm.apply_prefill_chunk(cfg, weights, stage_k, stage_v, None,
+                                    jnp.asarray(chunk), 8, total - 8)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want[0]), atol=1e-5, rtol=0)
+
+
+def test_dense_prefill_cache_holds_zeros_past_each_prompt():
+  """``dense_from_prefill`` zeroes positions >= lens (the padding), so the cache
+  does not depend on the padding tokens."""
+  rng = np.random.default_rng()
+  k = jnp.asarray(rng.standard_normal((2, 3, 10, 2, 4)), jnp.float32)
+  lens = rng.integers(1, 10, 3)
+  kv = cache_lib.dense_from_prefill(k, k, jnp.asarray(lens), 16)
+  for r, n in enumerate(lens):
+    np.testing.assert_array_equal(np.asarray(kv.k)[:, r, :n], np.asarray(k)[:, r, :n])
+    assert not np.asarray(kv.k)[:, r, n:].any() and not np.asarray(kv.v)[:, r, n:].any()
+
+
 def test_tiny_random_model_cached_decode_matches_forward():
   """prefill + dense decode == forward on a random 2-layer model (runs without the
   weights package; prompts longer than the attention block take the blocked path)."""

@@ -693,6 +693,9 @@ def test_the_tiered_step_refuses_a_ranking_or_a_state_it_cannot_use():
   with pytest.raises(ValueError, match="holds 64 positions"):
     trace(OracleSelector(top_k=32, num_kv_heads=HKV, q_per_kv=G, head_dim=D), 32, 32,
           state_len=64)
+  with pytest.raises(ValueError, match=f"holds {MAX_LEN - 1} positions"):  # one short
+    trace(OracleSelector(top_k=32, num_kv_heads=HKV, q_per_kv=G, head_dim=D), 32, 32,
+          state_len=MAX_LEN - 1)
   cfg = TierConfig(num_layers=NUM_LAYERS, num_requests=2, max_len=MAX_LEN,
                    num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, hot_slots=48, top_k=32,
                    dtype=jnp.float32)
