@@ -25,7 +25,8 @@ optionally rate-limited (``--request_rate``, ``--burstiness``: Gamma, 1 = Poisso
 Workloads: ``synthetic`` (corpus windows; random ids with dummy weights),
 ``rollout`` or a JSONL path (experiments/workloads.py). Every variant serves the
 same requests, so ``same_tokens`` (tokens equal to the sparse run's, greedy) checks
-exactness for free (with dummy weights too: the same computation on other numbers). Results: results/serve_sweep/<time>/
+exactness for free (with dummy weights too: the same computation on other numbers).
+Results: results/serve_sweep/<time>/
 (config.json, rows.jsonl, points.jsonl (rows as they come, for runs cut short),
 requests.jsonl, steps.jsonl, table.md, plot.png:
 throughput vs concurrency, TTFT CDF, device and host memory over time).

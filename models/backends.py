@@ -67,8 +67,7 @@ def check_backend(backend: str, selector, hot_slots: int | None, num_layers: int
   the layers failed at the first decode step, after the prefill)."""
   if backend not in BACKENDS:
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
-  if not (isinstance(index_share, int) and index_share >= 1
-          and num_layers % index_share == 0):
+  if index_share < 1 or num_layers % index_share:
     raise ValueError(f"index_share={index_share} must divide num_layers={num_layers}")
   if backend != "dense" and selector is None:
     raise ValueError(f"the {backend} backend needs a selector")
