@@ -503,13 +503,9 @@ def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
   assert cached.tokenizer.encode(text).ids == fresh.tokenizer.encode(text).ids
 
 
-def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
-                                                                    monkeypatch):
-  """A GGUF rewritten with its size and mtime kept (``cp -p``, ``rsync -t``, an
-  unpacked archive) loads its new weights, not the cached ones; a writer killed
-  mid-write leaves temporary files the next write on its host removes (another
-  host's, in a shared cache directory, stay)."""
-  import os
+def _gguf_copy(tmp_path, monkeypatch):
+  """(a copy of the SmolLM2 GGUF under ``tmp_path`` with its own load cache, the
+  final norm's tensor in it, whose bytes the tests rewrite)."""
   import shutil
 
   from models import gguf_loader
@@ -520,8 +516,21 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
   monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
   path = tmp_path / source.name
   shutil.copy2(source, path)
+  tensors = {t.name: t for t in gguf_loader.open_reader(path).tensors}
+  return path, tensors["output_norm.weight"]
+
+
+def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
+                                                                    monkeypatch):
+  """A GGUF rewritten with its size and mtime kept (``cp -p``, ``rsync -t``, an
+  unpacked archive) loads its new weights, not the cached ones; a writer killed
+  mid-write leaves temporary files the next write on its host removes (another
+  host's, in a shared cache directory, stay)."""
+  import os
+
+  from models import gguf_loader
+  path, tensor = _gguf_copy(tmp_path, monkeypatch)
   old = gguf_loader.load_gguf(path).params["final_norm"][0].copy()  # fills the cache
-  tensor = {t.name: t for t in gguf_loader.open_reader(path).tensors}["output_norm.weight"]
   value = float(np.random.default_rng().uniform(50, 100))
   stat = path.stat()
   with open(path, "r+b") as f:
@@ -549,17 +558,8 @@ def test_a_file_rewritten_while_it_loads_is_not_cached_under_its_old_contents(
     tmp_path, monkeypatch):
   """The key is the file's hash before parsing: a rewrite in between stored the new
   arrays under the old contents' key, so the old file, put back, loaded them."""
-  import shutil
-
   from models import gguf_loader
-  try:
-    source = gguf_loader.gguf_path()
-  except gguf_loader.ModelNotInstalledError as e:
-    pytest.skip(str(e))
-  monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
-  path = tmp_path / source.name
-  shutil.copy2(source, path)
-  tensor = {t.name: t for t in gguf_loader.open_reader(path).tensors}["output_norm.weight"]
+  path, tensor = _gguf_copy(tmp_path, monkeypatch)
   original = path.read_bytes()
   value = np.float32(np.random.default_rng().uniform(50, 100))
   opened = gguf_loader.open_reader
