@@ -28,6 +28,18 @@ def brute_match(sent: list[list[int]], prompt: list[int]) -> int:
   return best
 
 
+def _ends(conn, count, timeout=30):
+  """{request id: (state, output, cached tokens)} of the next ``count`` requests
+  a replica reports ended (other messages skipped)."""
+  done = {}
+  while len(done) < count:
+    assert conn.poll(timeout), f"the replica stopped answering: {done}"
+    kind, rid, *rest = conn.recv()
+    if kind == "done":
+      done[rid] = rest
+  return done
+
+
 def test_a_replica_refuses_a_bad_request_and_serves_on():
   """A request its engine refuses (longer than the context) is reported failed, with
   no output, and the replica serves the next one with its solo tokens."""
@@ -43,12 +55,7 @@ def test_a_replica_refuses_a_bad_request_and_serves_on():
   assert ours.recv() == ("ready",)
   ours.send(("submit", dict(id="long", prompt=list(range(200)), max_new_tokens=4)))
   ours.send(("submit", dict(id="fine", prompt=[3, 4, 5], max_new_tokens=4)))
-  done = {}
-  while len(done) < 2:
-    assert ours.poll(30), f"the replica stopped answering: {done}"
-    kind, rid, *rest = ours.recv()
-    if kind == "done":
-      done[rid] = rest
+  done = _ends(ours, 2)
   ours.send(("stop",))
   assert ours.recv()[0] == "stats"
   thread.join(10)
@@ -93,12 +100,7 @@ def test_replica_stats_count_each_prompt_once_under_preemption():
   prompts = {f"r{i}": [i] + rng.integers(4, 62, 29).tolist() for i in range(3)}
   for rid, prompt in prompts.items():
     conn.send(("submit", dict(id=rid, prompt=prompt, max_new_tokens=50)))
-  done = {}
-  while len(done) < len(prompts):
-    assert conn.poll(60), done
-    kind, rid, *rest = conn.recv()
-    if kind == "done":
-      done[rid] = rest
+  done = _ends(conn, len(prompts), timeout=60)
   conn.send(("stop",))
   kind, stats = conn.recv()
   assert all(state == "finished" for state, *_ in done.values()), done
@@ -234,13 +236,7 @@ def test_a_replica_refuses_a_malformed_sampling_and_resets_its_counts():
     for rid, prompt, sampling in requests:
       conn.send(("submit", dict(id=rid, prompt=prompt, max_new_tokens=3,
                                 sampling=sampling)))
-    done = {}
-    while len(done) < len(requests):
-      assert conn.poll(30), done
-      kind, rid, *rest = conn.recv()
-      if kind == "done":
-        done[rid] = rest
-    return done
+    return _ends(conn, len(requests))
 
   prompt = list(range(3, 23))
   done = serve([("bad", prompt, {"bogus": 1}), ("ok", prompt, {})])
