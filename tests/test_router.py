@@ -300,7 +300,41 @@ def test_prefix_router_matches_brute_force_and_respects_load():
     if rng.random() < 0.5:  # a random outstanding request finishes
       busy = [r for r in range(3) if router.load[r]]
       router.done(busy[int(rng.integers(len(busy)))])
+    if rng.random() < 0.2:  # a replica refused a prompt routed there
+      held = [r for r in range(3) if sent[r]]
+      replica = held[int(rng.integers(len(held)))]
+      router.forget(replica, sent[replica].pop(int(rng.integers(len(sent[replica])))))
   assert router.routed_by_prefix > 0
+
+
+def test_a_refused_prompt_is_forgotten_but_not_a_chunk_another_prompt_holds():
+  router = Router(2, CHUNK, "prefix")
+  shared, refused = list(range(8)), list(range(8)) + [50, 51, 52, 53]
+  assert router.route(shared + [60]) == 0
+  router.done(0)
+  assert router.route(refused) == 0
+  router.done(0)
+  router.forget(0, refused)
+  assert router.match(0, refused + [1]) == 8  # the first prompt's two chunks stay
+  router.forget(0, shared + [60])
+  assert router.match(0, refused + [1]) == 0
+
+
+def test_the_client_forgets_a_prompt_a_replica_refused():
+  """A session's turn refused by its replica (90 + 10 > 96 positions) leaves no
+  chunk in the router's index: a later session sharing its first chunks is not
+  routed by prefix to a replica that never cached them."""
+  from kvtier_jax.serving import Engine, bench, replica
+  from tests.test_serving import FakeModel
+  conns = _replicas(2, lambda: Engine(FakeModel()))
+  prompt = tuple(i % 60 + 1 for i in range(90))
+  sessions = [bench.Rollout("long", prompt, (10,), ()),
+              bench.Rollout("short", prompt[:40], (2,), ())]
+  run = replica.drive_sessions(conns, sessions, "prefix", 8, 2.0)
+  _stop(conns)
+  states = {rid: rec["state"] for rid, rec in run["records"].items()}
+  assert states == {"long/t0": "failed", "short/t0": "finished"}
+  assert run["routed_by_prefix"] == 0
 
 
 def test_baselines_and_bad_input():

@@ -135,6 +135,8 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, 
       state, output, cached = rest
       rec.update(state=state, output=output, cached_tokens=cached, e2e_s=now() - sent[rid])
       router.done(where[rid])
+      if state == "failed" and cached is None:  # refused at submit: nothing cached
+        router.forget(where[rid], rec["history"])
       outstanding -= 1
       session, turn = rec.pop("session"), rec["turn"]
       history = rec.pop("history")

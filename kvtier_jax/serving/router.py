@@ -6,7 +6,9 @@ replica, an approximate index of the prompts it sent there, at the replicas' pre
 granularity (whole chunks of ``chunk_size`` tokens, what a replica's radix cache
 can share), forgetting the least recently routed chunks past ``max_chunks``, a
 prompt's last chunks before its first (a match stops at the first missing chunk, so
-a forgotten first chunk would make the rest unreachable).
+a forgotten first chunk would make the rest unreachable). A prompt its replica
+refused is forgotten (``forget``): each chunk counts the routed prompts holding it,
+so a chunk another prompt also brought stays.
 A request goes to the replica with the longest match when that replica is not
 overloaded (at most ``balance_abs`` more outstanding requests than the least loaded
 one), else to the least loaded replica (ties: the lowest index). ``round_robin`` and
@@ -33,7 +35,8 @@ class Router:
     self.num_replicas, self.chunk_size, self.policy = num_replicas, chunk_size, policy
     self.balance_abs, self.max_chunks = balance_abs, max_chunks
     self.load = [0] * num_replicas  # outstanding requests
-    self._chunks = [collections.OrderedDict() for _ in range(num_replicas)]  # key -> None
+    # Per replica, key -> routed prompts holding that chunk, least recent first.
+    self._chunks = [collections.OrderedDict() for _ in range(num_replicas)]
     self._next = 0
     self.routed_by_prefix = 0
 
@@ -80,10 +83,20 @@ class Router:
   def _remember(self, replica: int, prompt: Sequence[int]) -> None:
     chunks = self._chunks[replica]
     for key in reversed(self._keys(prompt)):  # the first chunk ends most recent
-      chunks[key] = None
+      chunks[key] = chunks.get(key, 0) + 1
       chunks.move_to_end(key)
     while len(chunks) > self.max_chunks:
       chunks.popitem(last=False)
+
+  def forget(self, replica: int, prompt: Sequence[int]) -> None:
+    """``replica`` refused ``prompt`` (routed there, never cached): its chunks no
+    longer count for it (those other routed prompts hold stay)."""
+    chunks = self._chunks[replica]
+    for key in self._keys(prompt):
+      if key in chunks:
+        chunks[key] -= 1
+        if not chunks[key]:
+          del chunks[key]
 
   def done(self, replica: int) -> None:
     if self.load[replica] <= 0:
