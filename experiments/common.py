@@ -119,19 +119,26 @@ def line_plot(path: pathlib.Path, xs: Sequence[float], ys: Sequence[float],
   plt.close(fig)
 
 
+# Decode steps of a full trace run (``experiments.trace``'s default).
+FULL_TRACE_STEPS = 512
+
+
 def latest_trace(text: str | None = None) -> pathlib.Path:
   """The newest full trace run of one text (the run's ``--prompt_file``: None for
   the pydoc corpus, ``models.text.HELDOUT``, ``models.text.TEST``), or of any text
-  with ``text="any"``. Full: not --smoke and of the whole model (not
-  --model_layers: another model's selections)."""
+  with ``text="any"``. Full: not --smoke, of the whole model (not --model_layers:
+  another model's selections) and at least ``FULL_TRACE_STEPS`` steps (a shorter
+  run's tables sit in the miss-rate ramp)."""
   runs = sorted(pathlib.Path(RESULTS, "trace").glob("*/traces.npz"))
   flags_of = {r: json.loads((r.parent / "config.json").read_text())["flags"] for r in runs}
   full = [r for r in runs if not flags_of[r].get("smoke")
           and not flags_of[r].get("model_layers")
+          and flags_of[r].get("steps", FULL_TRACE_STEPS) >= FULL_TRACE_STEPS
           and (text == "any" or flags_of[r].get("prompt_file") == text)]
   if not full:
     which = "" if text == "any" else f" --prompt_file={text}" if text else ""
-    raise FileNotFoundError(f"no trace: run python -m experiments.trace{which} first")
+    raise FileNotFoundError(f"no full trace (--steps >= {FULL_TRACE_STEPS}): run "
+                            f"python -m experiments.trace{which} first")
   return full[-1]
 
 

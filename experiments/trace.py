@@ -40,7 +40,8 @@ from models import setup
 from models.transformer import apply_prefill_with_inputs
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 512, "Teacher-forced decode steps.")
+flags.DEFINE_integer("steps", common.FULL_TRACE_STEPS,
+                     "Teacher-forced decode steps (fewer: not a full run for the tables).")
 flags.DEFINE_list("selectors", ["quest", "quest_kv", "dsa", "nsa", "oracle"],
                   "Selectors to trace.")
 flags.DEFINE_integer("rank_depth", 1024, "Also record each best-first selector's "

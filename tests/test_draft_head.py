@@ -165,17 +165,23 @@ def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypat
 
   from experiments import common
   monkeypatch.setattr(common, "RESULTS", tmp_path)
-  for name, prompt_file, smoke, layers in [("20260101-000000", None, False, None),
-                                           ("20260101-000001", "heldout", False, None),
-                                           ("20260101-000002", None, True, None),
-                                           ("20260101-000003", None, False, 2)]:
+  full = common.FULL_TRACE_STEPS
+  for name, prompt_file, smoke, layers, steps in [
+      ("20260101-000000", None, False, None, full),
+      ("20260101-000001", "heldout", False, None, full + 1),
+      ("20260101-000002", None, True, None, full),
+      ("20260101-000003", None, False, 2, full),
+      ("20260101-000004", None, False, None, full - 1),
+      ("20260101-000005", "heldout", False, None, 32)]:
     run_dir = tmp_path / "trace" / name
     run_dir.mkdir(parents=True)
     (run_dir / "traces.npz").write_bytes(b"")
     (run_dir / "config.json").write_text(json_lib.dumps(
-        {"flags": {"prompt_file": prompt_file, "smoke": smoke, "model_layers": layers}}))
+        {"flags": {"prompt_file": prompt_file, "smoke": smoke, "model_layers": layers,
+                   "steps": steps}}))
   # The default is the pydoc text's (miss_rate's table read a newer held-out trace),
-  # of the whole model (a --model_layers run is another model's selections).
+  # of the whole model (a --model_layers run is another model's selections), of
+  # every step (a --steps=32 run's tables sit in the miss-rate ramp).
   assert common.latest_trace().parent.name == "20260101-000000"
   assert common.latest_trace("any").parent.name == "20260101-000001"
   assert common.latest_trace(None).parent.name == "20260101-000000"
