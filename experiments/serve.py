@@ -131,13 +131,14 @@ def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
 
 def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   full = bench.summarize(served, host_page_bytes=engine.model.host_page_bytes)
-  window = bench.window_requests(served)  # after a restore: since then
-  hits = [r.metrics.cached_tokens / len(r.prompt) for r in window
-          if r.metrics.cached_tokens is not None]
+  # Prompts first admitted in the run's window (after a restore: since then), as
+  # its prefill steps are.
+  admitted = bench.admitted_in_window(served)
+  hits = [r.metrics.cached_tokens / len(r.prompt) for r in admitted]
   hit_quantiles = {f"hit_p{q}": float(np.percentile(hits, q)) if hits else None
                    for q in (10, 50, 90)}
   computed = sum(s["prefill_tokens"] for s in served.steps)
-  prompt_tokens, cached_tokens = bench.first_admission_tokens(window)
+  prompt_tokens, cached_tokens = bench.first_admission_tokens(admitted)
   ms = lambda v: None if v is None else v / 1e3
   return dict(cache=cache, requests=full["requests"], finished=full["finished"],
               refused=full["refused"],

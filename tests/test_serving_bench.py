@@ -426,5 +426,12 @@ def test_drive_stops_at_until_and_resumes_a_restored_engine(tmp_path):
       len(r.output) for r in served.requests)
   assert row["duration_s"] == pytest.approx(served.end - served.resumed_at)
   assert served.resumed_at == pytest.approx(first.end)
+  # Prompts are the window's when first admitted in it: the two runs split them.
+  before, since = bench.admitted_in_window(first), bench.admitted_in_window(served)
+  assert {r.id for r in before} == {r.id for r in first.requests
+                                    if r.metrics.admitted is not None}
+  assert {r.id for r in before}.isdisjoint(r.id for r in since)
+  assert {r.id for r in before} | {r.id for r in since} == {w.id for w in work}
+  assert "q1" in {r.id for r in before} and since, (before, since)
   with pytest.raises(ValueError, match="rollouts"):
     bench.drive(restored, [bench.Rollout("r", (1, 2), (2, 2), ((3,),))], resume=True)

@@ -259,6 +259,14 @@ def window_requests(served: Served) -> list[Request]:
   return [r for r in served.requests if not served.at_resume.get(r.id, (0, False))[1]]
 
 
+def admitted_in_window(served: Served) -> list[Request]:
+  """The window's requests first admitted in it: after a restore, a request
+  prefilled before the snapshot was the saved run's (its prefill is not in this
+  run's steps)."""
+  return [r for r in window_requests(served) if r.metrics.admitted is not None
+          and (served.resumed_at is None or r.metrics.admitted > served.resumed_at)]
+
+
 def summarize(served: Served, *, host_page_bytes: int = 0,
               slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
   """One flat row of serving metrics (latencies in ms, bytes in MiB).
