@@ -383,11 +383,15 @@ class _RefusesAtLayer2(selectors.GivenSelector):
     return jnp.where(inputs.layer == 2, sel.at[..., 0].set(10_000), sel), state
 
 
-@pytest.mark.parametrize("overrides", [dict(overlap_hit_miss=True), dict(index_share=2)])
+@pytest.mark.parametrize("overrides", [dict(overlap_hit_miss=True), dict(index_share=2),
+                                       dict(index_share=2, prefetch=True)])
 def test_a_refused_layer_counts_no_fetched_rows_on_the_gpu_paths(overrides):
   """A GPU's staged gathers run their first chunk whatever the count (the
-  overlapped attention's, the sharing layers'): a layer that refuses counts no
-  rows moved, as it changes nothing else (the GPU's code paths traced here)."""
+  overlapped attention's, the sharing layers', and their lookahead prefetch's): a
+  layer that refuses counts no rows moved, as it changes nothing else (the GPU's
+  code paths traced here)."""
+  overrides = dict(overrides)
+  prefetch = overrides.pop("prefetch", False)
   cfg = make_cfg(impl="xla", **overrides)
   h = Harness(cfg, [40, 50, 60], seed=int(np.random.default_rng().integers(2**31)))
   for _ in range(3):
@@ -396,10 +400,13 @@ def test_a_refused_layer_counts_no_fetched_rows_on_the_gpu_paths(overrides):
   before = snapshot(h.state)
   inputs = step_inputs(h.rng, cfg)
   with common.tracing_for_gpu():  # a fresh jit: traced inside
-    step = jax.jit(lambda st, s, q, k, v: decode.decode_step(
-        cfg, _RefusesAtLayer2(cfg.top_k, cfg.num_units), decode.init_carry(cfg, st, s),
-        q, k, v))
-    _, carry = step(h.state, sel, *inputs)
+    # A prediction: the selected positions already in the host tier.
+    ahead = (jnp.where(sel < jnp.asarray(h.decoder.seq_len)[None, :, None, None], sel, -1)
+             if prefetch else None)
+    step = jax.jit(lambda st, s, q, k, v, p: decode.decode_step(
+        cfg, _RefusesAtLayer2(cfg.top_k, cfg.num_units),
+        decode.init_carry(cfg, st, s, prefetch=p), q, k, v))
+    _, carry = step(h.state, sel, *inputs, ahead)
   assert int(carry.status) != 0
   after = snapshot(carry.tier)
   for name in ("fetched_rows", "hits", "misses", "prefetched"):
