@@ -20,7 +20,7 @@ Command (defaults: 2048 training tokens, 2048 eval tokens, 150 AdamW steps of 64
 query rows out of 512; on a 2-core CPU about 3.3 min wall, ~130 s of it
 training, 2.4 GB peak RSS):
   python -m experiments.distill_indexer
-``--smoke`` runs tiny spans in about 30 s (it still loads the real model).
+``--smoke`` runs tiny spans in under a minute (it still loads the real model).
 Results: results/distill_indexer/<time>/ (config.json, rows.jsonl, table.md,
 plot.png); the indexer checkpoint: ``--out`` (orbax arrays + indexer.json),
 readable with ``kvtier_jax.selectors.distill.load_indexer``.
@@ -65,7 +65,7 @@ flags.DEFINE_string("out", "results/indexer/smollm2",
                     "Checkpoint directory (--smoke: the run folder's indexer/; with "
                     "--out_root and no --out: <out_root>/indexer/smollm2).")
 flags.DEFINE_string("prompt_file", None, "Text instead of the pydoc topics.")
-flags.DEFINE_bool("smoke", False, "Tiny spans and few steps (about a minute).")
+flags.DEFINE_bool("smoke", False, "Tiny spans and few steps (under a minute).")
 flags.DEFINE_string("out_root", None, "Results root (default ./results).")
 
 _SMOKE = dict(train_tokens=256, eval_tokens=256, train_queries=64, query_batch=32,

@@ -9,7 +9,7 @@ come):
   python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs \
       --serve_budget_s=150 --budget_s=440 --iters=20 --warmup=3
 (``triton`` needs jax-triton: carry its wheel and ``pip install --no-deps --target``
-it first; WORKSPACE_NOTES.md, sixteenth session, has the whole device call.)
+it first; WORKSPACE_NOTES.md, twenty-fourth session, has the whole device call.)
 Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
   python -m experiments.gpu_check --smoke --sections=fused,serve,numerics,lookups,io
 

@@ -43,7 +43,7 @@ class ImplConfig:
       gathers every lane there (a loop into a staging buffer cost ~15%).
     fused: validation, RESOLVE, the zero-copy miss fetch, the newest token's
       writes and the metadata commit of a layer in two Pallas kernels
-      (``pallas_kernels/fused_resolve``) instead of ~40 XLA ops; off GPU in one
+      (``pallas_kernels/fused_resolve``) instead of ~40 XLA ops; on the CPU in one
       native call per layer (``fused_resolve/native.py``, built on first use;
       ``interpret=True`` runs the Pallas kernels interpreted instead, as does a
       machine without a C++ compiler, with a warning); ``resolve``, ``fetch``
