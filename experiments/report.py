@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 from absl import app, flags
 
@@ -82,6 +83,25 @@ def latest_run(root: pathlib.Path, experiment: str) -> pathlib.Path | None:
   return (full or runs or [None])[-1]
 
 
+def nest_headings(markdown: str, level: int = 3) -> str:
+  """``markdown`` with its headings moved down so the highest is at ``level``
+  (a table's own ``##`` headings sit under its report section's ``##``); fenced
+  code is left alone."""
+  lines, fenced, depths = markdown.splitlines(), False, []
+  for line in lines:
+    fenced ^= line.startswith("```")
+    if not fenced and re.match(r"#{1,6} ", line):
+      depths.append(len(line) - len(line.lstrip("#")))
+  shift = max(0, level - min(depths, default=level))
+  out, fenced = [], False
+  for line in lines:
+    fenced ^= line.startswith("```")
+    heading = not fenced and re.match(r"#{1,6} ", line)
+    out.append("#" * min(shift, 6 - (len(line) - len(line.lstrip("#")))) + line
+               if heading else line)
+  return "\n".join(out)
+
+
 def describe(run: pathlib.Path, experiment: str) -> str:
   """What of a run's flags the section's title does not say (its text where it is
   not the title's, a model cut to its first layers)."""
@@ -111,7 +131,7 @@ def main(argv):
     smoke += describe(run, name)
     lines += [f"Run `{run.relative_to(root)}`{smoke}: `{command}`, {config.get('device_kind')}, "
               f"jax {config.get('jax')}, git {config.get('git_sha')}.", ""]
-    lines += [(run / "table.md").read_text().rstrip(), ""]
+    lines += [nest_headings((run / "table.md").read_text().rstrip()), ""]
     if (run / "plot.png").exists():
       lines += [f"![{name}]({(run / 'plot.png').relative_to(root)})", ""]
   out = root / "REPORT.md"

@@ -194,6 +194,12 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
     (trace_run / "config.json").write_text(json.dumps(dict(flags=dict(
         smoke=False, prompt_file=prompt_file))))
     (trace_run / "table.md").write_text(f"| trace of {prompt_file or 'pydoc'} |\n")
+  # A table's own headings go under its section's (## there, ### and below here).
+  tiers_run = tmp_path / "tiers" / "20000101-000000"
+  tiers_run.mkdir(parents=True)
+  (tiers_run / "config.json").write_text(json.dumps(dict(flags=dict(smoke=False))))
+  (tiers_run / "table.md").write_text("## Cost\n\n| a |\n\n```\n# kept\n```\n"
+                                      "#### Deep\n")
   run("experiments.report", f"--results={tmp_path}")
   report = (tmp_path / "REPORT.md").read_text()
   assert "Table 2" in report and "| toy |" in report
@@ -201,6 +207,8 @@ def test_miss_rate_on_a_small_trace_and_report(tmp_path):
   assert "| trace of pydoc |" in report and "| trace of heldout |" not in report
   assert "| smoke miss_rate |" not in report and "| smoke bench_decode |" in report
   assert report.count("a `--smoke` run") == 1
+  assert "\n### Cost\n" in report and "\n# kept\n" in report and "\n##### Deep\n" in report
+  assert "\n## Cost" not in report
 
 
 def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch):
