@@ -345,6 +345,16 @@ def test_kv_from_another_model_is_not_taken():
     assert moved.output == solo(FakeModel, prompt, new)
   with pytest.raises(ValueError, match="model_id"):
     Engine(Named()).accept(dataclasses.replace(handoff, model_id=3))
+  # Pages of another layout (a tensor-parallel mesh pads its KV heads) from another
+  # model: never read, the request replays; the same model's are refused.
+  wider = dataclasses.replace(handoff, kv=[np.stack([f, f], -1) for f in handoff.kv])
+  receiver = Engine(Named(model_id="b"))
+  moved = receiver.accept(wider)
+  assert moved.imported is None
+  receiver.run()
+  assert moved.output == solo(FakeModel, prompt, new)
+  with pytest.raises(ValueError, match="page field"):
+    Engine(Named()).accept(wider)
 
 
 def test_pages_of_non_finite_kv_are_refused():

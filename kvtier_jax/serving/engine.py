@@ -357,13 +357,13 @@ class Engine:
     # and the prompt and outputs are replayed instead.
     has_host = bool(self._host_pages(len(handoff.prompt) + handoff.max_new_tokens))
     can_load = has_host and getattr(self.model, "supports_prefix_cache", False)
-    if handoff.kv_end and can_load:
-      handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     # K/V prefilled on other chunk boundaries differ from this engine's in the last
     # bits: the request replays, and the prefix cache keeps only numbers computed here.
     keeps_kv = (bool(handoff.kv_end) and can_load
                 and handoff.chunk_size == self.model.chunk_size
                 and handoff.model_id == getattr(self.model, "model_id", None))
+    if keeps_kv:  # pages of another layout (a mesh's padded heads) are replayed unread
+      handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
     kv_end = handoff.kv_end
     if keeps_kv and kv_end < len(handoff.prompt):
       # The rest of the prompt is prefilled here, in whole chunks: K/V past the last
