@@ -119,7 +119,8 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     # first top_k are attended, the whole row steers victims.
     ranks = picked if cfg.policy.name == "rank" else None
     selected = picked[..., :cfg.top_k]
-    if draft and cfg.lookahead_cap is not None:  # None: every miss is fetched
+    capped = draft and cfg.lookahead_cap is not None  # None: every miss is fetched
+    if capped:
       selected = layer_lib.cap_misses(cfg, tier, layer, selected, cfg.lookahead_cap)
     if carry.prefetch is not None and carry.prefetch.shape[:3] != (
         cfg.num_layers, cfg.num_requests, cfg.num_units):  # [layer] would clamp
@@ -128,7 +129,7 @@ def tiered_attend(cfg: TierConfig, selector, draft: bool = False):
     prefetch = None if carry.prefetch is None else carry.prefetch[layer]
     out, _, tier, status, anchor = layer_lib.anchor_layer(
         cfg, tier, layer, q, k_new, v_new, selected, carry.status, carry.active,
-        prefetch=prefetch, ranks=ranks)
+        prefetch=prefetch, ranks=ranks, selected_leads_ranks=not capped)
     anchor = carry.anchor if anchor is None else anchor
     return out, carry.replace(tier=tier, sel=sel, status=status, anchor=anchor)
 

@@ -134,7 +134,8 @@ def has_page(cfg: TierConfig, page_table, positions):
 
 
 def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                 selected, prior_status, active, *, prefetch=None, ranks=None):
+                 selected, prior_status, active, *, prefetch=None, ranks=None,
+                 selected_leads_ranks: bool = False):
   """Sparse attention of one layer that selects (an anchor), through the cache.
 
   Args:
@@ -152,6 +153,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       kp <= B): after attention, up to ``cfg.lookahead_cap`` of them that are not
       resident are fetched, so the next RESOLVE finds them resident.
     ranks: i32[R, U, m] the selector's best-first ranking (policy "rank").
+    selected_leads_ranks: ``selected`` is ``ranks[..., :k]`` (not capped): the
+      fused kernels then read the selection in place, without the slice's launch.
 
   Returns:
     (out [R, Hq, D], lse f32[R, Hq], state, status i32[] (``prior_status`` OR this
@@ -166,7 +169,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
                      f"{(num_req, num_units, cfg.top_k)} (R, U, k)")
   if cfg.impl.fused:
     return _fused_anchor_layer(cfg, state, layer, q, k_new, v_new, selected,
-                               prior_status, active, ranks, prefetch)
+                               prior_status, active, ranks, prefetch,
+                               selected_leads_ranks)
   selected = jnp.where(active[:, None, None], selected.astype(jnp.int32), EMPTY)
   pages = state.page_table
 
@@ -282,7 +286,8 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
 
 
 def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
-                        selected, prior_status, active, ranks=None, prefetch=None):
+                        selected, prior_status, active, ranks=None, prefetch=None,
+                        selected_leads_ranks=False):
   """``anchor_layer`` through the fused kernels: the same state, status and outputs
   (metadata and counters equal, integer for integer), in two launches and the
   attention. With index sharing the commit also fetches and writes the metadata of
@@ -293,6 +298,9 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
   fields = CacheArrays._fields
   cache = CacheArrays(*(getattr(state, name) for name in fields))
   run_native = native.use_native(cfg.impl.interpret)
+  # The kernels read the ranking's first k in place: the slice that made
+  # ``selected`` is then dead code, one launch per layer fewer.
+  selection = ranks if selected_leads_ranks and ranks is not None else None
   order = None
   if cfg.policy.keyed:  # the victim order: one kernel (key, rank lookup) + one sort
     # Unmasked: the kernels skip inactive rows (their order is never read), and one
@@ -315,6 +323,8 @@ def _fused_anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, 
               score_decay=cfg.policy.freq_alpha if cfg.policy.keyed else None)
   if not run_native:
     step["interpret"] = cfg.use_interpret
+    if selection is not None:
+      selected, step["num_sel"] = selection, cfg.top_k
   # Off GPU one native call (native_cpu.cc), else the two Pallas kernels.
   res = (native.resolve_fetch_native if run_native else resolve_fetch)(
       layer, prior_status, active, state.seq_len, selected, cache, state.page_table,

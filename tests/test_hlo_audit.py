@@ -188,13 +188,13 @@ def test_kernel_launches_per_layer_count_one_trip_of_the_layer_loop():
   # most): classify, commit and attention stand for full KV's XLA attention and KV
   # writes, and the commit kernel threads the status word itself (no scalar ops
   # between layers). A keyed policy adds two: its victim-key kernel (the rank lookup
-  # inside) and one sort per row; "rank" over a ranking deeper than k one more, the
-  # slice of each row's first k (the selection attended).
+  # inside) and one sort per row; "rank" over a ranking deeper than k no more (the
+  # kernels read each row's first k in place; a slice of them was one launch more).
   fused = {cfg.policy.name: hlo_audit.audit_config(cfg, name).launches_per_layer
            for name, cfg in hlo_audit.audit_configs(smoke=True) if cfg.impl.fused}
   assert fused.keys() == {"lru", "freq", "rank"}
   assert fused["lru"] <= full, (fused, full)
-  assert fused["freq"] <= fused["lru"] + 2 and fused["rank"] <= fused["lru"] + 3, fused
+  assert fused["freq"] <= fused["lru"] + 2 and fused["rank"] <= fused["freq"], fused
 
 
 TOY_STREAM_HLO = """HloModule toy, is_scheduled=true

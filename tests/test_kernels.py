@@ -423,6 +423,32 @@ def test_native_scores_round_as_xla_does_on_a_cpu_without_fma(on_gpu):
   assert proc.returncode == 0 and last.startswith("2 passed"), proc.stdout[-3000:]
 
 
+def test_fused_kernels_read_the_selection_in_place_from_a_deeper_ranking(on_gpu):
+  """Policy "rank" hands the kernels the selector's whole ranking with ``num_sel=k``
+  (no slice op): they read its first k columns only. The columns past k hold
+  positions out of range, which refuse the step if read."""
+  rng = np.random.default_rng()
+  args = _fused_problem(rng, "valid", layer=1)
+  static = dict(max_len=60, page_size=8)
+  sel = np.asarray(args["selected"])
+  k = sel.shape[-1]
+  deeper = np.concatenate([sel, rng.integers(10**6, 2 * 10**6, sel.shape[:-1] + (3,))],
+                          axis=-1).astype(np.int32)
+  want = fused_resolve.resolve_fetch_reference(**args, **static)
+  run = lambda **kw: fused_resolve.resolve_fetch(**dict(args, selected=jnp.asarray(
+      deeper)), **static, **kw, interpret=not on_gpu)
+  got = run(num_sel=k)
+  assert int(want.status) == 0 and int(got.status) == 0
+  for name, w, g in zip(want.cache._fields, want.cache, got.cache):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+  for name in ("slot", "is_miss", "target"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+  assert int(run().status) != 0  # every column read: the deeper ones refuse
+  for bad in (0, k + 4):
+    with pytest.raises(ValueError, match="num_sel"):
+      run(num_sel=bad)
+
+
 @pytest.mark.parametrize("dtype,slots", [(jnp.float32, 12), (jnp.bfloat16, 12),
                                          (jnp.float32, 8)])
 def test_native_fused_step_follows_the_reference_step_after_step(on_gpu, dtype, slots):

@@ -81,7 +81,8 @@ def _classify(layer_ref, active_ref, seq_len_ref, sel_ref, slot_pos_ref, lru_ref
               plan_slot_ref, info_ref, held_ref, evict_ref, rank_ref, *, num_units,
               num_slots, num_sel, slots_pad, sel_pad, max_len, page_size, score_decay,
               interpret):
-  # layer_ref: i32[1]  active_ref: bool[R]  seq_len_ref: i32[R]  sel_ref: i32[rows, k]
+  # layer_ref: i32[1]  active_ref: bool[R]  seq_len_ref: i32[R]
+  # sel_ref: i32[rows, m >= k] (the first k columns are the selection)
   # slot_pos_ref, lru_ref: i32[L, rows, B]  score_ref: f32[L, rows, B]
   # order_ref: i32[rows, B] victim order (keyed policies; unread under LRU)
   # page_table_ref: i32[R, MP]
@@ -417,11 +418,12 @@ def victim_order(slot_pos, lru, key, seq_len):
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "page_size", "share",
-                                             "score_decay", "block_sizes", "interpret"))
+                                             "score_decay", "num_sel", "block_sizes",
+                                             "interpret"))
 def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheArrays,
                   page_table, host_k, host_v, k_new, v_new, key=None, scratch_map=None, *,
                   order=None, max_len: int, page_size: int, share: int = 1,
-                  score_decay: float | None = None,
+                  score_decay: float | None = None, num_sel: int | None = None,
                   block_sizes: BlockSizes = BlockSizes(),
                   interpret: bool = False) -> LayerResult:
   """Same contract as ``resolve_fetch_reference``; ``cache`` is updated in place.
@@ -431,10 +433,16 @@ def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheAr
   order itself, i32[R, U, B] (``keyed_victim_order``). ``scratch_map``: optional
   i32[R*U, max_len + 1 + next_pow2(k)] the position map starts from (any contents:
   tests fill it with stale lanes); by default a fresh, uninitialised buffer.
+  ``num_sel``: the selection is the first ``num_sel`` of each row of ``selected``
+  (a deeper best-first ranking, policy "rank", read in place: slicing it would
+  be one more launch per layer); default every column.
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
-  num_sel = selected.shape[-1]
+  width = selected.shape[-1]
+  num_sel = width if num_sel is None else num_sel
+  if not 1 <= num_sel <= width:
+    raise ValueError(f"{num_sel=} must be in [1, {width}] (the columns of selected)")
   common.check_slots(num_slots, num_sel)
   if head_dim & (head_dim - 1):
     raise ValueError(f"{head_dim=} must be a power of 2 for the fused kernels")
@@ -456,7 +464,7 @@ def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheAr
   given_map = scratch_map is not None
   if given_map and scratch_map.shape != map_shape:
     raise ValueError(f"scratch_map {scratch_map.shape} must be {map_shape}")
-  sel_rows = selected.reshape(rows, num_sel)
+  sel_rows = selected.reshape(rows, width)
   if order is not None:
     order = order.astype(jnp.int32).reshape(rows, num_slots)
   elif key is None:
