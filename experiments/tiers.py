@@ -128,8 +128,9 @@ def main(argv):
   assumptions.append("- latency: the miss fetch is one batched transfer per layer, so a "
                      "tier's extra access latency (CXL ~50 ns) is paid once per layer "
                      "call, not per row; the roofline ignores it")
-  columns = ["context", "shared", "placement", "device_GB", "below_GB", "requests", "bound",
-             "tok_s", "usd_per_request", "usd_per_mtok", "link_bound_batch"]
+  columns = ["context", "shared", "placement", "device_GB", "below_GB", "shared_GB",
+             "requests", "bound", "tok_s", "usd_per_request", "usd_per_mtok",
+             "link_bound_batch"]
   text = ["## Cost per concurrent request and per million decoded tokens",
           common.markdown_table(rows, columns), "",
           f"## A cached prefix on a tier: load it back or recompute it (prefill "

@@ -90,30 +90,41 @@ def placement(cfg: ModelConfig, context: int, acc: Accelerator, tier: Tier | Non
               exposed_io: float = 1.0) -> dict:
   """One placement at ``context`` tokens: ``tier`` None keeps the full KV in HBM
   (sparse attention over the full KV); else the tiered cache over ``tier``.
-  ``shared_fraction``: the part of a request's KV other running requests share
-  (prefix cache), counted once."""
+  ``shared_fraction``: the part of a request's KV every other running request
+  shares (one prefix in the prefix cache): each request holds the rest, and the
+  shared part is held once, where the KV lives (``shared_GB``)."""
   b = capacity.request_bytes(cfg, context, hot_slots)
   unique = 1.0 - shared_fraction
   if tier is None:
     device, below, link, miss = b.full_device, 0.0, None, None
-    device -= shared_fraction * b.full_kv  # a radix cache in HBM shares too
+    shared = shared_fraction * b.full_kv  # a radix cache in HBM shares too
+    device -= shared
+    room = {"HBM": acc.kv_budget_gb * GB - shared}
   else:
     device, below = b.tiered_device, unique * b.host
+    shared = shared_fraction * b.host
     link = tier.miss_bandwidth(cfg.kv_bytes_per_token_per_layer)
     miss = miss_rate if context > hot_slots else 0.0
-  bounds = {"batch": acc.max_batch, "HBM": int(acc.kv_budget_gb * GB // device)}
-  if tier is not None and below > 0:  # every prefix shared: the tier bounds nothing
-    bounds[tier.name] = int(tier.gb_per_accelerator * GB // below)
+    room = {"HBM": acc.kv_budget_gb * GB, tier.name: tier.gb_per_accelerator * GB - shared}
+  per_request = {"HBM": device, **({} if tier is None else {tier.name: below})}
+  bounds = {"batch": acc.max_batch}
+  for where, left in room.items():
+    if left < 0:  # the shared copy alone does not fit
+      bounds[where] = 0
+    elif per_request[where] > 0:  # every prefix shared: the tier bounds nothing more
+      bounds[where] = int(left // per_request[where])
   bound = min(bounds, key=bounds.get)
   batch = bounds[bound]
   model = capacity.ThroughputModel(hbm_bandwidth=acc.hbm_bandwidth,
                                    link_bandwidth=link or 1.0,
                                    weight_bytes=acc.weight_bytes, exposed_io=exposed_io)
   tokens_s = model.tokens_per_second(cfg, batch, miss)
-  system_usd = acc.usd + (0.0 if tier is None else batch * below / GB * tier.usd_per_gb)
+  system_usd = acc.usd + (0.0 if tier is None else
+                          (batch * below + shared) / GB * tier.usd_per_gb)
   seconds = acc.years * 365 * 24 * 3600
   row = dict(context=context, placement="HBM (full KV)" if tier is None else
              f"HBM hot + {tier.name}", device_GB=device / GB, below_GB=below / GB,
+             shared_GB=shared / GB,
              requests=batch, bound=bound, tok_s=tokens_s, system_usd=system_usd,
              usd_per_request=system_usd / batch if batch else None,
              usd_per_mtok=(system_usd / seconds) / tokens_s * 1e6 if tokens_s else None)

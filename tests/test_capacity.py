@@ -101,10 +101,24 @@ def test_tier_economics_from_hand_worked_values():
   ddr5 = tiers.TIERS["ddr5"]
   full = tiers.placement(cfg, context, acc, None, hot_slots=hot, miss_rate=0.1,
                          shared_fraction=0.5)
-  assert full["device_GB"] == pytest.approx((b.full_device - 0.5 * b.full_kv) / GB)
+  own = b.full_device - 0.5 * b.full_kv
+  assert full["device_GB"] == pytest.approx(own / GB)
+  assert full["shared_GB"] == pytest.approx(0.5 * b.full_kv / GB)
+  assert full["requests"] == min(acc.max_batch, (acc.kv_budget_gb * GB - 0.5 * b.full_kv) // own)
   tiered = tiers.placement(cfg, context, acc, ddr5, hot_slots=hot, miss_rate=0.1,
                            shared_fraction=0.5)
   assert tiered["below_GB"] == pytest.approx(0.5 * b.host / GB)
+  assert tiered["shared_GB"] == pytest.approx(0.5 * b.host / GB)
+  # A tier holding the shared copy and three requests' own parts: three, and the
+  # system pays for four halves.
+  room = ddr5.replace(gb_per_accelerator=(0.5 * b.host + 3 * 0.5 * b.host) / GB + 1e-6)
+  three = tiers.placement(cfg, context, acc, room, hot_slots=hot, miss_rate=0.1,
+                          shared_fraction=0.5)
+  assert three["bound"] == room.name and three["requests"] == 3
+  assert three["system_usd"] == pytest.approx(acc.usd + 4 * 0.5 * b.host / GB * room.usd_per_gb)
+  tight = acc.__class__(kv_budget_gb=0.4 * b.full_kv / GB)  # not even the shared copy
+  assert tiers.placement(cfg, context, tight, None, hot_slots=hot, miss_rate=0.1,
+                         shared_fraction=0.5)["requests"] == 0
   # A tier too small bounds the batch.
   small = ddr5.replace(gb_per_accelerator=3 * b.host / GB + 1)
   bounded = tiers.placement(cfg, context, acc, small, hot_slots=hot, miss_rate=0.1)
