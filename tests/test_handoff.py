@@ -170,9 +170,9 @@ def test_relayed_tokens_must_be_ids_and_the_receivers_eos_ends_them():
 
 def test_export_inside_on_token_sends_what_the_receiver_can_continue():
   """``export`` called from ``on_token``: the request whose stop id was just sampled
-  is refused (it ends here, as it would have); a peer in the same decode batch, fed
-  this step but not sampled yet, sends K/V up to its newest output only, and the
-  receiver continues it exactly."""
+  is refused (it ends here, as it would have), as is one on its last token; a peer
+  in the same decode batch, fed this step but not sampled yet, sends K/V up to its
+  newest output only, and the receiver continues it exactly."""
   prompt = list(range(1, 20))
   ref = solo(FakeModel, prompt, 10)
   engine = Engine(FakeModel())
@@ -185,6 +185,16 @@ def test_export_inside_on_token_sends_what_the_receiver_can_continue():
   req = engine.submit(prompt, 10, stop_ids=[ref[2]], on_token=on_token)
   engine.run()
   assert refused == [req.id] and req.state is State.FINISHED and req.output == ref[:3]
+  # Nor on its last token: it has all of them (the receiver would decode one more).
+  def on_last(req, token):
+    if len(req.output) == req.max_new_tokens:
+      with pytest.raises(ValueError, match="has all its tokens"):
+        engine.export(req.id, kv="none")
+      refused.append(req.id)
+  last = engine.submit(prompt, 4, on_token=on_last)
+  engine.run()
+  assert refused[-1] == last.id and last.state is State.FINISHED
+  assert last.output == ref[:4]
 
   peer_prompt = list(range(30, 50))
   sender, box = Engine(FakeModel()), {}

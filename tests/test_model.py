@@ -670,3 +670,29 @@ def test_two_threads_writing_one_cache_entry_both_succeed(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["m-0.json", "m-0.npz"]
   with np.load(tmp_path / "m-0.npz") as data:
     np.testing.assert_array_equal(data["w"], params["w"])
+
+
+def test_the_dense_drivers_refuse_steps_past_the_cache():
+  """``dense_attend`` cannot raise inside jit (a write past ``max_len`` would be
+  dropped silently), so the drivers refuse up front: greedy decoding needs
+  P + num_new - 1 positions (the last token is never fed), teacher forcing
+  P + S; and no tokens at all is refused."""
+  cfg = ModelConfig.smollm2_135m(vocab_size=64, embed_dim=32, num_layers=2,
+                                 num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                 ffn_hidden_dim=48, name="tiny")
+  model = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(2**31))))
+  prompt = np.random.default_rng().integers(0, 64, (1, 10)).astype(np.int32)
+  lens, new = np.array([10]), 5
+  want = sampling.greedy_generate(model, prompt, lens, new)
+  np.testing.assert_array_equal(
+      sampling.greedy_generate(model, prompt, lens, new, max_len=10 + new - 1), want)
+  with pytest.raises(ValueError, match="max_len=13"):
+    sampling.greedy_generate(model, prompt, lens, new, max_len=10 + new - 2)
+  with pytest.raises(ValueError, match="num_new=0"):
+    sampling.greedy_generate(model, prompt, lens, 0)
+  feed = want[:, :3]
+  _, kv = sampling.prefill_dense(model, prompt, lens, max_len=13)
+  sampling.teacher_forced_logits(model, kv, feed)  # 10 + 3 positions: fits
+  _, kv = sampling.prefill_dense(model, prompt, lens, max_len=12)
+  with pytest.raises(ValueError, match="max_len=12"):
+    sampling.teacher_forced_logits(model, kv, feed)

@@ -40,8 +40,10 @@ class FakeModel:
   def device_bytes(self, length):
     return 10 * length
 
+  staging: int = 0  # device bytes of the prefill staging buffer
+
   def staging_bytes(self):
-    return 0
+    return self.staging
 
   def host_pages(self, length):
     return 0 if length <= self.hot_slots else -(-length // self.page_size)
@@ -317,13 +319,52 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
       engine.submit([1, 2, 3], 4, sp)
   with pytest.raises(ValueError, match="host pages"):
     Engine(FakeModel(num_host_pages=5)).submit([1] * 30, 4)
+  with pytest.raises(ValueError, match="stop ids"):
+    engine.submit([1, 2], 4, stop_ids=[VOCAB])
+  for sp, match in [(SamplingParams(temperature=float("inf")), "temperature"),
+                    (SamplingParams(seed=2**31), "seed")]:  # int32 would wrap it
+    with pytest.raises(ValueError, match=match):
+      engine.submit([1, 2, 3], 4, sp)
+  engine.submit([1, 2, 3], 1, SamplingParams(seed=2**31 - 1), request_id="top seed")
+  # The context's last position is usable; one more is refused as such (not as
+  # the device bytes it would also exceed).
+  Engine(FakeModel()).submit([1] * 90, 6)
+  with pytest.raises(ValueError, match="exceeds the context"):
+    engine.submit([1] * 90, 7)
+  for config, match in [(dict(prefix_cache=True, disk_pages=-1), "disk_pages"),
+                        (dict(max_step_tokens=0), "max_step_tokens")]:
+    with pytest.raises(ValueError, match=match):
+      EngineConfig(**config)
   req = engine.submit([5, 6, 7], np.int64(4))  # a numpy count is an int
   assert type(req.max_new_tokens) is int
   with pytest.raises(ValueError, match="already exists"):
     engine.submit([1], 1, request_id=req.id)
   engine.run()
   assert req.state is State.FINISHED and len(req.output) == 4
-  assert not engine.waiting and engine.requests.keys() == {req.id}
+  assert not engine.waiting and engine.requests.keys() == {req.id, "top seed"}
+
+
+def test_the_prefill_staging_buffer_counts_against_the_device_budget():
+  """The staging buffer (one prompt at a time) is device memory beside the
+  requests' own: a budget below it is refused, a request whose bytes fit only
+  without it is refused, and a second request waits while the two of them and
+  the staging buffer would not fit (FakeModel: 10 bytes per position)."""
+  with pytest.raises(ValueError, match="staging"):
+    Engine(FakeModel(staging=50), EngineConfig(kv_budget_bytes=49))
+  engine = Engine(FakeModel(staging=50), EngineConfig(kv_budget_bytes=500))
+  with pytest.raises(ValueError, match="device bytes"):
+    engine.submit([1] * 40, 6)  # 460 + 50 > 500
+  engine.submit([1] * 39, 6, request_id="fits")  # 450 + 50 = 500
+  engine.run()
+  rng = np.random.default_rng()
+  first = engine.submit(rng.integers(1, POISON, 20).tolist(), 4)  # 240 bytes
+  second = engine.submit(rng.integers(1, POISON, 18).tolist(), 4)  # 220: 510 with staging
+  for _ in range(2):  # prefilled, then decoding: the second still waits
+    assert engine.step()["peak_running"] == 1 and second.state is State.WAITING
+  assert first.state is State.DECODING
+  engine.run()
+  for req in (first, second):
+    assert req.output == solo(FakeModel, req.prompt, 4), req.id
 
 
 def test_non_finite_logits_fail_one_request_and_the_others_finish():
@@ -487,12 +528,14 @@ def test_a_preempted_request_resumes_before_those_waiting(schedule):
     engine.step()
   # Waits (both slots taken); shares first's 40 cached tokens, second only its 24.
   newcomer = engine.submit(first.prompt[:40] + prompt(2), 4)
+  admitted = second.metrics.admitted
   while not second.metrics.preemptions:
     engine.step()
     assert first.state is not State.FINISHED, "no page pressure"
   assert list(engine.waiting)[:2] == [second, newcomer]
   engine.run()
   assert second.admit_order < newcomer.admit_order
+  assert second.metrics.admitted == admitted  # its queue time ends at the first admission
   for req in (first, second, newcomer):
     assert req.output == solo(FakeModel, req.prompt, req.max_new_tokens), req.id
 
@@ -505,6 +548,16 @@ def test_prefill_spends_the_step_budget_in_whole_chunks():
   req = engine.submit(list(range(1, 41)), 2)
   rows = [engine.step()["prefill_tokens"] for _ in range(3)]
   assert rows == [16, 16, 8] and req.state is State.DECODING
+  # A decoding request takes its token from the budget: 15 left, one chunk.
+  engine = Engine(FakeModel(num_slots=2), EngineConfig(max_step_tokens=16))
+  decoding = engine.submit([1, 2, 3], 6)
+  while decoding.state is not State.DECODING:
+    engine.step()
+  waiting = engine.submit(list(range(1, 25)), 2)
+  row = engine.step()
+  assert (row["decode_batch"], row["prefill_tokens"]) == (1, 8)
+  engine.run()
+  assert waiting.output == solo(FakeModel, waiting.prompt, 2)
 
 
 def test_auto_ids_skip_ids_callers_chose():

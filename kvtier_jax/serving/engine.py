@@ -267,7 +267,8 @@ class Engine:
     stops = frozenset(int(t) for t in stop_ids) | frozenset(self.config.eos_ids)
     if any(not 0 <= t < model.vocab_size for t in stops):
       raise ValueError(f"stop ids {sorted(stops)} must be in the vocabulary")
-    if request_id is None:  # the first free "req-N" (callers and handoffs name theirs)
+    if request_id is None:  # a free "req-N", N from the count of requests on (callers
+      # and handoffs name theirs; scanning from 0 would cost O(requests) per submit)
       request_id = next(f"req-{n}" for n in itertools.count(len(self.requests))
                         if f"req-{n}" not in self.requests)
     old = self.requests.get(request_id)
