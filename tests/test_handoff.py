@@ -4,6 +4,7 @@ yields the tokens of an uninterrupted run; handoffs survive the wire format; bad
 are refused."""
 
 import dataclasses
+import functools
 import json
 import socket
 import struct
@@ -383,18 +384,21 @@ def test_pages_of_non_finite_kv_are_refused():
     receiver = Engine(FloatPages())
     pages = np.zeros((7, 4), dtype)
     pages[np.random.default_rng().integers(7), 2] = np.nan
+    # From the receiver's own chunking and model: pages it would take.
+    frame = functools.partial(handoff_lib.Handoff, "h", prompt, [7], 5, kv_start=0,
+                              kv_end=28, chunk_size=receiver.model.chunk_size)
     with pytest.raises(ValueError, match="non-finite"):
-      receiver.accept(handoff_lib.Handoff("h", prompt, [7], 5, kv_start=0, kv_end=28,
-                                          kv=[pages]))
+      receiver.accept(frame(kv=[pages]))
     assert not receiver.requests
-    receiver.accept(handoff_lib.Handoff("h", prompt, [7], 5, kv_start=0, kv_end=28,
-                                        kv=[np.zeros((7, 4), dtype)]))
+    assert receiver.accept(frame(kv=[np.zeros((7, 4), dtype)])).imported is not None
 
 
 def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
   """Prompt K/V with no output yet must leave the last prompt position to the
-  receiver (its logits give the first token); pages of another layout (another
-  page size or model) do not fit. Both refused, nothing queued, the engine goes on."""
+  receiver (its logits give the first token); pages of another layout from the
+  same model and chunking (pages it would take) do not fit. Both refused, nothing
+  queued, the engine goes on (another model's pages are replayed unread:
+  ``test_kv_from_another_model_is_not_taken``)."""
   sender = Engine(FakeModel())
   prompt = list(range(1, 33))  # 4 whole chunks
   req = sender.submit(prompt, 5)
@@ -404,18 +408,17 @@ def test_handoffs_the_receiver_cannot_continue_are_refused_before_queueing():
   receiver = Engine(FakeModel())
   with pytest.raises(ValueError, match="page-aligned range of the 31"):
     receiver.accept(handoff_lib.Handoff("h", prompt, [], 5, kv_start=0, kv_end=32, kv=kv))
+  ours = functools.partial(handoff_lib.Handoff, "h", prompt[:29], [7], 5, kv_start=0,
+                           kv_end=29, chunk_size=receiver.model.chunk_size)
   with pytest.raises(ValueError, match="page field 0"):
-    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
-                                        kv=[np.zeros((8, 6), np.int64)]))
+    receiver.accept(ours(kv=[np.zeros((8, 6), np.int64)]))
   with pytest.raises(ValueError, match="page fields"):
-    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
-                                        kv=[kv[0], kv[0]]))
+    receiver.accept(ours(kv=[kv[0], kv[0]]))
   # The receiver's page shape in another dtype: it would fail at admission, after
   # queueing.
   other_dtype = np.int32 if kv[0].dtype != np.int32 else np.int64
   with pytest.raises(ValueError, match="page field 0"):
-    receiver.accept(handoff_lib.Handoff("h", prompt[:29], [7], 5, kv_start=0, kv_end=29,
-                                        kv=[kv[0][:8].astype(other_dtype)]))
+    receiver.accept(ours(kv=[kv[0][:8].astype(other_dtype)]))
   # A relayed token one past the vocabulary; a K/V range off a page boundary.
   with pytest.raises(ValueError, match="outside the vocabulary"):
     receiver.accept(handoff_lib.Handoff("h", prompt[:29], [VOCAB], 5))
