@@ -556,7 +556,7 @@ def test_a_head_dim_that_is_not_a_power_of_2_takes_xla_on_a_gpu():
 
 
 def test_fused_layer_kernels_reject_what_they_do_not_do():
-  for bad in (dict(overlap_hit_miss=True), dict(head_dim=24)):
+  for bad in (dict(overlap_hit_miss=True), dict(head_dim=24), dict(mesh_axes=("data",))):
     with pytest.raises(ValueError, match="fused"):
       make_cfg(impl=FUSED, **bad)
 
@@ -831,6 +831,34 @@ def test_config_rejects_bad_shapes():
   for alpha in (0.0, 1.0):  # an EMA that never decays, or forgets at once
     with pytest.raises(ValueError, match="freq_alpha"):
       PolicyConfig("freq", freq_alpha=alpha)
+  # Each bound at its edge: the value refused and the one beside it taken.
+  for bad, good, match in [
+      (dict(hot_slots=15, top_k=16), dict(hot_slots=16, top_k=16), "must be >= top_k"),
+      (dict(max_len=16, top_k=17, hot_slots=17), dict(max_len=16, top_k=16, hot_slots=17),
+       "exceeds max_len"),
+      (dict(host_pages=0), dict(host_pages=1), "host_pages"),
+      (dict(lookahead_cap=-1), dict(lookahead_cap=0), "lookahead_cap")]:
+    with pytest.raises(ValueError, match=match):
+      make_cfg(**bad)
+    make_cfg(**good)
+  with pytest.raises(ValueError, match="fetch_chunk"):
+    ImplConfig(fetch_chunk=0)
+  with pytest.raises(ValueError, match="rank_freq"):  # NaN is not >= 0 either
+    PolicyConfig("rank", rank_freq=float("nan"))
+  with pytest.raises(ValueError, match="no Pallas RESOLVE"):
+    make_cfg(impl=ImplConfig(resolve="pallas"), policy=PolicyConfig("freq"))
+  # A streamed fetch alone (the kernels left on "auto") on a head_dim the kernels
+  # cannot load: refused for the stream, naming the power of 2.
+  with pytest.raises(ValueError, match="power of 2"):
+    make_cfg(impl=ImplConfig(fetch_stream=1), head_dim=80, overlap_hit_miss=True)
+
+
+def test_the_direct_fetch_chunk_is_an_eighth_of_the_lanes_but_16_at_least():
+  for requests, top_k, want in ((3, 16, 16), (4, 64, 32)):  # 48 lanes; 256 lanes
+    cfg = make_cfg(impl=ImplConfig(fetch_chunk=None), num_requests=requests, top_k=top_k,
+                   hot_slots=top_k)
+    lanes = requests * cfg.num_units * top_k
+    assert cfg.direct_fetch_rows_per_chunk == min(max(16, lanes // 8), lanes) == want
 
 
 def test_prompt_pages_off_a_page_boundary_are_refused():
@@ -1181,6 +1209,9 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
   with pytest.raises(ValueError, match="picked"):  # one unit where the config has two
     full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 1), state, q, k_new, k_new,
                                 jnp.zeros((1, 2, 1, 4), jnp.int32))
+  with pytest.raises(ValueError, match="picked"):  # 3 positions where top_k is 4
+    full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(3, 2), state, q, k_new, k_new,
+                                jnp.zeros((1, 2, 2, 3), jnp.int32))
   picks = jnp.asarray(np.stack([rng.choice(8, 4, replace=False) for _ in range(4)])
                       .reshape(1, 2, 2, 4).astype(np.int32))
   out, after = full_kv.full_kv_decode_step(cfg, selectors.GivenSelector(4, 2), state, q,

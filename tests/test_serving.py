@@ -565,6 +565,25 @@ def test_auto_ids_skip_ids_callers_chose():
   engine.submit([1, 2, 3], 2, request_id="req-1")
   ids = [engine.submit([4, 5, 6], 2).id for _ in range(3)]
   assert len(set(ids + ["req-1"])) == 4 and all(i.startswith("req-") for i in ids)
+  # Counted from the requests held (one submit does not scan every id from 0).
+  engine = Engine(FakeModel())
+  engine.submit([1, 2, 3], 2, request_id="x")
+  assert engine.submit([1, 2, 3], 2).id == "req-1"
+
+
+def test_requests_end_for_their_reason_in_the_lowest_free_slots():
+  prompt = [3, 4, 5]
+  ref = solo(FakeModel, prompt, 6)
+  engine = Engine(FakeModel())
+  stopped = engine.submit(prompt, 6, stop_ids=[ref[2]])
+  full = engine.submit(prompt, 6)
+  engine.step()
+  engine.step()  # (one prompt at a time is prefilled)
+  assert (stopped.slot, full.slot) == (0, 1)  # one device: the lowest free slot
+  engine.run()
+  end = ref.index(ref[2]) + 1  # its first occurrence
+  assert (stopped.reason, stopped.output) == ("stop id", ref[:end])
+  assert (full.reason, full.output) == ("length", ref)
 
 
 def random_workload(rng, num, vocab=VOCAB - 1):
