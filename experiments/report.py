@@ -87,19 +87,15 @@ def nest_headings(markdown: str, level: int = 3) -> str:
   """``markdown`` with its headings moved down so the highest is at ``level``
   (a table's own ``##`` headings sit under its report section's ``##``); fenced
   code is left alone."""
-  lines, fenced, depths = markdown.splitlines(), False, []
-  for line in lines:
+  lines, fenced, depth = markdown.splitlines(), False, {}  # heading line -> its #s
+  for i, line in enumerate(lines):
     fenced ^= line.startswith("```")
     if not fenced and re.match(r"#{1,6} ", line):
-      depths.append(len(line) - len(line.lstrip("#")))
-  shift = max(0, level - min(depths, default=level))
-  out, fenced = [], False
-  for line in lines:
-    fenced ^= line.startswith("```")
-    heading = not fenced and re.match(r"#{1,6} ", line)
-    out.append("#" * min(shift, 6 - (len(line) - len(line.lstrip("#")))) + line
-               if heading else line)
-  return "\n".join(out)
+      depth[i] = len(line) - len(line.lstrip("#"))
+  shift = max(0, level - min(depth.values(), default=level))
+  for i, d in depth.items():
+    lines[i] = "#" * min(shift, 6 - d) + lines[i]
+  return "\n".join(lines)
 
 
 def describe(run: pathlib.Path, experiment: str) -> str:
