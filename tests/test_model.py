@@ -482,6 +482,31 @@ def test_cached_decode_matches_forward_with_padding(loaded, prompt, forward_logi
   np.testing.assert_array_equal(kv.lens, lens + steps)
 
 
+def _tokenizer_fields(model: str, pre: str):
+  """A GGUF reader's tokenizer fields (what ``build_tokenizer`` reads) for a tiny
+  byte-level vocabulary with one control token and a merge of two digits."""
+  import types
+  tokens = ["a", "b", "c", "1", "2", "ab", "abc", "12", "<|im_end|>"]
+  values = {"tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * 8 + [gguf_loader._CONTROL_TOKEN_TYPE],
+            "tokenizer.ggml.merges": ["a b", "ab c", "1 2"],
+            "tokenizer.ggml.model": model, "tokenizer.ggml.pre": pre}
+  fields = {k: types.SimpleNamespace(contents=lambda v=v: v) for k, v in values.items()}
+  return types.SimpleNamespace(fields=fields)
+
+
+def test_build_tokenizer_refuses_another_pre_tokenizer_or_model():
+  """The digit-splitting pre-tokenizer is SmolLM2's ("smollm"): a GGUF naming
+  another (llama-bpe, qwen2, ...) or another tokenizer model would be tokenized
+  wrongly without a word, so it is refused; the expected pair builds."""
+  tokenizer = gguf_loader.build_tokenizer(_tokenizer_fields("gpt2", "smollm"))
+  assert tokenizer.encode("abc<|im_end|>").tokens == ["abc", "<|im_end|>"]
+  assert tokenizer.encode("12").tokens == ["1", "2"]  # digits alone, never merged
+  for model, pre in (("gpt2", "llama-bpe"), ("gpt2", "default"), ("llama", "smollm")):
+    with pytest.raises(ValueError, match=f"gpt2/smollm tokenizer, got {model}/{pre}"):
+      gguf_loader.build_tokenizer(_tokenizer_fields(model, pre))
+
+
 def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
   """The load cache (models/gguf_loader.py) gives back the same weights, config,
   metadata and tokenizer as reading the GGUF."""
@@ -594,7 +619,10 @@ def test_a_cache_write_keeps_the_most_recently_used_other_entry_only(tmp_path,
   for name, when in zip(olds, used):
     make(name)
     os.utime(tmp_path / f"{name}.json", (1e9 + when, 1e9 + when))
-  others = [f"other-{rng.bytes(16).hex()}", "model_q4-notakey", "model_q4_more-" + "0" * 32]
+  # Not entries of this file: another GGUF's, too short a key, another stem, a key
+  # of 32 characters that are not all lowercase hex (a stray file someone named).
+  others = [f"other-{rng.bytes(16).hex()}", "model_q4-notakey", "model_q4_more-" + "0" * 32,
+            "model_q4-" + rng.bytes(16).hex().upper().replace("0", "G")]
   for name in others:
     make(name)
   loaded = types.SimpleNamespace(params={"w": np.ones((2,), np.float32)}, metadata={},
