@@ -606,6 +606,27 @@ def test_data_parallel_room_counts_the_requests_own_match_on_other_devices():
   engine.pool.check(engine.radix.held_pages())
 
 
+def test_data_parallel_ties_in_running_requests_go_to_the_most_free_pages():
+  """No prefix to follow: a request goes to the device running the fewest
+  requests, and among equals to the one with the most free host pages (not the
+  lowest index, not the fullest)."""
+  engine = Engine(ThreeDeviceModel(max_len=128), EngineConfig(max_step_tokens=128))
+  pool = engine.pool
+  reqs = [engine.submit([7] * n, 20) for n in (40, 9, 56)]  # 15, 8 and 19 pages at most
+  while any(r.state is not State.DECODING for r in reqs):
+    engine.step()
+  assert sorted(pool.slot_partition(r.slot) for r in reqs) == [0, 1, 2]
+  free = [pool.free_in(p) for p in range(3)]
+  assert len(set(free)) == 3 and np.argmax(free) not in (0, np.argmin(free))
+  late = engine.submit([9] * 9, 3)
+  engine.step()
+  assert late.state is State.DECODING
+  assert pool.slot_partition(late.slot) == np.argmax(free)
+  engine.run()
+  for r in (*reqs, late):
+    assert r.output == solo(ThreeDeviceModel, r.prompt, r.max_new_tokens)
+
+
 def test_data_parallel_engine_refuses_a_request_no_device_can_hold():
   """40 pages over 2 devices: a request needing 21 fits the pool but no device's
   host tier; it is refused at submit (it would wait forever)."""
@@ -820,6 +841,12 @@ def test_a_prefills_compile_is_not_its_measured_cost(tmp_path):
                                     disk_policy="auto")
   assert engine.state["prefill_shapes"] and engine._prefill_timed_tokens > 0
   assert engine._prefill_seconds < 0.3 * 0.5  # the stall of 0.3 s is not in it
+  # A fixed policy weighs nothing: no chunk waits for the device to be timed.
+  for policy in ("load", "recompute"):
+    engine, _ = run_with_prefix_cache(rng, 8, pages=24, model=CompilingPrefillModel,
+                                      disk_pages=20, disk_dir=str(tmp_path / policy),
+                                      disk_policy=policy)
+    assert engine.state["prefill_shapes"] and engine._prefill_timed_tokens == 0
 
 
 def test_a_requests_cached_tokens_are_its_first_admissions():

@@ -314,11 +314,20 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
       Engine(FakeModel(), EngineConfig(eos_ids=(3, eos)))
   for sp, match in [(SamplingParams(temperature=-1), "temperature"),
                     (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-2), "top_k"),
+                    # vLLM's "no limit" (-1) is 0 here: refused, not read as a limit
+                    (SamplingParams(top_k=-1), r"top_k=-1 must be an int >= 0 \(0: no limit\)"),
                     (SamplingParams(seed=2**40), "seed")]:
     with pytest.raises(ValueError, match=match):
       engine.submit([1, 2, 3], 4, sp)
   with pytest.raises(ValueError, match="host pages"):
     Engine(FakeModel(num_host_pages=5)).submit([1] * 30, 4)
+  # Exactly hot_slots (12) positions stay on the device: no host page needed.
+  tight = Engine(FakeModel(num_host_pages=2))
+  resident = tight.submit([1] * 8, 4)
+  with pytest.raises(ValueError, match="13 positions need 4 host pages"):
+    tight.submit([1] * 9, 4)
+  tight.run()
+  assert resident.state is State.FINISHED and tight.pool.in_use == 0
   with pytest.raises(ValueError, match="stop ids"):
     engine.submit([1, 2], 4, stop_ids=[VOCAB])
   for sp, match in [(SamplingParams(temperature=float("inf")), "temperature"),
@@ -393,6 +402,13 @@ def test_abort_frees_the_slot_and_pages_at_once():
   assert engine.slots == [None]
   engine.run()
   assert second.state is State.FINISHED and second.output == solo(FakeModel, [7, 8, 9], 5)
+  # Aborting a request that has ended (a client's late cancel) changes nothing.
+  ended = [(r.state, r.reason, list(r.output)) for r in (first, second)]
+  engine.abort(second.id)
+  engine.abort(first.id)
+  assert [(r.state, r.reason, list(r.output)) for r in (first, second)] == ended
+  assert engine.pool.in_use == 0 and engine.slots == [None]
+  engine.pool.check()
 
 
 def test_on_token_may_end_its_own_request_and_a_later_one_of_the_batch():
@@ -529,9 +545,12 @@ def test_a_preempted_request_resumes_before_those_waiting(schedule):
   # Waits (both slots taken); shares first's 40 cached tokens, second only its 24.
   newcomer = engine.submit(first.prompt[:40] + prompt(2), 4)
   admitted = second.metrics.admitted
-  while not second.metrics.preemptions:
+  for _ in range(40):  # bounded: preempting the older request instead would livelock
+    if second.metrics.preemptions:
+      break
     engine.step()
     assert first.state is not State.FINISHED, "no page pressure"
+  assert second.metrics.preemptions == 1 and first.metrics.preemptions == 0
   assert list(engine.waiting)[:2] == [second, newcomer]
   engine.run()
   assert second.admit_order < newcomer.admit_order

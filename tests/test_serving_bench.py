@@ -2,6 +2,8 @@
 ``FakeModel``, with a step clock: every engine step takes one second, so send
 times, arrivals and latencies are exact numbers the test can derive itself."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -227,9 +229,28 @@ def test_summary_metrics_from_their_definitions():
   assert row["e2e_mean_ms"] == pytest.approx(np.mean([2.0, 2.2, 7.0]) * 1e3)
 
 
+def test_a_requests_summary_from_its_times():
+  """The per-request row the serve runners write: each latency from its definition
+  (times exact in binary), and None where the request never got that far."""
+  rng = np.random.default_rng()
+  arrival, admitted, first, *gaps = np.cumsum(rng.integers(1, 9, 5)) / 4
+  times = [first, first + gaps[0], first + gaps[0] + gaps[1]]
+  metrics = Metrics(arrival=arrival, admitted=admitted, first_token=first,
+                    token_times=times, finished=times[-1] + 0.25, preemptions=1,
+                    cached_tokens=8)
+  assert metrics.summary() == dict(
+      queue_s=admitted - arrival, ttft_s=first - arrival, tpot_s=(times[2] - times[0]) / 2,
+      itl_s=[times[1] - times[0], times[2] - times[1]], e2e_s=times[-1] + 0.25 - arrival,
+      preemptions=1, cached_tokens=8)
+  assert Metrics(arrival=arrival).summary() == dict(
+      queue_s=None, ttft_s=None, tpot_s=None, itl_s=[], e2e_s=None, preemptions=0,
+      cached_tokens=None)
+
+
 def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
   rng = np.random.default_rng()
   workload = specs(rng, 6)
+  workload[0] = dataclasses.replace(workload[0], prompt=workload[0].prompt * 2 + (5,) * 25)
   outputs = {}
   for policy in ("decode_first", "blocking"):
     engine, clock = engine_with_clock(FakeModel(num_slots=3), max_step_tokens=12,
@@ -238,6 +259,9 @@ def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
     both = [s for s in served.steps if s["decode_batch"] and s["prefill_tokens"]]
     if policy == "blocking":
       assert not both  # a step prefills a whole prompt or decodes, never both
+      # ... past the step budget (12): the first prompt is 31 tokens or more.
+      assert sorted(s["prefill_tokens"] for s in served.steps if s["prefill_tokens"]) == \
+          sorted(len(w.prompt) for w in workload)
     else:
       assert both
     outputs[policy] = [r.output for r in served.requests]
