@@ -446,3 +446,29 @@ def test_step_counters_stay_exact_when_the_device_counters_wrap(model_and_ids):
   assert sum(r["misses"] for r in rows[0]) > 0
   wrapped = engine.state.cache.tier
   assert (np.asarray(wrapped.hits) < 0).any()  # the counters did wrap
+
+
+@pytest.mark.parametrize("name", ["sparse", "tiered"])
+def test_a_requests_logits_do_not_depend_on_its_slot(model_and_ids, name):
+  """A preempted or restored request may come back in another slot: at one slot
+  count its logits are the same bits in any row, whatever the other rows hold
+  (across slot counts they are not: DESIGN, "Moving a request between engines")."""
+  model, ids = model_and_ids
+  rng = np.random.default_rng()
+  vocab = model.cfg.vocab_size
+  selector, params = setup.build_selector("quest", model.cfg, 32)
+  prompt, feed = np.asarray(ids[:160]), rng.integers(0, vocab, 4)
+  runs = []
+  for row in (0, 2):
+    extra = dict(hot_slots=48) if name == "tiered" else {}
+    runner = backends.Runner(model, name, max_len=192, selector=selector,
+                             selector_params=params, **extra)
+    tokens, lens = rng.integers(0, vocab, (3, 160)), rng.integers(100, 161, 3)
+    tokens[row], lens[row] = prompt, 160
+    logits = [np.asarray(runner.prefill(tokens, lens))[row]]
+    for token in feed:
+      step = rng.integers(0, vocab, 3)
+      step[row] = token
+      logits.append(np.asarray(runner.step(step))[row])
+    runs.append(np.stack(logits))
+  np.testing.assert_array_equal(runs[0], runs[1])
