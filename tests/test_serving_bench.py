@@ -253,8 +253,10 @@ def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
   workload[0] = dataclasses.replace(workload[0], prompt=workload[0].prompt * 2 + (5,) * 25)
   outputs = {}
   for policy in ("decode_first", "blocking"):
-    engine, clock = engine_with_clock(FakeModel(num_slots=3), max_step_tokens=12,
-                                      prefill_policy=policy)
+    # Host pages for three requests at their longest (24 pages each): no preemption,
+    # so each prompt is prefilled once.
+    engine, clock = engine_with_clock(FakeModel(num_slots=3, num_host_pages=72),
+                                      max_step_tokens=12, prefill_policy=policy)
     served = bench.drive(engine, workload, sleep=clock.sleep)
     both = [s for s in served.steps if s["decode_batch"] and s["prefill_tokens"]]
     if policy == "blocking":
@@ -262,6 +264,7 @@ def test_blocking_prefill_stalls_decode_and_tokens_stay_exact():
       # ... past the step budget (12): the first prompt is 31 tokens or more.
       assert sorted(s["prefill_tokens"] for s in served.steps if s["prefill_tokens"]) == \
           sorted(len(w.prompt) for w in workload)
+      assert not any(r.metrics.preemptions for r in served.requests)
     else:
       assert both
     outputs[policy] = [r.output for r in served.requests]
