@@ -260,7 +260,9 @@ def test_a_replica_refuses_a_malformed_sampling_and_resets_its_counts():
 def test_a_replica_that_answers_slowly_but_steadily_is_not_timed_out():
   """The client's silence clock restarts at every message: a request whose first
   token and end each come within ``reply_timeout_s``, though together they take
-  longer, is served (the clock counted from the submit timed it out)."""
+  longer, is served (the clock counted from the submit timed it out). The sleeps
+  are floors: a loaded machine only makes a submit-counted clock surer to fire,
+  and each gap has 0.7 s to spare."""
   import multiprocessing
   import threading
   import time
@@ -270,14 +272,14 @@ def test_a_replica_that_answers_slowly_but_steadily_is_not_timed_out():
 
   def slow():
     _, spec = theirs.recv()
-    time.sleep(0.6)
+    time.sleep(0.8)
     theirs.send(("first", spec["id"]))
-    time.sleep(0.6)
+    time.sleep(0.8)
     theirs.send(("done", spec["id"], "finished", [7], None))
 
   threading.Thread(target=slow, daemon=True).start()
   run = replica.drive_sessions([ours], [bench.Rollout("s", (1, 2, 3), (1,), ())],
-                               "prefix", 8, 0.0, reply_timeout_s=1.0)
+                               "prefix", 8, 0.0, reply_timeout_s=1.5)
   assert run["records"]["s/t0"]["output"] == [7]
 
 
