@@ -804,22 +804,30 @@ def virtual_clock(monkeypatch):
 
 @dataclasses.dataclass
 class CompilingModel(PoisoningModel):
-  """Its first write of each page count takes ``compile_s`` on the virtual clock,
-  as a jit compile does; a later write takes ``page_s`` a page. ``runs`` keeps
-  (compiled, pages) for every write."""
+  """Its first run of each shape (a write's page count, a prefill's chunk length:
+  the serving backend pads every chunk to one shape, its count traced) takes
+  ``compile_s`` on the virtual clock, as a jit compile does; a later run takes
+  ``unit_s`` a page or token. ``runs[kind]`` keeps (compiled, pages or tokens)."""
 
   clock: list = dataclasses.field(default_factory=lambda: [0.0])
   compile_s: float = 0.3
-  page_s: float = 1e-3
-  runs: list = dataclasses.field(default_factory=list)
+  unit_s: float = 1e-3
+  runs: dict = dataclasses.field(default_factory=dict)
+
+  def _run(self, state, kind, shape, size):
+    seen = state.setdefault(kind, set())
+    compiled = shape not in seen
+    seen.add(shape)
+    self.clock[0] += self.compile_s if compiled else self.unit_s * size
+    self.runs.setdefault(kind, []).append((compiled, size))
 
   def write_pages(self, state, pages, fields):
-    seen = state.setdefault("write_sizes", set())
-    compiled = len(pages) not in seen
-    seen.add(len(pages))
-    self.clock[0] += self.compile_s if compiled else self.page_s * len(pages)
-    self.runs.append((compiled, len(pages)))
+    self._run(state, "write", len(pages), len(pages))
     return super().write_pages(state, pages, fields)
+
+  def prefill(self, state, slot, tokens, start, count):
+    self._run(state, "prefill", len(tokens), count)
+    return super().prefill(state, slot, tokens, start, count)
 
 
 def test_a_disk_loads_compile_is_not_its_measured_cost(tmp_path, virtual_clock):
@@ -830,7 +838,7 @@ def test_a_disk_loads_compile_is_not_its_measured_cost(tmp_path, virtual_clock):
   engine, _ = run_with_prefix_cache(
       rng, 60, pages=24, disk_pages=20, disk_dir=str(tmp_path), disk_policy="load",
       model=functools.partial(CompilingModel, clock=virtual_clock))
-  runs = engine.model.runs
+  runs = engine.model.runs["write"]
   assert engine.disk_loaded_tokens > 0 and any(c for c, _ in runs)
   later = [pages for compiled, pages in runs if not compiled]
   assert later, "no page count was loaded twice: nothing measured"
@@ -838,35 +846,15 @@ def test_a_disk_loads_compile_is_not_its_measured_cost(tmp_path, virtual_clock):
   assert engine.disk.load_seconds == pytest.approx(1e-3 * sum(later), rel=1e-9)
 
 
-@dataclasses.dataclass
-class CompilingPrefillModel(PoisoningModel):
-  """Its first prefill of each chunk shape takes ``compile_s`` on the virtual
-  clock, as a jit compile does (the serving backend pads every chunk to one
-  shape, its count traced); a later one takes ``token_s`` a token."""
-
-  clock: list = dataclasses.field(default_factory=lambda: [0.0])
-  compile_s: float = 0.3
-  token_s: float = 1e-3
-  runs: list = dataclasses.field(default_factory=list)
-
-  def prefill(self, state, slot, tokens, start, count):
-    seen = state.setdefault("prefill_shapes", set())
-    compiled = len(tokens) not in seen
-    seen.add(len(tokens))
-    self.clock[0] += self.compile_s if compiled else self.token_s * count
-    self.runs.append((compiled, count))
-    return super().prefill(state, slot, tokens, start, count)
-
-
 def test_a_prefills_compile_is_not_its_measured_cost(tmp_path, virtual_clock):
   """The prefill cost "auto" weighs a disk load against skips a chunk shape's
   first run (a compile): with it, the measure read a 0.3 s stall spread over the
   tokens timed, and "auto" loaded where recomputing wins."""
   rng = np.random.default_rng()
-  model = functools.partial(CompilingPrefillModel, clock=virtual_clock)
+  model = functools.partial(CompilingModel, clock=virtual_clock)
   engine, _ = run_with_prefix_cache(rng, 60, pages=24, model=model, disk_pages=20,
                                     disk_dir=str(tmp_path), disk_policy="auto")
-  runs = engine.model.runs
+  runs = engine.model.runs["prefill"]
   later = [count for compiled, count in runs if not compiled]
   assert [c for c, _ in runs].count(True) == 1 and later
   assert engine._prefill_timed_tokens == sum(later)
@@ -876,7 +864,7 @@ def test_a_prefills_compile_is_not_its_measured_cost(tmp_path, virtual_clock):
     engine, _ = run_with_prefix_cache(rng, 8, pages=24, model=model, disk_pages=20,
                                       disk_dir=str(tmp_path / policy),
                                       disk_policy=policy)
-    assert engine.model.runs and engine._prefill_timed_tokens == 0
+    assert engine.model.runs["prefill"] and engine._prefill_timed_tokens == 0
 
 
 def test_a_requests_cached_tokens_are_its_first_admissions():

@@ -458,9 +458,9 @@ def test_a_requests_logits_do_not_depend_on_its_slot(model_and_ids, name):
   vocab = model.cfg.vocab_size
   selector, params = setup.build_selector("quest", model.cfg, 32)
   prompt, feed = np.asarray(ids[:160]), rng.integers(0, vocab, 4)
+  extra = dict(hot_slots=48) if name == "tiered" else {}
   runs = []
   for row in (0, 2):
-    extra = dict(hot_slots=48) if name == "tiered" else {}
     runner = backends.Runner(model, name, max_len=192, selector=selector,
                              selector_params=params, **extra)
     tokens, lens = rng.integers(0, vocab, (3, 160)), rng.integers(100, 161, 3)
