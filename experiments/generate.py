@@ -33,6 +33,11 @@ flags.DEFINE_integer("lookahead_cap", 64, "Rows prefetched per layer and unit pe
 
 def main(argv):
   del argv
+  if FLAGS.lookahead != "none" and FLAGS.cache != "tiered":
+    raise ValueError("--lookahead needs --cache=tiered")
+  if FLAGS.draft_ckpt and FLAGS.lookahead == "none":
+    raise ValueError("--draft_ckpt drafts for --lookahead=draft")
+  model_setup.check_draft_ckpt()
   model, tokenizer, ids = setup.load_model_and_prompt(
       FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset,
       num_layers=FLAGS.model_layers)
@@ -46,13 +51,9 @@ def main(argv):
       kwargs.update(hot_slots=FLAGS.hot_slots or 2 * selector.top_k,
                     impl=model_setup.tier_impl())
   if FLAGS.lookahead != "none":
-    if FLAGS.cache != "tiered":
-      raise ValueError("--lookahead needs --cache=tiered")
     kwargs.update(lookahead=FLAGS.lookahead, lookahead_cap=FLAGS.lookahead_cap)
     if FLAGS.draft_ckpt:
       kwargs["draft_head"] = model_setup.load_draft_head(model.cfg, model.weights())
-  elif FLAGS.draft_ckpt:
-    raise ValueError("--draft_ckpt drafts for --lookahead=draft")
   runner = backends.Runner(model, FLAGS.cache, FLAGS.prompt_tokens + FLAGS.steps,
                            **kwargs)
   start = time.perf_counter()

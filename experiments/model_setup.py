@@ -46,9 +46,12 @@ def tier_impl(keyed_policy: bool = False) -> ImplConfig:
                     attention=FLAGS.impl, fetch=FLAGS.impl)
 
 
-def load_draft_head(cfg, weights):
-  """The ``--draft_ckpt`` head for this model, refused on the span it was trained on
-  (the pydoc text's first windows): its drafts there would be memorised."""
+def check_draft_ckpt() -> None:
+  """Refuses ``--draft_ckpt`` on the span it was trained on (the pydoc text's first
+  windows), where its drafts would be memorised: from the checkpoint's metadata,
+  so a runner refuses before it loads the model."""
+  if not FLAGS.draft_ckpt:
+    return
   trained = draft_head.metadata(FLAGS.draft_ckpt)
   train_end = trained.get("windows", math.inf) * trained.get("window", math.inf)
   if (FLAGS.prompt_file is None and trained.get("trained_on") == "pydoc_data.topics"
@@ -56,5 +59,10 @@ def load_draft_head(cfg, weights):
     raise ValueError(f"{FLAGS.draft_ckpt} was trained on the pydoc text's first "
                      f"{train_end} tokens, which this run reads: pass "
                      "--prompt_file=<held-out text> (or an --offset past them)")
+
+
+def load_draft_head(cfg, weights):
+  """The ``--draft_ckpt`` head for this model (``check_draft_ckpt`` first)."""
+  check_draft_ckpt()
   return draft_head.load(FLAGS.draft_ckpt, num_layers=cfg.num_layers,
                          embed_dim=cfg.embed_dim, weights=weights)

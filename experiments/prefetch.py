@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments import common, model_setup
 from experiments.analysis import io_model
 from experiments.analysis.tracing import TraceCarry, lookahead_picks, trace_step
 from kvtier_jax.config import TierConfig
@@ -137,6 +137,7 @@ def main(argv):
     raise app.UsageError(f"--share={FLAGS.share} must divide the IO model's "
                          f"{ModelConfig.glm_5_1().num_layers} layers (as index sharing "
                          "requires of a model)")
+  model_setup.check_draft_ckpt()
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
   if FLAGS["prompt_tokens"].present:  # (the shared flag's default is not this table's)
     prompt = FLAGS.prompt_tokens

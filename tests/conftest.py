@@ -25,11 +25,15 @@ def pytest_addoption(parser):
   parser.addoption("--gpu", action="store_true", default=False,
                    help="run the device tests compiled on the GPU at device shapes")
   parser.addoption("--runslow", action="store_true", default=False,
-                   help="also run the tests marked slow (long soaks)")
+                   help="also run the tests marked slow (CI does: .ci/run)")
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: long; skipped unless --runslow")
+  # The slow tier: long soaks, the runners' and the engine processes' end-to-end runs
+  # in subprocesses (their library paths are tested in-process here), and the
+  # deviceless audit's less central variants. Out of the default run to keep it
+  # short; CI runs it after the default run (.ci/run).
+  config.addinivalue_line("markers", "slow: the slow tier; skipped unless --runslow")
   if not config.getoption("--gpu"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # XLA's persistent compilation cache: the workers and the runners' subprocesses
@@ -80,7 +84,7 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=_heaviness)  # stable: a file's own tests keep their order
   if config.getoption("--runslow"):
     return
-  skip = pytest.mark.skip(reason="slow: run with --runslow")
+  skip = pytest.mark.skip(reason="slow tier: run with --runslow (CI does)")
   for item in items:
     if "slow" in item.keywords:
       item.add_marker(skip)

@@ -115,7 +115,7 @@ class _FloatPositions:
     return picked.astype(jnp.float32) + 0.5, state
 
 
-@pytest.mark.parametrize("impl", ["auto", "fused"])
+@pytest.mark.parametrize("impl", ["auto", pytest.param("fused", marks=pytest.mark.slow)])
 def test_parity_cli_prints_the_contract_line(impl):
   """The parity runner on XLA:CPU's default codegen (the rest of the suite compiles
   with the faster elemental emitters): tiered equals sparse there too, with the

@@ -1056,7 +1056,7 @@ def test_a_carrys_prefetch_serves_one_step():
   # Stepping on is stepping with no prediction: the same slots, LRU order and
   # counters as a carry whose prefetch is emptied by hand (a stale one re-promoted
   # its rows to MRU every step, or fetched them again once evicted).
-  emptied = jax.tree.map(jnp.copy, carry.replace(prefetch=jnp.full(ahead.shape, -1)))
+  emptied = jax.tree.map(jnp.copy, carry.replace(prefetch=jnp.full(ahead.shape, -1, jnp.int32)))
   for _ in range(4):
     sel = jnp.asarray(draw_selection(rng, cfg, np.asarray(carry.tier.seq_len), h.prev))
     inputs = step_inputs(rng, cfg)

@@ -197,11 +197,52 @@ def run(module, *args):
   return proc.stdout
 
 
+# A runner whose model load stops the process (the refusal must come before it).
+NO_MODEL_RUNNER = """
+import sys
+from absl import app
+from models import setup
+from experiments import {module} as runner
+
+def load_model_and_prompt(*args, **kwargs):
+  raise SystemExit("the runner loaded the model")
+
+setup.load_model_and_prompt = load_model_and_prompt
+app.run(runner.main, argv=["{module}", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("module,flags", [("prefetch", ()),
+                                          ("generate", ("--lookahead=draft",))])
+def test_a_head_is_refused_on_its_training_text_before_the_model_loads(tmp_path, module,
+                                                                      flags):
+  """From the checkpoint's metadata alone: a run refused after it loaded the model
+  and prefilled had spent a minute on a run it could not report."""
+  windows, window = (int(x) for x in np.random.default_rng().integers(2, 9, size=2))
+  (tmp_path / "draft_head.json").write_text(json.dumps(dict(metadata=dict(
+      trained_on="pydoc_data.topics", windows=windows, window=window))))
+
+  def runner(*more):
+    return subprocess.run([sys.executable, "-c", NO_MODEL_RUNNER.format(module=module),
+                           f"--draft_ckpt={tmp_path}", *flags, *more],
+                          capture_output=True, text=True, timeout=300)
+
+  refused = runner(f"--offset={windows * window - 1}")
+  assert refused.returncode != 0
+  assert (f"was trained on the pydoc text's first {windows * window} tokens"
+          in refused.stderr), refused.stderr[-2000:]
+  assert "the runner loaded the model" not in refused.stderr
+  # Past the span it trained on, the runner goes on to load the model.
+  past = runner(f"--offset={windows * window}")
+  assert "the runner loaded the model" in past.stderr, past.stderr[-2000:]
+
+
 def rows_of(root, experiment):
   return [json.loads(l) for l in next(root.glob(f"{experiment}/*/rows.jsonl"))
           .read_text().splitlines()]
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   """The runner trains, saves and scores the head beside prompt lookup and the
   model's own token; the prefetch study then uses the checkpoint on the held-out

@@ -27,6 +27,7 @@ def only_run(root, experiment):
   return run_dir, rows
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_bench_decode_smoke(tmp_path):
   variants = ["full_kv", "tiered", "tiered_index_share2", "tiered_overlap",
               "tiered_lookahead", "tiered_fused", "tiered_fused_index_share2"]
@@ -232,6 +233,7 @@ def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch)
           for r in runs] == list(range(12))
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_gpu_check_smoke_runs_clean(tmp_path):
   """The device script's smoke path (kernels interpreted): every check passes and no
   section errors, so a rare GPU loan is not spent on a harness bug. Left out to keep
@@ -270,6 +272,7 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   assert not [r for r in rows if "error" in r]
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_gpu_check_serve_section_returns_its_files_within_the_device_limits(tmp_path):
   """The device tool returns at most 8 files, no deeper than two folders under
   $OUT: the serve section's run (its table, points, requests) comes back as one
@@ -288,6 +291,7 @@ def test_gpu_check_serve_section_returns_its_files_within_the_device_limits(tmp_
   assert any(n.endswith("/table.md") for n in names)
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_trace_smoke_records_rankings(tmp_path):
   """Best-first selectors also store a top-m ranking that starts with the selection."""
   run("experiments.trace", "--smoke", "--selectors=quest,oracle,nsa",
@@ -404,6 +408,7 @@ def test_pdd_smoke(tmp_path):
   assert skewed["transfer_p50_s"] == nearest["transfer_p50_s"]
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   """The learned key is trained on --train_trace and reported on --trace only; the
   same file for both is refused."""

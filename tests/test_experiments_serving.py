@@ -11,6 +11,7 @@ from tests.test_experiments import only_run, run
 from tests.util import SMOKE_LAYERS, default_codegen_env
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_path):
   """A JSONL workload served by the tiered engine with the prefix cache: independent
   requests (text and token-id prompts, staggered arrivals) and session turns, whose
@@ -81,6 +82,7 @@ def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   assert "Published (author-reported)" in out and "| 192 | 3 | tiered |" in out
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_serve_sweep_pairs_prompts_across_rates_and_refuses_flags_it_would_ignore(
     tmp_path):
   """Runs that differ only in --request_rate or --burstiness serve the same prompts
@@ -120,6 +122,7 @@ print("paired")
         flag, proc.stderr[-2000:])
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_serve_stops_at_a_snapshot_and_another_process_goes_on_exactly(tmp_path):
   """``--snapshot_at_step`` saves the engine mid-run (requests in flight, waiting or
   not yet sent: which, depends on this machine's speed, the arrivals being in

@@ -540,6 +540,7 @@ def test_a_snapshot_keeps_handoffs_not_yet_admitted(tmp_path):
       r.max_new_tokens - relayed[r.id] for r in reqs)
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
   """P / D demonstration on SmolLM2: a second process (the main decode) receives
   handoffs over a local socket capped at 50 MB/s (pages, or relayed ids to replay)

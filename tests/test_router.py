@@ -381,6 +381,7 @@ def test_the_router_forgets_a_prompts_last_chunks_first():
   assert router.match(0, longer(a)) == 12 and router.match(0, longer(b)) == 4
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_route_smoke_two_processes(tmp_path):
   """Two replica processes in jax.distributed (gloo): both policies finish every
   turn with the same tokens, the stats come back by an all-gather, and prefix
