@@ -30,9 +30,11 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   # The slow tier: long soaks, the runners' and the engine processes' end-to-end runs
-  # in subprocesses (their library paths are tested in-process here), and the
-  # deviceless audit's less central variants. Out of the default run to keep it
-  # short; CI runs it after the default run (.ci/run).
+  # in subprocesses (their library paths are tested in-process here), and the less
+  # central variants of parametrized tests (each keeps its main ones here: the
+  # audit's GPU default and fused step, parity on SmolLM2 for Quest, DSA and NSA).
+  # Out of the default run to keep it short; CI runs it after the default run
+  # (.ci/run) and in its jax 0.11 stage.
   config.addinivalue_line("markers", "slow: the slow tier; skipped unless --runslow")
   if not config.getoption("--gpu"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

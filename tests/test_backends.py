@@ -214,7 +214,7 @@ class RefuseAt:
                      picked), state
 
 
-@pytest.mark.parametrize("name", ["nsa", "quest"])
+@pytest.mark.parametrize("name", ["nsa", pytest.param("quest", marks=pytest.mark.slow)])
 def test_a_refused_step_retried_keeps_parity(model_and_prompt, name):
   """Every step first refused at layer 1 (layer 0 has moved its selector state,
   decoding another token), then retried: logits and selector state bit-equal to

@@ -10,8 +10,10 @@ from models import backends
 from tests.test_backends import assert_bit_equal_logits, selector_for
 
 
+# Quest, DSA and NSA here; the per-KV-head Quest and the oracle in the slow tier.
 @pytest.mark.parametrize("name,slots_per_k", [
-    ("quest", 1), ("quest_kv", 2), ("dsa", 1), ("nsa", 1), ("oracle", 2)])
+    ("quest", 1), pytest.param("quest_kv", 2, marks=pytest.mark.slow), ("dsa", 1),
+    ("nsa", 1), pytest.param("oracle", 2, marks=pytest.mark.slow)])
 def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
   model, ids = model_and_prompt
   selector, params = selector_for(name, model.cfg)
@@ -37,7 +39,7 @@ def test_tiered_equals_sparse_on_smollm2(model_and_prompt, name, slots_per_k):
       "device_kv_bytes_per_request"]
 
 
-@pytest.mark.parametrize("name", ["quest", "quest_kv"])
+@pytest.mark.parametrize("name", ["quest", pytest.param("quest_kv", marks=pytest.mark.slow)])
 def test_fused_layer_kernels_on_smollm2_give_the_sparse_logits(model_and_prompt, name):
   """impl.fused (on CPU the native call) on real weights: logits bit-equal to
   sparse attention over the full KV (XLA attention on both sides), with misses."""

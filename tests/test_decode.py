@@ -493,9 +493,11 @@ def test_the_selector_updates_its_whole_state_in_place_as_in_the_sparse_backend(
 
 
 @pytest.mark.parametrize("per_kv_head,share,policy,fused", [
-    (False, 1, "lru", FUSED), (True, 1, "rank", FUSED), (False, 2, "lru", FUSED),
+    (False, 1, "lru", FUSED), (True, 1, "rank", FUSED),
+    pytest.param(False, 2, "lru", FUSED, marks=pytest.mark.slow),
     (False, 2, "freq", FUSED), (False, 1, "lru", FUSED_PALLAS),
-    (True, 1, "rank", FUSED_PALLAS), (False, 2, "freq", FUSED_PALLAS)],
+    pytest.param(True, 1, "rank", FUSED_PALLAS, marks=pytest.mark.slow),
+    (False, 2, "freq", FUSED_PALLAS)],
     ids=["lru", "rank-per-head", "share2-lru", "share2-freq", "lru-pallas",
          "rank-per-head-pallas", "share2-freq-pallas"])
 def test_fused_layer_kernels_are_the_unfused_step(per_kv_head, share, policy, fused):

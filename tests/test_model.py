@@ -579,6 +579,7 @@ def test_load_cache_misses_a_rewritten_file_and_clears_dead_writers(tmp_path,
   assert gguf_loader.load_gguf(path).params["final_norm"][0] == np.float32(value)
 
 
+@pytest.mark.slow  # parses the real GGUF twice (~20 s): CI runs it (--runslow)
 def test_a_file_rewritten_while_it_loads_is_not_cached_under_its_old_contents(
     tmp_path, monkeypatch):
   """The key is the file's hash before parsing: a rewrite in between stored the new
