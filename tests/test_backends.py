@@ -396,23 +396,29 @@ def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
   for r in runners:
     r.prefill(prompt, lens)
   weights = model.weights()
+  # Random tokens (teacher forcing): a random model's greedy text loops, and its
+  # loops are prompt lookup's.
+  fed = rng.integers(0, cfg.vocab_size, (6, 2))
+  # Teacher-forced features of both whole sequences in one causal pass (one
+  # compile): f_p depends on tokens <= p only, so the shorter row's random tail
+  # (padding it to the longer row's length) is never read.
+  whole = np.concatenate([prompt, rng.integers(0, cfg.vocab_size, (2, 12))], axis=1)
+  for r, n in enumerate(lens):
+    whole[r, n:n + len(fed)] = fed[:, r]
+  feats = tfm.apply_features(cfg, weights, jnp.asarray(whole))
   seqs = [list(prompt[r, :n]) for r, n in enumerate(lens)]
   from_head = 0
-  for _ in range(6):
-    # Random tokens (teacher forcing): a random model's greedy text loops, and its
-    # loops are prompt lookup's.
-    tokens = rng.integers(0, cfg.vocab_size, 2)
+  for tokens in fed:
     logits = [r.step(tokens) for r in runners]
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-5,
                                rtol=0)
     for r in range(2):
       seqs[r].append(int(tokens[r]))
-    # Teacher-forced features of each sequence; f_{p-1} is the one before the token
-    # just decoded (at p = len - 1).
+    # f_{p-1} is the feature before the token just decoded (at p = len - 1).
     want = []
     for r, seq in enumerate(seqs):
-      feats = tfm.apply_features(cfg, weights, jnp.asarray([seq]))[0]
-      head_token = int(draft_lib.draft_tokens(cfg, weights, head, feats[len(seq) - 2],
+      assert list(whole[r, :len(seq)]) == seq
+      head_token = int(draft_lib.draft_tokens(cfg, weights, head, feats[r, len(seq) - 2],
                                               jnp.asarray(seq[-1])))
       from_head += backends.ngram_match(seq)[1] < 2
       want.append(backends.lookup_or_head(seq, head_token))

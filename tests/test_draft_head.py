@@ -237,6 +237,46 @@ def test_a_head_is_refused_on_its_training_text_before_the_model_loads(tmp_path,
   assert "the runner loaded the model" in past.stderr, past.stderr[-2000:]
 
 
+GENERATE_FLAG_CHECKS = """
+from absl import flags
+from models import setup
+from experiments import generate
+
+class Loaded(Exception):
+  pass
+
+def load_model_and_prompt(*args, **kwargs):
+  raise Loaded
+
+setup.load_model_and_prompt = load_model_and_prompt
+for args in {cases!r}:
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["generate", *args])
+  try:
+    generate.main([])
+  except Loaded:
+    print("loaded")
+  except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_generate_refuses_its_flag_combinations_before_the_model_loads():
+  """A lookahead without the tiered cache, and a draft head without the lookahead
+  it drafts for, ran a minute and then ignored the flag; the combinations that
+  make sense go on to load the model."""
+  cases = [(("--cache=sparse", "--lookahead=draft"), "refused: --lookahead needs --cache=tiered"),
+           (("--cache=dense", "--lookahead=draft"), "refused: --lookahead needs --cache=tiered"),
+           (("--draft_ckpt=/nonexistent",), "refused: --draft_ckpt drafts for --lookahead=draft"),
+           (("--cache=tiered", "--lookahead=draft"), "loaded"),
+           (("--cache=sparse",), "loaded")]
+  code = GENERATE_FLAG_CHECKS.format(cases=[args for args, _ in cases])
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines() == [want for _, want in cases]
+
+
 def rows_of(root, experiment):
   return [json.loads(l) for l in next(root.glob(f"{experiment}/*/rows.jsonl"))
           .read_text().splitlines()]
