@@ -59,8 +59,9 @@ def test_the_attention_over_row_tiles_gives_a_request_the_same_bits_at_any_batch
   tile, num_sel, slots = int(rng.integers(2, 9)), 256, 300
   most = int(rng.integers(4, 12))
   q = jnp.asarray(rng.standard_normal((most, 9, 64)), jnp.float32)
-  shape = (2, most, 1, slots + 1, 3, 64)  # [L, R, U, S, Hg, D]
-  hot_k, hot_v = make_cache(rng, shape, jnp.float32), make_cache(rng, shape, jnp.float32)
+  shape = (2, most, 1, slots + 1, 3, 64)  # [L, R, U, S, Hg, D]; slot S - 1: scratch
+  hot_k, hot_v = (make_cache(rng, shape, jnp.float32, poison_slots=(slots,))
+                  for _ in range(2))
   slot = np.stack([rng.permutation(slots)[:num_sel] for _ in range(most)])[:, None]
   slot[:, :, -int(rng.integers(1, 9)):] = -1  # padding
   cfg = util.tier_cfg("xla", num_layers=2, num_requests=most, max_len=slots,

@@ -254,6 +254,8 @@ def test_row_tiles_compute_the_row_wise_function_and_a_rows_bits_whatever_the_ba
   for bad in (0, -8):
     with pytest.raises(ValueError, match="decode_row_tile"):
       ModelConfig.smollm2_135m(decode_row_tile=bad)
+    with pytest.raises(ValueError, match="row tile"):
+      in_row_tiles(bad, fn, x, scale)
 
 
 def test_a_partial_prefill_chunk_gives_its_last_tokens_logits():
