@@ -16,12 +16,12 @@ import jax.numpy as jnp
 
 def in_row_tiles(tile: int | None, fn: Callable, *rows: jax.Array):
   """``fn(*rows)`` computed over tiles of ``tile`` rows (the last padded with zeros),
-  so each of its ops has ``tile`` rows whatever R is. At one tile XLA would inline
-  the loop (a known trip count) or drop the tile's slice (an axis of one), fuse its
-  ops with their neighbours and round otherwise: the trip count is hidden (an
-  optimisation barrier) and the tiles have a spare, never computed. ``fn`` must be
-  row-wise (row i of each output from row i of the inputs) and finite on zero rows.
-  ``rows``: arrays [R, ...]; ``tile=None``: ``fn(*rows)``."""
+  so each of its ops has ``tile`` rows whatever R is. At one tile the ops rounded
+  otherwise than at two (likely: XLA inlines a one-trip loop, or simplifies a slice
+  along an axis of one, and fuses the ops with their neighbours), so the trip count
+  is hidden (an optimisation barrier) and the tiles have a spare, never computed.
+  ``fn`` must be row-wise (row i of each output from row i of the inputs) and
+  finite on zero rows. ``rows``: arrays [R, ...]; ``tile=None``: ``fn(*rows)``."""
   if tile is None:
     return fn(*rows)
   if tile <= 0:
