@@ -1,14 +1,17 @@
 """Shared test settings: CPU and Pallas interpret mode unless ``--gpu``; bounded
 hypothesis runs; a persistent XLA compilation cache in ``.jax_cache/``; XLA:CPU's
-elemental fusion emitters (faster to compile).
+elemental fusion emitters (faster to compile); jax's caches dropped when a worker
+nears the kernel's memory-map limit.
 
 ``pytest --gpu`` (on a machine with a CUDA GPU) runs the device tests
 (``tests/test_device.py`` and the kernel tests) compiled, not interpreted, at
 device shapes; ``experiments/gpu_check.py`` runs them that way first.
 """
 
+import gc
 import importlib.metadata
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -80,6 +83,33 @@ def _heaviness(item):
   name = os.path.basename(str(item.fspath))
   return HEAVY_FILES_FIRST.index(name) if name in HEAVY_FILES_FIRST else len(
       HEAVY_FILES_FIRST)
+
+
+def _max_map_count() -> int | None:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):  # not Linux
+    return None
+
+
+MAX_MAP_COUNT = _max_map_count()
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """Drop jax's compiled executables once a worker holds half the kernel's memory-map
+  limit. XLA:CPU maps ~18 regions per executable and jax keeps every one it compiled;
+  a worker running ~900 tests (the jax 0.11 stage: both tiers in one run) passed
+  65,530 maps (``vm.max_map_count``) and segfaulted in XLA's next compile or
+  cache read (2026-12-06; WORKSPACE_NOTES, thirty-second session). Between tests
+  only, so a test's own compile counts are untouched."""
+  if MAX_MAP_COUNT is None or "jax" not in sys.modules:
+    return
+  with open("/proc/self/maps", "rb") as f:
+    maps = f.read().count(b"\n")
+  if maps > MAX_MAP_COUNT // 2:
+    sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
