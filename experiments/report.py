@@ -40,6 +40,9 @@ SECTIONS = [
      "18.9 s skewed vs 1.21 s / 25.5 s narrow; P90 TTFT -46%)", "python -m experiments.pdd"),
     ("handoff", "Extend-Decode handoff on SmolLM2 (paper: 512.6 ms send KV vs 321.4 ms "
      "extend for 100 tokens)", "python -m experiments.handoff"),
+    ("batch_invariance", "A request's logits across engine slot counts, untiled vs "
+     "a batch-invariant decode (decode_row_tile), and the tile's step cost",
+     "python -m experiments.batch_invariance"),
     ("tiers", "Tier economics - cost per concurrent request and per million tokens "
      "with the KV in HBM, DDR5, CXL DDR4 or NVMe", "python -m experiments.tiers"),
     ("capacity", "Tables 4 and 6 - bytes per request; requests and modelled throughput "

@@ -125,6 +125,10 @@ class TierConfig:
       ``shard_map`` (sharding.py): each layer agrees its refusal status over them
       before it writes, so a refusal anywhere stops every device's writes, as on one
       device. () off a mesh.
+    row_tile: the XLA attention runs over tiles of this many requests
+      (batch_invariance.py), so a request's outputs do not depend on R; with the
+      model's ``decode_row_tile`` the whole step's. None: over all R at once (the
+      kernels run a program per request either way).
   """
 
   num_layers: int
@@ -146,6 +150,7 @@ class TierConfig:
   policy: PolicyConfig = PolicyConfig()
   impl: ImplConfig = ImplConfig()
   mesh_axes: tuple[str, ...] = ()
+  row_tile: int | None = None
 
   def __post_init__(self):
     if isinstance(self.policy, str):
@@ -178,6 +183,8 @@ class TierConfig:
       raise ValueError(f"mesh_axes={self.mesh_axes!r} must be a tuple of axis names")
     if self.lookahead_cap is not None and self.lookahead_cap < 0:
       raise ValueError(f"{self.lookahead_cap=} must be >= 0 (or None)")
+    if self.row_tile is not None and self.row_tile <= 0:
+      raise ValueError(f"{self.row_tile=} must be positive (or None)")
     if self.policy.keyed and self.impl.resolve == "pallas":
       raise ValueError(f"the {self.policy.name} policy has no Pallas RESOLVE kernel: "
                        "impl.resolve='xla'")

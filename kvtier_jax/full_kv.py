@@ -73,7 +73,7 @@ def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new,
       raise ValueError(f"the selector picked {picked.shape} positions, expected "
                        f"({num_req}, {cfg.num_units}, >= {cfg.top_k}) (R, U, k)")
     out, _ = attention.full_kv_attention(q_l, k_all, v_all, layer,
-                                         picked[..., :cfg.top_k])
+                                         picked[..., :cfg.top_k], cfg.row_tile)
     return (k_all, v_all, sel), out
 
   layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

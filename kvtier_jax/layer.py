@@ -504,7 +504,8 @@ def _overlapped_attention(cfg, q, host_k, host_v, pages, hot_k, hot_v, layer, se
       rows = fetch.gather_misses(cfg, host_k, host_v, pages, layer, selected, res.slot,
                                  is_miss, first_chunk_always=True)
     lane = jnp.minimum(rows.lane, rows.k.shape[0] - 1)
-    out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss)
+    out_m, lse_m = attention.rows_attention(q, rows.k[lane], rows.v[lane], is_miss,
+                                            cfg.row_tile)
     if hits_first:
       # The rows land in the cache the hit attention read, and nothing else orders
       # that read first: XLA 0.11.2 copied the whole cache for it beside index

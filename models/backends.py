@@ -17,6 +17,7 @@ decode steps with donated state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -75,6 +76,15 @@ def check_backend(backend: str, selector, hot_slots: int | None, num_layers: int
     raise ValueError("the tiered backend needs hot_slots (B)")
 
 
+def tiled_selector(selector, cfg: ModelConfig):
+  """``selector`` scoring over the model's ``decode_row_tile`` (a selector that
+  scores, built without it, would leave the step's selection batch-dependent)."""
+  if selector is None or getattr(selector, "row_tile", cfg.decode_row_tile) == (
+      cfg.decode_row_tile):
+    return selector
+  return dataclasses.replace(selector, row_tile=cfg.decode_row_tile)
+
+
 @flax.struct.dataclass
 class SparseCarry:
   kv: cache_lib.DenseKV
@@ -89,9 +99,11 @@ def _unit_view(x, num_units: int):
 
 
 @functools.cache
-def sparse_attend(selector, index_share: int = 1):
+def sparse_attend(selector, index_share: int = 1, row_tile: int | None = None):
   """The sparse backend's ``attend`` (cached: a static argument). With
-  ``index_share`` N > 1 only anchor layers select; the next N - 1 reuse them."""
+  ``index_share`` N > 1 only anchor layers select; the next N - 1 reuse them;
+  ``row_tile``: the attention over tiles of that many requests (the model's
+  ``decode_row_tile``)."""
 
   def attend(layer, q, k_new, v_new, carry: SparseCarry, x, member: int = 0):
     kv = carry.kv
@@ -106,7 +118,7 @@ def sparse_attend(selector, index_share: int = 1):
       carry = carry.replace(sel=sel, shared=positions)
     units = selector.num_units
     out, _ = full_kv_attention(q, _unit_view(k, units), _unit_view(v, units), layer,
-                               carry.shared)
+                               carry.shared, row_tile)
     return out, carry.replace(kv=kv.replace(k=k, v=v))
 
   attend.index_share = index_share
@@ -156,7 +168,7 @@ def _dense_step(cfg: ModelConfig, weights, tokens, kv):
 def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens,
                  carry: SparseCarry):
   logits, carry = apply_decode(cfg, weights, tokens, carry.kv.lens, carry,
-                               sparse_attend(selector, index_share))
+                               sparse_attend(selector, index_share, cfg.decode_row_tile))
   return logits, carry.replace(kv=cache_lib.advance(carry.kv))
 
 
@@ -205,7 +217,8 @@ def tier_config(cfg: ModelConfig, selector, num_requests: int, max_len: int,
                         max_len=max_len, num_q_heads=cfg.num_q_heads,
                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                         hot_slots=hot_slots, top_k=top_k, per_kv_head=per_kv_head,
-                        dtype=jnp.dtype(cfg.dtype), **overrides)
+                        dtype=jnp.dtype(cfg.dtype), row_tile=cfg.decode_row_tile,
+                        **overrides)
   if tier_cfg.policy.name == "rank" and tier_cfg.policy.rank_depth <= top_k:
     # An evictable slot is never in the selection: a ranking no deeper than it
     # leaves the EMA term alone, and the victims would be "freq"'s.
@@ -249,6 +262,7 @@ class Runner:
                **tier_overrides):
     check_backend(backend, selector, hot_slots, model.cfg.num_layers, index_share)
     warn_past_context(model.cfg, max_len)
+    selector = tiled_selector(selector, model.cfg)
     if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
       raise ValueError(f"lookahead={lookahead!r} needs the tiered backend")
     if draft_head is not None and lookahead != "draft":

@@ -76,6 +76,13 @@ class ModelConfig:
       this config describes one device's part of a tensor-parallel model (inside
       ``shard_map``: the attention output and MLP projections are summed over it);
       None on one device.
+    decode_row_tile: the decode step's row-wise work (norms, projections, LM head;
+      and, through ``TierConfig.row_tile``, the XLA sparse attention) runs over
+      tiles of this many requests (``kvtier_jax.batch_invariance``), so a
+      request's logits are the same bits whatever the number of requests decoded
+      with it (engines of other slot counts, a handoff between them). Each tile
+      re-reads the weights: the step costs more (docs/DESIGN.md). None: one op over
+      the batch, whose blocking XLA picks by its row count.
   """
 
   name: str
@@ -101,6 +108,7 @@ class ModelConfig:
   indexer_scale_bytes: int = 0
   quest_page_size: int = 0
   tp_axis: str | None = None
+  decode_row_tile: int | None = None
 
   def __post_init__(self):
     for field in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -122,6 +130,8 @@ class ModelConfig:
     if self.selector == "dsa" and self.indexer_head_dim <= 0:
       raise ValueError("the DSA selector needs indexer_head_dim > 0")
     dtype_itemsize(self.dtype)
+    if self.decode_row_tile is not None and self.decode_row_tile <= 0:
+      raise ValueError(f"decode_row_tile={self.decode_row_tile} must be positive or None")
 
   # Derived sizes -------------------------------------------------------------
   @property

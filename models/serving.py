@@ -41,6 +41,7 @@ from models.backends import (
   check_tokens,
   sparse_attend,
   tier_config,
+  tiled_selector,
   tiered_step,
   warn_past_context,
 )
@@ -178,7 +179,7 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens, 
   positions = _masked_positions(lens, active, carry.kv.max_len)
   carry = carry.replace(kv=carry.kv.replace(lens=positions))
   logits, carry = apply_decode(cfg, weights, tokens, positions, carry,
-                               sparse_attend(selector, index_share))
+                               sparse_attend(selector, index_share, cfg.decode_row_tile))
   return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)))
 
 
@@ -228,6 +229,7 @@ class ServingBackend:
                **tier_overrides):
     check_backend(backend, selector, hot_slots, model.cfg.num_layers, index_share)
     warn_past_context(model.cfg, max_len)
+    selector = tiled_selector(selector, model.cfg)
     if backend == "tiered" and chunk_size % page_size:
       raise ValueError(f"chunk_size={chunk_size} must be a multiple of page_size="
                        f"{page_size} (a chunk writes whole host pages)")
@@ -442,11 +444,13 @@ class ServingBackend:
   @functools.cached_property
   def model_id(self) -> str:
     """What the K/V of a handed-off request depend on: every weight, and the RoPE
-    base, norm epsilon, attention form and dtype (computed at the first handoff
-    with K/V, ~0.9 s for SmolLM2)."""
+    base, norm epsilon, attention form and dtype, and the decode's row tile (the
+    decoded positions' K/V are its matmuls'; computed at the first handoff with
+    K/V, ~0.9 s for SmolLM2)."""
     cfg = self.cfg
+    tile = "" if cfg.decode_row_tile is None else f"/rows{cfg.decode_row_tile}"
     return (f"{model_fingerprint(self.model.weights())}/{cfg.attention}/{cfg.dtype}/"
-            f"{cfg.rope_theta!r}/{cfg.rms_eps!r}")
+            f"{cfg.rope_theta!r}/{cfg.rms_eps!r}{tile}")
 
   @functools.cached_property
   def decode_id(self) -> str:

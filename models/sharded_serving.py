@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
 from kvtier_jax.driver import StepRefused, describe_status
-from models.backends import tier_config, tiered_step
+from models.backends import tier_config, tiled_selector, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
                             check_page_table, dense_lengths, place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
@@ -78,6 +78,7 @@ class MeshServingBackend:
     if host_pages is not None and host_pages < rows:
       raise ValueError(f"host_pages={host_pages}: each of {rows} rows needs a page")
     cfg = model.cfg
+    selector = tiled_selector(selector, cfg)
     self._real_units = cfg.num_kv_heads  # before padding (units: KV heads at width > 1)
     if width > 1:
       if selector_params is not None or getattr(selector, "reads_hidden", False):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from models.config import ModelConfig
 
 # (layer i32[], q [R, Hq, D], k_new [R, Hkv, D], v_new [R, Hkv, D], carry,
@@ -588,20 +589,25 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
   if cfg.num_layers % share:
     raise ValueError(f"index_share={share} must divide num_layers={cfg.num_layers}")
 
-  def one_layer(x, carry, w, layer_index, member):
+  rows = functools.partial(in_row_tiles, cfg.decode_row_tile)
+
+  def qkv(x, cos, sin, w):
     h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
-    q = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wq"], precision=PRECISION),
-                   cos, sin)  # [R, Hq, D]
-    k_new = apply_rope(jnp.einsum("re,ehd->rhd", h, w["wk"], precision=PRECISION),
-                       cos, sin)  # [R, Hkv, D]
-    v_new = jnp.einsum("re,ehd->rhd", h, w["wv"], precision=PRECISION)
+    q, k, v = (jnp.einsum("re,ehd->rhd", h, w[name], precision=PRECISION)
+               for name in ("wq", "wk", "wv"))
+    return h, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def one_layer(x, carry, w, layer_index, member):
+    # h [R, E], q [R, Hq, D], k_new / v_new [R, Hkv, D]
+    h, q, k_new, v_new = rows(lambda *a: qkv(*a, w), x, cos, sin)
     if share == 1:
       out, carry = attend(layer_index, q, k_new, v_new, carry, h)  # [R, Hq, D]
     else:
       out, carry = attend(layer_index, q, k_new, v_new, carry, h, member=member)
-    x = x + _tp_sum(cfg, jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION))
-    h_mlp = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    x = x + _tp_sum(cfg, gated_mlp(h_mlp, w["w_gate"], w["w_up"], w["w_down"]))
+    x = x + _tp_sum(cfg, rows(
+        lambda out: jnp.einsum("rhd,hde->re", out, w["wo"], precision=PRECISION), out))
+    x = x + _tp_sum(cfg, rows(lambda x: gated_mlp(rms_norm(x, w["mlp_norm"], cfg.rms_eps),
+                                                  w["w_gate"], w["w_up"], w["w_down"]), x))
     return x, carry, (q, k_new, v_new, h, out)
 
   def layers(state, xs):
@@ -621,7 +627,7 @@ def apply_decode(cfg: ModelConfig, weights, tokens, positions, carry,
         lambda a: a.reshape((cfg.num_layers // share, share) + a.shape[1:]), weights_l)
   firsts = jnp.arange(0, cfg.num_layers, share, dtype=jnp.int32)
   (x, carry), traces = jax.lax.scan(layers, (x, carry), (weights_l, firsts))
-  logits = _lm_head(cfg, weights, x)
+  logits = rows(lambda x: _lm_head(cfg, weights, x), x)
   if return_trace and return_features:
     raise ValueError("return_trace or return_features, not both")
   if return_trace:

@@ -5,6 +5,7 @@ so the test workers split the experiment smokes (each is a subprocess of ~1 min)
 import json
 import re
 
+import numpy as np
 import pytest
 
 from tests.test_experiments import only_run, run
@@ -174,3 +175,24 @@ def test_workload_files_refuse_ids_and_counts_that_are_not_integers(tmp_path):
   path.write_text(json.dumps(dict(good[1], stop_ids=[9])) + "\n")
   with pytest.raises(ValueError, match="w.jsonl:1: a session turn takes no stop_ids"):
     workloads.load_jsonl(path, tokenizer=None)
+
+
+@pytest.mark.slow  # end to end in a subprocess: CI runs it (--runslow)
+def test_batch_invariance_runner_tiled_logits_are_the_same_bits_at_every_slot_count(
+    tmp_path):
+  """``experiments.batch_invariance`` on SmolLM2's first layers: the tiled model's
+  request decodes to the same bits on engines of 1, 3 and 5 slots (random others
+  beside it, drawn from a fresh seed), and the step timing rows are written."""
+  seed = int(np.random.default_rng().integers(2**31))
+  out = run("experiments.batch_invariance", f"--model_layers={SMOKE_LAYERS}",
+            "--prompt_tokens=150", "--top_k=32", "--slots=1,3,5", "--batch=1,4",
+            "--iters=3", "--time_prompt_tokens=64", f"--seed={seed}",
+            f"--out_root={tmp_path}")
+  last = out.strip().splitlines()[-1]
+  assert re.fullmatch(r"batch_invariance: tiled_max_abs_diff=0 untiled_max_abs_diff=\S+ "
+                      r"step_ratio=[0-9.]+/[0-9.]+", last), last
+  _, rows = only_run(tmp_path, "batch_invariance")
+  tiled = [r for r in rows if r["part"] == "logits" and r["model"] == "tile 8"]
+  assert [r["slots"] for r in tiled] == [1, 3, 5]
+  assert all(r["same_bits"] and r["same_tokens"] for r in tiled), tiled
+  assert [r["batch"] for r in rows if r["part"] == "step"] == [1, 4]

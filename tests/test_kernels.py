@@ -1,6 +1,7 @@
 """Pallas kernels (interpret mode on CPU) against references and float64 oracles, and
 their lowering for CUDA (Triton) without a GPU."""
 
+import dataclasses
 import os
 
 import jax
@@ -15,7 +16,8 @@ from pallas_kernels.fetch import BlockSizes as FetchBlocks
 from pallas_kernels.fetch import (fetch_rows, fetch_rows_reference, gather_rows,
                                   gather_rows_reference)
 from pallas_kernels.fused_resolve import native
-from pallas_kernels.sparse_decode_attention import (BlockSizes, sparse_decode_attention,
+from pallas_kernels.sparse_decode_attention import (BlockSizes, gather_slots,
+                                                    sparse_decode_attention,
                                                     sparse_decode_attention_reference)
 from tests import util
 from tests.oracles import sparse_attention_oracle
@@ -44,6 +46,44 @@ def oracle_out(q, k_cache, v_cache, layer, slot):
     outs.append(sparse_attention_oracle(np.asarray(q[r], np.float64), k, v,
                                         np.asarray(slot[r])))
   return np.stack(outs)
+
+
+def test_the_attention_over_row_tiles_gives_a_request_the_same_bits_at_any_batch():
+  """``TierConfig.row_tile``: the XLA attention over tiles of requests gives each
+  request the float64 oracle's output (to f32 rounding) and the same bits whatever
+  the batch (1, 3 and a drawn R of requests; SmolLM2's heads, k = 256: untiled,
+  XLA:CPU computes request 0 otherwise at 1 request than at 3); every path takes
+  it: the hot cache's (``hot_attention``), given rows and the full-KV reference's."""
+  from kvtier_jax import attention
+  rng = np.random.default_rng()
+  tile, num_sel, slots = int(rng.integers(2, 9)), 256, 300
+  most = int(rng.integers(4, 12))
+  q = jnp.asarray(rng.standard_normal((most, 9, 64)), jnp.float32)
+  shape = (2, most, 1, slots + 1, 3, 64)  # [L, R, U, S, Hg, D]; slot S - 1: scratch
+  hot_k, hot_v = (make_cache(rng, shape, jnp.float32, poison_slots=(slots,))
+                  for _ in range(2))
+  slot = np.stack([rng.permutation(slots)[:num_sel] for _ in range(most)])[:, None]
+  slot[:, :, -int(rng.integers(1, 9)):] = -1  # padding
+  cfg = util.tier_cfg("xla", num_layers=2, num_requests=most, max_len=slots,
+                      num_q_heads=9, num_kv_heads=3, head_dim=64, hot_slots=slots,
+                      top_k=num_sel, row_tile=tile)
+  want = oracle_out(q, hot_k, hot_v, 1, slot)
+  first = None
+  for num_req in sorted({1, 3, most}):
+    cut = lambda x: x[:, :num_req]
+    small = dataclasses.replace(cfg, num_requests=num_req)
+    hot, _ = jax.jit(lambda *a: attention.hot_attention(small, *a))(
+        q[:num_req], cut(hot_k), cut(hot_v), 1, jnp.asarray(slot[:num_req]))
+    rows = jax.jit(lambda q, k, v, m: attention.rows_attention(q, k, v, m, tile))(
+        q[:num_req], *gather_slots(cut(hot_k), cut(hot_v), 1, jnp.asarray(slot[:num_req])))
+    full = jax.jit(lambda q, k, v, p: attention.full_kv_attention(q, k, v, 1, p, tile))(
+        q[:num_req], jnp.moveaxis(cut(hot_k)[..., :slots, :, :], 2, 3),
+        jnp.moveaxis(cut(hot_v)[..., :slots, :, :], 2, 3), jnp.asarray(slot[:num_req]))
+    np.testing.assert_allclose(np.asarray(hot), want[:num_req], rtol=0, atol=2e-5)
+    for other in (rows[0], full[0]):
+      np.testing.assert_array_equal(other, hot)
+    first = np.asarray(hot[0]) if first is None else first
+    np.testing.assert_array_equal(hot[0], first, err_msg=f"{num_req} requests, tile {tile}")
 
 
 # (KV dtype, query dtype): bf16 KV under f32 queries must stay at f32 rounding (the

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from models import cache as cache_lib
 from models import gguf_loader, sampling, text
 from models.config import ModelConfig
@@ -226,6 +227,35 @@ def test_decode_attention_ignores_invisible_rows():
   k[:, 4:], v[:, 4:] = 1e4, -1e4
   np.testing.assert_array_equal(
       decode_attention(q, jnp.asarray(k), jnp.asarray(v), visible), base)
+
+
+def test_row_tiles_compute_the_row_wise_function_and_a_rows_bits_whatever_the_batch():
+  """``in_row_tiles``: a row-wise function over tiles of T rows (the last padded)
+  gives its outputs, pytree and all, against numpy in float64; and a row's bits do
+  not depend on how many rows come with it (untiled, XLA:CPU's matmul blocking
+  follows the row count); ``decode_row_tile`` must be positive."""
+  rng = np.random.default_rng()
+  tile = int(rng.integers(1, 9))
+  embed, width = (int(n) for n in rng.integers(256, 1024, 2))
+  w = rng.standard_normal((embed, width)).astype(np.float32)
+  x = rng.standard_normal((41, embed)).astype(np.float32)
+  scale = rng.standard_normal((41, 3)).astype(np.float32)
+  fn = lambda x, s: dict(y=jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST), s=2 * s)
+  first = None
+  for rows in sorted({1, tile, *rng.integers(2, 42, 4).tolist()}):
+    out = jax.jit(lambda x, s: in_row_tiles(tile, fn, x, s))(x[:rows], scale[:rows])
+    assert out["y"].shape == (rows, width) and out["s"].shape == (rows, 3)
+    np.testing.assert_allclose(out["y"], x[:rows].astype(np.float64) @ w, rtol=0,
+                               atol=1e-4 * np.sqrt(embed))
+    np.testing.assert_array_equal(out["s"], 2 * scale[:rows])
+    first = np.asarray(out["y"][0]) if first is None else first
+    np.testing.assert_array_equal(out["y"][0], first, err_msg=f"{rows} rows, tile {tile}")
+  assert in_row_tiles(None, fn, x, scale)["s"].shape == (41, 3)
+  for bad in (0, -8):
+    with pytest.raises(ValueError, match="decode_row_tile"):
+      ModelConfig.smollm2_135m(decode_row_tile=bad)
+    with pytest.raises(ValueError, match="row tile"):
+      in_row_tiles(bad, fn, x, scale)
 
 
 def test_a_partial_prefill_chunk_gives_its_last_tokens_logits():

@@ -819,3 +819,56 @@ def test_churn_selector_ranks_the_positions_its_walk_reaches_next():
     np.testing.assert_array_equal(row[k:], entering[:depth - k])
   with pytest.raises(ValueError, match="rank_depth"):
     selectors.ChurnSelector(prompt_len, k, rank_depth=prompt_len + 1)
+
+
+@pytest.mark.parametrize("kind", ["quest", "oracle", "nsa", "dsa"])
+def test_a_selectors_scores_over_row_tiles_are_a_requests_whatever_the_batch(kind):
+  """``row_tile``: each selector's scores of request 0 are the same bits with 1, 3
+  and a drawn number of requests, over contexts of 256 and 4096 (untiled, XLA:CPU
+  scores request 0 otherwise at 1 request: Quest at 4096 pages' worth, the oracle
+  at 256 positions), and equal the untiled scores to f32 rounding. (One tile ran
+  inlined, outside its loop, and rounded otherwise than two.)"""
+  rng = np.random.default_rng()
+  tile, most = int(rng.integers(2, 9)), int(rng.integers(4, 12))
+  heads, group, dim, model_dim = 3, 3, 64, 96
+  arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  for length in (256, 4096):
+    q, x = arr(most, heads * group, dim), arr(most, model_dim)
+    newest = jnp.asarray(rng.integers(length // 2, length, most), jnp.int32)
+    if kind == "quest":
+      page_max = arr(1, most, length // 16, heads, dim)
+      state = selectors.quest.QuestState(page_max, page_max - jnp.abs(page_max), None)
+      make = lambda t: QuestSelector(token_budget=64, num_kv_heads=heads, q_per_kv=group,
+                                     head_dim=dim, row_tile=t)
+      score = lambda sel, n: sel.page_scores(jax.tree.map(lambda a: a[:, :n], state), 0,
+                                             q[:n], newest[:n])[0]
+    elif kind == "oracle":
+      keys = arr(most, length, heads, dim)
+      make = lambda t: OracleSelector(top_k=64, num_kv_heads=heads, q_per_kv=group,
+                                      head_dim=dim, row_tile=t)
+      score = lambda sel, n: sel.tiled_scores(keys[:n], q[:n], newest[:n])[0]
+    elif kind == "nsa":
+      state = selectors.nsa.NSAState(arr(1, most, length // 16, heads, dim), None)
+      make = lambda t: NSASelector(num_kv_heads=heads, q_per_kv=group, head_dim=dim,
+                                   row_tile=t)
+      score = lambda sel, n: sel.block_importance(
+          jax.tree.map(lambda a: a[:, :n], state), 0, q[:n], newest[:n])
+    else:
+      params = selectors.base.layer_slice(selectors.init_indexer_params(
+          jax.random.key(int(rng.integers(2**31))), 1, model_dim), 0)
+      keys = arr(most, length, 64)
+      make = lambda t: DSASelector(top_k=64, row_tile=t)
+      score = lambda sel, n: sel.tiled_scores(params, x[:n], newest[:n], keys[:n])[0]
+    first = None
+    for num_req in sorted({1, 3, most}):
+      got = np.asarray(jax.jit(functools.partial(score, make(tile), num_req))())
+      want = np.asarray(jax.jit(functools.partial(score, make(None), num_req))())
+      finite = np.isfinite(want)
+      np.testing.assert_array_equal(np.isfinite(got), finite)
+      # f32 rounding of sums whose terms reach the largest score's size (DSA's
+      # weighted ReLU logits cancel towards 0).
+      np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5,
+                                 atol=8 * np.finfo(np.float32).eps * np.abs(want[finite]).max())
+      first = got[0] if first is None else first
+      np.testing.assert_array_equal(got[0], first,
+                                    err_msg=f"{num_req} requests, tile {tile}, {length}")

@@ -4,6 +4,8 @@ with staggered arrivals, mixed lengths, an abort, a seeded sampled request,
 preemption under host-page pressure, misses served from the host tier, and no
 recompilation as requests come and go."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -446,6 +448,75 @@ def test_step_counters_stay_exact_when_the_device_counters_wrap(model_and_ids):
   assert sum(r["misses"] for r in rows[0]) > 0
   wrapped = engine.state.cache.tier
   assert (np.asarray(wrapped.hits) < 0).any()  # the counters did wrap
+
+
+# Three engines each (~30 s): the default tier checks the tiles op by op
+# (test_model, test_kernels, test_selectors); CI runs these (--runslow).
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kind", [("tiered", "quest"), ("sparse", "quest"),
+                                       ("tiered", "quest_kv"), ("tiered", "dsa"),
+                                       ("tiered", "nsa"), ("sparse", "oracle")])
+def test_a_row_tiled_decode_gives_a_request_the_same_logits_at_any_slot_count(
+    model_and_ids, name, kind):
+  """``ModelConfig.decode_row_tile``: a request's decode logits are the same bits
+  on engines of 1, 3 and 4-12 slots (drawn), among requests of random prompts and
+  arrivals, so a handoff between engines of other sizes continues exactly. The
+  step's row-wise work (the model's, the attention's, the selector's scoring) runs
+  over tiles of 8 requests whatever the batch; untiled, XLA:CPU blocks a matmul
+  (and vectorises a norm) by its shape, and 1 slot and 3 differ by ~1e-4 here
+  (DESIGN, "Moving a request between engines"). The selector, built untiled, is
+  given the model's tile; the decode's K/V are the tile's: it is part of
+  ``model_id``."""
+  model, ids = model_and_ids
+  tiled = Transformer.from_params(dataclasses.replace(model.cfg, decode_row_tile=8),
+                                  model.weights())
+  rng = np.random.default_rng()
+  vocab = model.cfg.vocab_size
+  # k = 256: XLA:CPU's attention over 256 rows computes request 0 otherwise at 1
+  # request than at 3 (at k = 32 it does not: the tiles there would be untested).
+  selector, params = setup.build_selector(kind, tiled.cfg, 256)
+  assert getattr(selector, "row_tile", None) is None
+  extra = dict(hot_slots=selector.top_k) if name == "tiered" else {}
+  offset = int(rng.integers(0, len(ids) - 200))
+  prompt = ids[offset:offset + 200].tolist()
+  max_len = 400  # NSA reads 16 blocks of 64 and a window of 512 at most: 320 here
+
+  def run(slots):
+    backend = serving.ServingBackend(tiled, name, slots, max_len, selector=selector,
+                                     selector_params=params, chunk_size=64,
+                                     page_size=16, **extra)
+    assert backend.selector.row_tile == 8
+    engine = Engine(backend, EngineConfig(max_step_tokens=64))
+    target = engine.submit(prompt, 6, request_id="target")
+    others = [(f"other{i}", int(rng.integers(0, 6)),
+               rng.integers(0, vocab, int(rng.integers(20, 240))))
+              for i in range(slots + 1)]
+    rows, decode = [], backend.decode
+
+    def recording(state, tokens, active):
+      state, logits = decode(state, tokens, active)
+      if target.slot is not None and active[target.slot]:
+        rows.append(np.asarray(logits)[target.slot])
+      return state, logits
+
+    backend.decode = recording
+    while engine.has_work or others:
+      for request_id, at, tokens in others:
+        if at <= engine.steps:
+          engine.submit(tokens.tolist(), int(rng.integers(1, 8)), request_id=request_id)
+      others = [other for other in others if other[1] > engine.steps]
+      engine.step()
+    assert target.state is State.FINISHED and len(rows) == 5
+    return target.output, np.stack(rows), backend
+
+  (want, want_rows, one), *more = [run(slots) for slots in (1, 3, int(rng.integers(4, 13)))]
+  for output, rows, _ in more:
+    assert output == want
+    np.testing.assert_array_equal(rows, want_rows)
+  untiled = serving.ServingBackend(model, name, 1, max_len, selector=selector,
+                                   selector_params=params, chunk_size=64, page_size=16,
+                                   **extra)
+  assert one.model_id == f"{untiled.model_id}/rows8"
 
 
 @pytest.mark.parametrize("name", ["sparse", "tiered"])

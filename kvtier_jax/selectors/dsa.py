@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from kvtier_jax.selectors.base import PrefillInputs, StepInputs, masked_top_k
 
 _PRECISION = jax.lax.Precision.HIGHEST  # f32 scores on GPU too (no TF32)
@@ -189,10 +190,14 @@ class DSASelector:
     top_k: k, positions per step (DeepSeek-V3.2: 2048). While the context is
       shorter, every position is returned and the row is padded with -1.
     index_dim: d_I of the indexer whose params ``select``/``prefill`` receive.
+    row_tile: score over tiles of this many requests (``batch_invariance``: a
+      request's selection the same bits whatever the batch; the model's
+      ``decode_row_tile``). None: over the whole batch.
   """
 
   top_k: int = 2048
   index_dim: int = 64
+  row_tile: int | None = None
 
   num_units = 1  # U
   reads_hidden = True  # the indexer keys come from the hidden inputs
@@ -238,6 +243,16 @@ class DSASelector:
                                        keys, (0, 0, 0))
     return DSAState(state.keys.at[layer].set(row))
 
+  def tiled_scores(self, params: IndexerParams, x, newest, keys):
+    """(scores f32[R, T] of the newest tokens x [R, Dm] over one layer's index keys
+    [R, T, d_I], causal bool[R, T]) over tiles of ``row_tile`` requests."""
+    causal = jnp.arange(keys.shape[1]) <= newest[:, None]  # [R, T]
+    scores = in_row_tiles(
+        self.row_tile, lambda x, p, k, c: index_scores(params, x[:, None], p[:, None], k,
+                                                       c[:, None])[:, 0],
+        x, newest, keys, causal)
+    return scores, causal
+
   def select(self, state: DSAState, layer, inputs: StepInputs,
              params: IndexerParams | None = None):
     """Writes the newest token's index key, then picks the top-k positions.
@@ -251,12 +266,9 @@ class DSASelector:
     num_req = newest.shape[0]
     if inputs.x.shape[:1] != (num_req,) or inputs.x.ndim != 2:
       raise ValueError(f"x has shape {inputs.x.shape}, expected (R={num_req}, Dm)")
-    keys = state.keys.at[layer, jnp.arange(num_req), newest].set(
-        index_keys(params, inputs.x, newest))
-    max_len = keys.shape[2]
-    causal = jnp.arange(max_len) <= newest[:, None]  # [R, T]
-    scores = index_scores(params, inputs.x[:, None], newest[:, None], keys[layer],
-                          causal[:, None])[:, 0]  # [R, T]
+    keys = state.keys.at[layer, jnp.arange(num_req), newest].set(in_row_tiles(
+        self.row_tile, lambda x, p: index_keys(params, x, p), inputs.x, newest))
+    scores, causal = self.tiled_scores(params, inputs.x, newest, keys[layer])  # [R, T]
     positions = masked_top_k(scores, causal, self.top_k)  # [R, k]
     return positions[:, None, :], DSAState(keys)
 

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, blocks_to_positions,
                                        check_prefill_shapes, check_step_shapes,
                                        masked_top_k, per_token, recent_from_prompt,
@@ -100,6 +101,9 @@ class NSASelector:
     window: w, sliding-window length (512); 0 disables the branch.
     cmp_block / cmp_stride: l / d of the mean-pooled compression (32 / 16).
     importance: "paper" (the spec's p_slc formula) or "overlap" (see module).
+    row_tile: score over tiles of this many requests (``batch_invariance``: a
+      request's selection the same bits whatever the batch; the model's
+      ``decode_row_tile``). None: over the whole batch.
   """
 
   num_kv_heads: int
@@ -113,6 +117,7 @@ class NSASelector:
   cmp_block: int = 32
   cmp_stride: int = 16
   importance: str = "overlap"
+  row_tile: int | None = None
 
   def __post_init__(self):
     for name in ("num_kv_heads", "q_per_kv", "head_dim", "block_size", "num_blocks",
@@ -201,10 +206,15 @@ class NSASelector:
 
   def block_importance(self, state: NSAState, layer, q, newest):
     """Per-KV-group importance f32[R, Hkv, NB] of every selection block."""
+    return in_row_tiles(self.row_tile, self._importance, q, state.cmp_key_sum[layer],
+                        newest)
+
+  def _importance(self, q, cmp_key_sum, newest):
+    """``block_importance`` from one layer's key sums [R, NC, Hkv, D]."""
     num_req = q.shape[0]
-    num_cmp = state.cmp_key_sum.shape[2]
+    num_cmp = cmp_key_sum.shape[1]
     num_sel_blocks = -(-(num_cmp * self.cmp_stride) // self.block_size)
-    cmp_keys = state.cmp_key_sum[layer] / self.cmp_block  # [R, NC, Hkv, D]
+    cmp_keys = cmp_key_sum / self.cmp_block  # [R, NC, Hkv, D]
     qg = q.astype(jnp.float32).reshape(num_req, self.num_kv_heads, self.q_per_kv,
                                        self.head_dim)
     logits = jnp.einsum("rhgd,rchd->rhgc", qg, cmp_keys,

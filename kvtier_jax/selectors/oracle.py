@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, check_prefill_shapes,
                                        check_step_shapes, masked_top_k)
 from kvtier_jax.selectors.quest import GRANULARITIES
@@ -38,6 +39,9 @@ class OracleSelector:
     top_k: k positions per unit and step; shorter contexts are -1 padded.
     num_kv_heads / q_per_kv / head_dim: Hkv, G, D (the key copy needs them).
     granularity: "layer" (U = 1) or "kv_head" (U = Hkv).
+    row_tile: score over tiles of this many requests (``batch_invariance``: a
+      request's selection the same bits whatever the batch; the model's
+      ``decode_row_tile``). None: over the whole batch.
   """
 
   top_k: int
@@ -45,6 +49,7 @@ class OracleSelector:
   q_per_kv: int
   head_dim: int
   granularity: str = "layer"
+  row_tile: int | None = None
 
   def __post_init__(self):
     for name in ("top_k", "num_kv_heads", "q_per_kv", "head_dim"):
@@ -90,6 +95,10 @@ class OracleSelector:
       scores = scores.sum(1, keepdims=True)
     return scores, causal
 
+  def tiled_scores(self, keys, q, newest):
+    """``attention_scores`` over tiles of ``row_tile`` requests."""
+    return in_row_tiles(self.row_tile, self.attention_scores, keys, q, newest)
+
   def select(self, state: OracleState, layer, inputs: StepInputs, params=None):
     """Stores ``k_new``, then returns (positions i32[R, U, top_k] best first, -1
     padded; state)."""
@@ -98,7 +107,7 @@ class OracleSelector:
     newest = inputs.newest.astype(jnp.int32)
     keys = state.keys.at[layer, jnp.arange(newest.shape[0]), newest].set(
         inputs.k_new.astype(jnp.float32))
-    scores, causal = self.attention_scores(keys[layer], inputs.q, newest)
+    scores, causal = self.tiled_scores(keys[layer], inputs.q, newest)
     return masked_top_k(scores, causal[:, None], self.top_k), OracleState(keys)
 
   def state_capacity(self, state: OracleState) -> int:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvtier_jax.batch_invariance import in_row_tiles
 from kvtier_jax.selectors.base import (PrefillInputs, StepInputs, blocks_to_positions,
                                        check_prefill_shapes, check_step_shapes,
                                        masked_top_k, per_token, recent_from_prompt,
@@ -86,6 +87,9 @@ class QuestSelector:
     page_size: positions per page (Quest's default 16).
     granularity: "layer" (U = 1) or "kv_head" (U = Hkv; the cache needs
       ``TierConfig(per_kv_head=True)``).
+    row_tile: score over tiles of this many requests (``batch_invariance``: a
+      request's selection the same bits whatever the batch; the model's
+      ``decode_row_tile``). None: over the whole batch.
   """
 
   token_budget: int
@@ -94,6 +98,7 @@ class QuestSelector:
   head_dim: int
   page_size: int = 16
   granularity: str = "layer"
+  row_tile: int | None = None
 
   def __post_init__(self):
     for name in ("token_budget", "num_kv_heads", "q_per_kv", "head_dim", "page_size"):
@@ -157,14 +162,18 @@ class QuestSelector:
   def page_scores(self, state: QuestState, layer, q, newest):
     """Per-unit page scores f32[R, U, NP] and page validity bool[R, NP]."""
     num_pages_all = state.page_max.shape[2]
-    bound = page_bounds(q, state.page_max[layer], state.page_min[layer],
-                        self.q_per_kv)  # [R, Hkv, G, NP]
-    valid = jnp.arange(num_pages_all) <= (newest // self.page_size)[:, None]  # [R, NP]
-    probs = jax.nn.softmax(jnp.where(valid[:, None, None], bound, -jnp.inf), axis=-1)
-    scores = probs.sum(2)  # [R, Hkv, NP]
-    if self.granularity == "layer":
-      scores = scores.sum(1, keepdims=True)  # [R, 1, NP]
-    return scores, valid
+
+    def scores_of(q, page_max, page_min, newest):
+      bound = page_bounds(q, page_max, page_min, self.q_per_kv)  # [R, Hkv, G, NP]
+      valid = jnp.arange(num_pages_all) <= (newest // self.page_size)[:, None]  # [R, NP]
+      probs = jax.nn.softmax(jnp.where(valid[:, None, None], bound, -jnp.inf), axis=-1)
+      scores = probs.sum(2)  # [R, Hkv, NP]
+      if self.granularity == "layer":
+        scores = scores.sum(1, keepdims=True)  # [R, 1, NP]
+      return scores, valid
+
+    return in_row_tiles(self.row_tile, scores_of, q, state.page_max[layer],
+                        state.page_min[layer], newest)
 
   def select(self, state: QuestState, layer, inputs: StepInputs, params=None):
     """Sets the current page's bounds from its keys (``k_new`` the newest), then

@@ -78,13 +78,20 @@ def sparse_decode_attention_reference(q, k_cache, v_cache, layer, slot):
   Returns:
     out [R, Hq, D] (q.dtype), lse f32[R, Hq].
   """
-  _, num_req, num_units, _, heads_per_unit, _ = k_cache.shape
+  _, _, num_units, _, heads_per_unit, _ = k_cache.shape
+  k_rows, v_rows, valid = gather_slots(k_cache, v_cache, layer, slot)
+  out, lse = attend_rows(group_queries(q, num_units, heads_per_unit), k_rows, v_rows,
+                         valid)
+  return out.reshape(q.shape), lse.reshape(q.shape[:2])
+
+
+def gather_slots(k_cache, v_cache, layer, slot):
+  """The rows [R, U, k, Hg, D] of ``k_cache`` / ``v_cache`` [L, R, U, S, Hg, D] that
+  ``slot`` i32[R, U, k] names at ``layer``, and valid bool[R, U, k] (padding -1
+  reads slot 0, masked)."""
+  num_req, num_units = k_cache.shape[1:3]
   valid = slot >= 0
   idx = jnp.where(valid, slot, 0)
   r = jnp.arange(num_req)[:, None, None]
   u = jnp.arange(num_units)[None, :, None]
-  k_rows = k_cache[layer, r, u, idx]  # [R, U, k, Hg, D]
-  v_rows = v_cache[layer, r, u, idx]
-  out, lse = attend_rows(group_queries(q, num_units, heads_per_unit), k_rows, v_rows,
-                         valid)
-  return out.reshape(q.shape), lse.reshape(q.shape[:2])
+  return k_cache[layer, r, u, idx], v_cache[layer, r, u, idx], valid
