@@ -99,10 +99,10 @@ MAX_MAP_COUNT = _max_map_count()
 def pytest_runtest_teardown(item, nextitem):
   """Drop jax's compiled executables once a worker holds half the kernel's memory-map
   limit. XLA:CPU maps ~18 regions per executable and jax keeps every one it compiled;
-  a worker running ~900 tests (the jax 0.11 stage: both tiers in one run) passed
-  65,530 maps (``vm.max_map_count``) and segfaulted in XLA's next compile or
-  cache read (2026-12-06; WORKSPACE_NOTES, thirty-second session). Between tests
-  only, so a test's own compile counts are untouched."""
+  a worker of the jax 0.11 stage (both tiers in one run) reached the 65,530 maps of
+  ``vm.max_map_count`` and segfaulted in XLA's next compile or cache read
+  (2026-12-06; WORKSPACE_NOTES, thirty-second session). Between tests only, so a
+  test's own compile counts are untouched."""
   if MAX_MAP_COUNT is None or "jax" not in sys.modules:
     return
   with open("/proc/self/maps", "rb") as f:
