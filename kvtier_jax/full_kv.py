@@ -11,6 +11,7 @@ import numpy as np
 
 from kvtier_jax import attention, layer_scan
 from kvtier_jax.config import TierConfig
+from kvtier_jax.decode import committed
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
                                        check_state_layout)
 
@@ -23,7 +24,9 @@ class FullKVState(NamedTuple):
 
 def init_full_kv(cfg: TierConfig, k_prompt, v_prompt, prompt_lens, *, fill=0.0):
   """The full cache after prompts k/v_prompt [L, R, P, Hkv, D] of ``prompt_lens``
-  i32[R] positions each (checked, as ``TieredDecoder.prefill`` checks them)."""
+  i32[R] positions each (checked, as ``TieredDecoder.prefill`` checks them).
+  Committed to its device, as the state a jitted step returns is: else the step's
+  second call compiles it again."""
   shape = (cfg.num_layers, cfg.num_requests, cfg.max_len, cfg.num_units,
            cfg.heads_per_unit, cfg.head_dim)
   plen = k_prompt.shape[2]
@@ -42,7 +45,7 @@ def init_full_kv(cfg: TierConfig, k_prompt, v_prompt, prompt_lens, *, fill=0.0):
   v = jnp.full(shape, fill, cfg.dtype)
   k = k.at[:, :, :plen].set(k_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
   v = v.at[:, :, :plen].set(v_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
-  return FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32))  # a copy: donated
+  return committed(FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32)))  # a copy: donated
 
 
 def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new, v_new,

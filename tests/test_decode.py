@@ -1221,6 +1221,29 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
   assert out.shape == (1, 2, 4, 4) and after.seq_len.tolist() == [9, 6]
 
 
+
+def test_a_jitted_full_kv_step_compiles_once_from_the_initial_state():
+  """``init_full_kv``'s state is committed like the state the step returns, so the
+  donated step's second call reuses its first compile (an uncommitted initial state
+  compiled it again: gpu_check's full-KV median at two timed steps held a compile)."""
+  from kvtier_jax.config import TierConfig  # noqa: PLC0415
+  cfg = TierConfig(num_layers=1, num_requests=2, max_len=16, num_q_heads=4, num_kv_heads=2,
+                   head_dim=4, hot_slots=4, top_k=4, per_kv_head=True, dtype=jnp.float32)
+  rng = np.random.default_rng()
+  kp = jnp.asarray(rng.standard_normal((1, 2, 8, 2, 4)), jnp.float32)
+  q, k_new = (jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
+                             jax.devices()[0]) for s in ((1, 2, 4, 4), (1, 2, 2, 4)))
+  selector = selectors.GivenSelector(4, 2)
+  picks = lambda step: jnp.asarray(np.stack([
+      rng.choice(8 + step, 4, replace=False) for _ in range(4)]).reshape(1, 2, 2, 4)
+      .astype(np.int32))
+  step = jax.jit(lambda s, p: full_kv.full_kv_decode_step(cfg, selector, s, q, k_new, k_new, p),
+                 donate_argnums=(0,))
+  state = full_kv.init_full_kv(cfg, kp, kp, [8, 8])
+  for i in range(3):
+    _, state = step(state, jax.device_put(picks(i), jax.devices()[0]))
+  assert step._cache_size() == 1 and state.seq_len.tolist() == [11, 11]
+
 def test_tiered_prefill_refuses_what_the_reference_refuses_before_any_donation():
   """``TieredDecoder.prefill`` and ``decode.prefill`` refuse lengths outside [0, P],
   a count that is not R and K/V of other shapes; the donated state is untouched.
