@@ -28,6 +28,7 @@ import numpy as np
 
 from experiments import common, model_setup, timing  # model_setup: the shared flags
 from kvtier_jax.serving import Engine, EngineConfig
+from kvtier_jax.serving.bench import RequestSpec, decode_logits_among
 from models import backends, serving, setup
 from models.transformer import Transformer
 
@@ -50,31 +51,16 @@ def request_logits(model, ids, slots: int, rng) -> tuple[list[int], np.ndarray]:
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                           FLAGS.indexer_ckpt)
   extra = dict(hot_slots=2 * selector.top_k) if FLAGS.backend == "tiered" else {}
-  max_len = len(ids) + FLAGS.new_tokens
-  backend = serving.ServingBackend(model, FLAGS.backend, slots, max_len,
+  backend = serving.ServingBackend(model, FLAGS.backend, slots, len(ids) + FLAGS.new_tokens,
                                    selector=selector, selector_params=params, **extra)
-  engine = Engine(backend, EngineConfig())
-  target = engine.submit(list(ids), FLAGS.new_tokens, request_id="request")
-  others = [(f"other{i}", int(rng.integers(0, 6)), rng.integers(
-      0, model.cfg.vocab_size, int(rng.integers(16, len(ids) + 1))).tolist())
-            for i in range(slots + 1)]
-  rows, decode = [], backend.decode
-
-  def recording(state, tokens, active):
-    state, logits = decode(state, tokens, active)
-    if target.slot is not None and active[target.slot]:
-      rows.append(np.asarray(logits)[target.slot])
-    return state, logits
-
-  backend.decode = recording
-  while engine.has_work or others:
-    for request_id, at, prompt in others:
-      if at <= engine.steps:
-        engine.submit(prompt, int(rng.integers(1, FLAGS.new_tokens + 1)),
-                      request_id=request_id)
-    others = [other for other in others if other[1] > engine.steps]
-    engine.step()
-  return target.output, np.stack(rows)
+  others = [(int(rng.integers(0, 6)), RequestSpec(
+      f"other{i}", tuple(rng.integers(0, model.cfg.vocab_size,
+                                      int(rng.integers(16, len(ids) + 1))).tolist()),
+      int(rng.integers(1, FLAGS.new_tokens + 1)))) for i in range(slots + 1)]
+  target, logits = decode_logits_among(
+      Engine(backend, EngineConfig()),
+      RequestSpec("request", tuple(map(int, ids)), FLAGS.new_tokens), others)
+  return target.output, logits
 
 
 def step_ms(models: dict, batch: int, rng) -> tuple[dict, dict]:

@@ -380,6 +380,38 @@ def test_sweep_ratios_compare_with_the_sparse_run_of_the_same_prefill_policy():
   assert all("same_tokens" not in r and "vs_sparse" not in r for r in rows)
 
 
+def test_decode_logits_among_records_the_requests_rows_and_sends_the_others_at_their_steps():
+  """``bench.decode_logits_among`` (the batch-invariance harness): the rows are the
+  request's own decode logits (FakeModel's hash of its sequence so far: a row of
+  another slot, a missed step or an extra one differs), each other request is sent
+  once the engine has taken its step count, and the model's decode is put back."""
+  rng = np.random.default_rng()
+  model = FakeModel()
+  engine = Engine(model, EngineConfig())
+  first, target_spec, *others = specs(rng, 5)
+  others = [(int(rng.integers(0, 6)), spec) for spec in others]
+  # Sent ahead, so the request lands in slot 1, and a prompt of several chunks, so
+  # it sits in its slot through steps that decode the first request only.
+  engine.submit(first.prompt, 12, request_id=first.id)
+  target_spec = dataclasses.replace(target_spec, prompt=tuple(
+      rng.integers(0, VOCAB - 1, 5 * model.chunk_size).tolist()))
+  sent_at, submit = {}, engine.submit
+
+  def recording_submit(*args, request_id=None, **kwargs):
+    sent_at[request_id] = engine.steps
+    return submit(*args, request_id=request_id, **kwargs)
+
+  engine.submit = recording_submit
+  target, rows = bench.decode_logits_among(engine, target_spec, others)
+  assert target.slot is None and sent_at == {target_spec.id: 0, **{spec.id: at for at, spec in others}}
+  assert target.state is State.FINISHED
+  sequence = list(target_spec.prompt) + target.output
+  want = [model._logits(sequence[:len(target_spec.prompt) + i])
+          for i in range(1, len(target.output))]
+  np.testing.assert_array_equal(rows, np.stack(want))
+  assert model.decode.__func__ is FakeModel.decode
+
+
 def test_arrival_times_of_no_requests():
   assert bench.arrival_times(0, 2.0).shape == (0,)
 

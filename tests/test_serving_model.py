@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
+from kvtier_jax.serving.bench import RequestSpec, decode_logits_among
 from models import backends, serving, setup, text
 from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
@@ -486,28 +487,13 @@ def test_a_row_tiled_decode_gives_a_request_the_same_logits_at_any_slot_count(
                                      selector_params=params, chunk_size=64,
                                      page_size=16, **extra)
     assert backend.selector.row_tile == 8
-    engine = Engine(backend, EngineConfig(max_step_tokens=64))
-    target = engine.submit(prompt, 6, request_id="target")
-    others = [(f"other{i}", int(rng.integers(0, 6)),
-               rng.integers(0, vocab, int(rng.integers(20, 240))))
-              for i in range(slots + 1)]
-    rows, decode = [], backend.decode
-
-    def recording(state, tokens, active):
-      state, logits = decode(state, tokens, active)
-      if target.slot is not None and active[target.slot]:
-        rows.append(np.asarray(logits)[target.slot])
-      return state, logits
-
-    backend.decode = recording
-    while engine.has_work or others:
-      for request_id, at, tokens in others:
-        if at <= engine.steps:
-          engine.submit(tokens.tolist(), int(rng.integers(1, 8)), request_id=request_id)
-      others = [other for other in others if other[1] > engine.steps]
-      engine.step()
+    others = [(int(rng.integers(0, 6)), RequestSpec(
+        f"other{i}", tuple(rng.integers(0, vocab, int(rng.integers(20, 240))).tolist()),
+        int(rng.integers(1, 8)))) for i in range(slots + 1)]
+    target, rows = decode_logits_among(Engine(backend, EngineConfig(max_step_tokens=64)),
+                                       RequestSpec("target", tuple(prompt), 6), others)
     assert target.state is State.FINISHED and len(rows) == 5
-    return target.output, np.stack(rows), backend
+    return target.output, rows, backend
 
   (want, want_rows, one), *more = [run(slots) for slots in (1, 3, int(rng.integers(4, 13)))]
   for output, rows, _ in more:

@@ -243,6 +243,39 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
 
 # Metrics -----------------------------------------------------------------------
 
+def decode_logits_among(engine: Engine, spec: RequestSpec,
+                        others: Sequence[tuple[int, RequestSpec]]) -> tuple[Request, np.ndarray]:
+  """Serve ``spec`` on ``engine`` while each of ``others`` ((engine step, request))
+  is sent once the engine has taken that many steps; returns the request and its
+  logits at each decode step it took part in [steps, V].
+
+  What a batch-invariance check compares across engines of other slot counts:
+  arrivals count engine steps, not seconds, so the batches the request meets depend
+  on nothing timed. The others' ``arrival_s`` is ignored."""
+  rows, decode = [], engine.model.decode
+
+  def recording(state, tokens, active):
+    state, logits = decode(state, tokens, active)
+    if target.slot is not None and active[target.slot]:
+      rows.append(np.asarray(logits)[target.slot])
+    return state, logits
+
+  target = engine.submit(spec.prompt, spec.max_new_tokens, spec.sampling,
+                         stop_ids=spec.stop_ids, request_id=spec.id)
+  pending = collections.deque(sorted(others, key=lambda other: other[0]))  # stable
+  engine.model.decode = recording
+  try:
+    while engine.has_work or pending:
+      while pending and pending[0][0] <= engine.steps:
+        other = pending.popleft()[1]
+        engine.submit(other.prompt, other.max_new_tokens, other.sampling,
+                      stop_ids=other.stop_ids, request_id=other.id)
+      engine.step()
+  finally:
+    engine.model.decode = decode
+  return target, np.stack(rows) if rows else np.zeros((0, engine.model.vocab_size))
+
+
 def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
   """mean / median / p90 / p99 of the finite values times ``scale`` (None: empty)."""
   vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
