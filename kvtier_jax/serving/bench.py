@@ -17,6 +17,8 @@
   ITL and end-to-end latency as mean / median / P90 / P99; peak device bytes (the
   requests' charges; the fixed staging buffer is not in them) and host bytes; the
   run's length (``duration_s``).
+* **One request's logits among others** (``decode_logits_among``): arrivals in
+  engine steps, for comparing engines of other slot counts (batch invariance).
 
 Times are the engine's clock (seconds); workload times are relative to the start
 of ``drive``. A request's arrival (what its TTFT counts from) is its scheduled send
