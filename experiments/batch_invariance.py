@@ -26,7 +26,7 @@ import dataclasses
 from absl import app, flags
 import numpy as np
 
-from experiments import common, model_setup, timing  # model_setup: the shared flags
+from experiments import common, model_setup, timing
 from kvtier_jax.serving import Engine, EngineConfig
 from kvtier_jax.serving.bench import RequestSpec, decode_logits_among
 from models import backends, serving, setup
@@ -83,8 +83,11 @@ def step_ms(models: dict, batch: int, rng) -> tuple[dict, dict]:
 
 def main(argv):
   del argv
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
-                                              FLAGS.offset, FLAGS.model_layers)
+  if FLAGS.decode_row_tile is not None:
+    raise app.UsageError("--decode_row_tile: this runner compares an untiled model with "
+                         "one of --tile")
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
+                                                    FLAGS.offset)
   out = common.start_run("batch_invariance", FLAGS.flag_values_dict(), FLAGS.out_root)
   models = {"untiled": model, f"tile {FLAGS.tile}": Transformer.from_params(
       dataclasses.replace(model.cfg, decode_row_tile=FLAGS.tile), model.weights())}

@@ -38,9 +38,8 @@ def main(argv):
   if FLAGS.draft_ckpt and FLAGS.lookahead == "none":
     raise ValueError("--draft_ckpt drafts for --lookahead=draft")
   model_setup.check_draft_ckpt()
-  model, tokenizer, ids = setup.load_model_and_prompt(
-      FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset,
-      num_layers=FLAGS.model_layers)
+  model, tokenizer, ids = model_setup.load_model_and_prompt(
+      FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset)
   selector = params = None
   kwargs = {}
   if FLAGS.cache != "dense":

@@ -29,7 +29,7 @@ import time
 
 from absl import app, flags
 
-from experiments import common, model_setup  # noqa: F401 (model_setup: flags)
+from experiments import common, model_setup
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving import handoff as handoff_lib
 from models import serving, setup, text
@@ -83,7 +83,7 @@ def receive(engine, handoff) -> tuple[float, object, int]:
 
 def serve_receiver(port: int) -> None:
   """The MainDecode process: accept handoffs from the socket, finish them, reply."""
-  model, _, _ = setup.load_model_and_prompt(None, 1, num_layers=FLAGS.model_layers)
+  model, _, _ = model_setup.load_model_and_prompt(None, 1)
   engine = build(model)
   with socket.create_connection(("127.0.0.1", port)) as sock:
     while True:
@@ -115,9 +115,11 @@ def main(argv):
                              f"--serve_port={listener.getsockname()[1]}",
                              f"--hot_slots={FLAGS.hot_slots}", f"--max_len={FLAGS.max_len}",
                              *([f"--model_layers={FLAGS.model_layers}"]
-                               if FLAGS.model_layers else [])],
+                               if FLAGS.model_layers else []),
+                             *([f"--decode_row_tile={FLAGS.decode_row_tile}"]
+                               if FLAGS.decode_row_tile else [])],
                             env=dict(os.environ))
-  model, tokenizer, _ = setup.load_model_and_prompt(None, 1, num_layers=FLAGS.model_layers)
+  model, tokenizer, _ = model_setup.load_model_and_prompt(None, 1)
   stream = text.tokenize_prompt(tokenizer, text.load_text(), FLAGS.prompt_tokens)
   relayed = list(map(int, FLAGS.relayed))
   total = max(relayed) + 8

@@ -8,7 +8,7 @@ import math
 from absl import flags
 
 from kvtier_jax.config import ImplConfig
-from models import draft_head
+from models import draft_head, setup
 from models.setup import DEFAULT_INDEXER, SELECTORS
 
 FLAGS = flags.FLAGS
@@ -34,8 +34,22 @@ flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "fused"], "The tiere
                   "resolves in XLA), or fused: a layer's RESOLVE, fetch and cache writes "
                   "in one step (on a CPU one native call per layer, on a GPU the fused "
                   "Pallas kernels).")
+flags.DEFINE_integer("decode_row_tile", None, "A batch-invariant decode: the step's "
+                     "row-wise work runs over tiles of this many requests "
+                     "(ModelConfig.decode_row_tile), so a request's logits are the same "
+                     "bits whatever else shares its step, at some cost "
+                     "(experiments.batch_invariance measures both; default: untiled).",
+                     lower_bound=1)
 flags.DEFINE_string("draft_ckpt", None, "A draft head (experiments.draft_head) for the "
                     "lookahead's draft token: read on a text it was not trained on.")
+
+
+def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: int = 0):
+  """``models.setup.load_model_and_prompt`` with the shared flags: SmolLM2's first
+  ``--model_layers`` layers, its decode tiled by ``--decode_row_tile``."""
+  return setup.load_model_and_prompt(prompt_file, prompt_tokens, offset,
+                                     num_layers=FLAGS.model_layers,
+                                     decode_row_tile=FLAGS.decode_row_tile)
 
 
 def tier_impl(keyed_policy: bool = False) -> ImplConfig:

@@ -39,8 +39,8 @@ TOLERANCE = 1e-4
 
 def main(argv):
   del argv
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
-                                              FLAGS.offset, FLAGS.model_layers)
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
+                                                    FLAGS.offset)
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                                 FLAGS.indexer_ckpt)
   hot_slots = FLAGS.hot_slots or 2 * selector.top_k

@@ -143,8 +143,8 @@ def main(argv):
     prompt = FLAGS.prompt_tokens
   out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt),
                          FLAGS.out_root)
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
-                                              FLAGS.offset, FLAGS.model_layers)
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
+                                                    FLAGS.offset)
   cfg = model.cfg
   built = [setup.build_selector(n, cfg, FLAGS.top_k, FLAGS.indexer_ckpt)
            for n in FLAGS.selectors]

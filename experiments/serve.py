@@ -140,7 +140,8 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
   computed = sum(s["prefill_tokens"] for s in served.steps)
   prompt_tokens, cached_tokens = bench.first_admission_tokens(admitted)
   ms = lambda v: None if v is None else v / 1e3
-  return dict(cache=cache, requests=full["requests"], finished=full["finished"],
+  return dict(cache=cache, decode_row_tile=engine.model.cfg.decode_row_tile,
+              requests=full["requests"], finished=full["finished"],
               refused=full["refused"],
               output_tokens=full["output_tokens"], throughput=full["output_throughput"],
               ttft_p50=ms(full["ttft_median_ms"]), ttft_p99=ms(full["ttft_p99_ms"]),
@@ -200,8 +201,7 @@ def main(argv):
   shape = sharding.parse_mesh(FLAGS.mesh)
   common.ensure_devices(shape["data"] * shape["model"])  # before jax starts
   mesh = sharding.make_mesh(shape) if FLAGS.mesh else None
-  model, tokenizer, _ = setup.load_model_and_prompt(
-      None, 1, num_layers=FLAGS.model_layers)
+  model, tokenizer, _ = model_setup.load_model_and_prompt(None, 1)
   rng = np.random.default_rng(FLAGS.seed)
   stream = text.tokenize_prompt(tokenizer, text.load_text(), 60000)
   if FLAGS.workload:

@@ -114,11 +114,12 @@ TABLE_COLUMNS = ["context", "concurrency", "cache", "prefill_policy", "slots", "
 def load_model():
   """(model, token stream for synthetic prompts, tokenizer or None, weights)."""
   if FLAGS.model == "smollm2":
-    model, tokenizer, _ = setup.load_model_and_prompt(
-        None, 1, num_layers=FLAGS.model_layers)
+    model, tokenizer, _ = model_setup.load_model_and_prompt(None, 1)
     stream = text.tokenize_prompt(tokenizer, text.load_text(), 60000)
     return model, stream, tokenizer, "real"
   override = {} if FLAGS.model_layers is None else dict(num_layers=FLAGS.model_layers)
+  if FLAGS.decode_row_tile is not None:
+    override["decode_row_tile"] = FLAGS.decode_row_tile
   model = setup.dummy_model(FLAGS.model, FLAGS.seed, **override)
   rng = np.random.default_rng(FLAGS.seed)
   return model, rng.integers(0, model.cfg.vocab_size, 1 << 20), None, "dummy"
@@ -329,7 +330,8 @@ def main(argv):
             continue
           row, outs = serve_point(model, selector, params, workload, context, concurrency,
                                   cache, policy, max_len, out, tag)
-          row.update(model=model.cfg.name, weights=weights, same_tokens=None,
+          row.update(model=model.cfg.name, weights=weights,
+                     decode_row_tile=model.cfg.decode_row_tile, same_tokens=None,
                      vs_sparse=None, decode_vs_sparse=None)
           rows.append(row)
           outputs.append(outs)

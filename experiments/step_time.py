@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments import common, model_setup
 from experiments.analysis import io_model
 from models import backends, setup
 from models.config import ModelConfig
@@ -115,8 +115,8 @@ def main(argv):
                          "--contexts)")
   out = common.start_run("step_time", FLAGS.flag_values_dict(), FLAGS.out_root)
   contexts = list(map(int, FLAGS.contexts))
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, max(contexts) + 8,
-                                              FLAGS.offset, FLAGS.model_layers)
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, max(contexts) + 8,
+                                                    FLAGS.offset)
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,
                                                 FLAGS.indexer_ckpt)
   measured = []

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, model_setup  # noqa: F401 (model_setup: shared flags)
+from experiments import common, model_setup
 from experiments.analysis.tracing import TraceCarry, trace_step
 from kvtier_jax.selectors.base import prefill_state
 from models import cache as cache_lib
@@ -73,8 +73,8 @@ def main(argv):
     prompt = 7680
   out = common.start_run("trace", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt,
                                        steps=steps), FLAGS.out_root)
-  model, _, ids = setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
-                                              FLAGS.offset, FLAGS.model_layers)
+  model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps,
+                                                    FLAGS.offset)
   cfg = model.cfg
   depth = {name: max(FLAGS.top_k, FLAGS.rank_depth if name in RANKED else 0)
            for name in FLAGS.selectors}

@@ -8,6 +8,7 @@ window: k = 320 positions).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 
@@ -85,11 +86,15 @@ def _first_layers_of(params, num_layers: int, path):
 
 
 def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: int = 0,
-                          num_layers: int | None = None):
+                          num_layers: int | None = None, decode_row_tile: int | None = None):
   """(model, tokenizer, prompt ids) of SmolLM2 over ``prompt_file`` (default: the
   pydoc corpus), tokens ``[offset, offset + prompt_tokens)``; ``num_layers``: only
-  its first layers (``transformer.first_layers``, for smoke runs)."""
+  its first layers (``transformer.first_layers``, for smoke runs);
+  ``decode_row_tile``: ``ModelConfig.decode_row_tile`` (a batch-invariant decode)."""
   model, tokenizer, info = load_smollm2(num_layers=num_layers)
+  if decode_row_tile is not None:
+    model = Transformer.from_params(
+        dataclasses.replace(model.cfg, decode_row_tile=decode_row_tile), model.weights())
   if num_layers is not None:
     log.warning("SmolLM2 cut to its first %d layers (smoke run: not SmolLM2's tokens)",
                 num_layers)

@@ -61,6 +61,25 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
       line for line in out.splitlines() if line.startswith("mesh")]
 
 
+@pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
+def test_the_serving_runners_serve_a_row_tiled_model(tmp_path):
+  """``--decode_row_tile`` (the shared model flag) reaches the model each serving
+  runner builds: serve's real SmolLM2, checked request by request against the sparse
+  backend alone (one slot: with the tile, the same logits bits), and serve_sweep's
+  dummy preset; each summary row records the tile it served."""
+  out = run("experiments.serve", "--smoke", f"--model_layers={SMOKE_LAYERS}",
+            "--decode_row_tile=8", "--check_exact", f"--out_root={tmp_path}")
+  assert out.strip().splitlines()[-1].endswith("exact=4/4 prefix_hit=0"), out[-500:]
+  _, rows = only_run(tmp_path, "serve")
+  assert rows[0]["decode_row_tile"] == 8 and rows[0]["misses"] > 0
+  run("experiments.serve_sweep", "--smoke", "--model=smollm2_135m", "--model_layers=2",
+      "--decode_row_tile=8", f"--out_root={tmp_path}")
+  _, rows = only_run(tmp_path, "serve_sweep")
+  assert {(r["cache"], r["decode_row_tile"], r["weights"]) for r in rows} == {
+      ("sparse", 8, "dummy"), ("tiered", 8, "dummy")}
+  assert next(r for r in rows if r["cache"] == "tiered")["same_tokens"] == "3/3"
+
+
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
   runs more requests at once, and every request's tokens equal the sparse run's. On

@@ -547,10 +547,12 @@ def test_two_engine_processes_hand_off_over_a_capped_socket(tmp_path):
   and its tokens equal its own uninterrupted runs, greedy and seeded sampling. The
   prompt is one whole chunk, so the receiver's cache shares none of it, and a
   "send KV" handoff is imported, every position of it (it started at the chunk
-  end, past the receiver's match: the K/V was sent, dropped and recomputed)."""
+  end, past the receiver's match: the K/V was sent, dropped and recomputed). Both
+  processes serve a row-tiled decode (``--decode_row_tile`` reaches the receiver: a
+  receiver of another tile refuses the K/V, whose ``model_id`` names it)."""
   from tests.test_experiments import only_run, run
   out = run("experiments.handoff", "--two_process", "--smoke", "--link_mbps=50",
-            f"--model_layers={SMOKE_LAYERS}", "--prompt_tokens=128",
+            f"--model_layers={SMOKE_LAYERS}", "--prompt_tokens=128", "--decode_row_tile=8",
             f"--out_root={tmp_path}")
   _, rows = only_run(tmp_path, "handoff")
   assert {r["handoff"] for r in rows} == {"send KV", "extend"} and all(r["exact"] for r in rows)
