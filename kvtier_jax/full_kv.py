@@ -45,7 +45,8 @@ def init_full_kv(cfg: TierConfig, k_prompt, v_prompt, prompt_lens, *, fill=0.0):
   v = jnp.full(shape, fill, cfg.dtype)
   k = k.at[:, :, :plen].set(k_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
   v = v.at[:, :, :plen].set(v_prompt.reshape(shape[:2] + (plen,) + shape[3:]))
-  return committed(FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32)))  # a copy: donated
+  # jnp.array: a copy of prompt_lens (the state is donated)
+  return committed(FullKVState(k, v, jnp.array(prompt_lens, dtype=jnp.int32)))
 
 
 def full_kv_decode_step(cfg: TierConfig, selector, state: FullKVState, q, k_new, v_new,

@@ -1221,7 +1221,6 @@ def test_the_full_kv_reference_refuses_what_the_tiered_path_refuses():
   assert out.shape == (1, 2, 4, 4) and after.seq_len.tolist() == [9, 6]
 
 
-
 def test_a_jitted_full_kv_step_compiles_once_from_the_initial_state():
   """``init_full_kv``'s state is committed like the state the step returns, so the
   donated step's second call reuses its first compile (an uncommitted initial state
@@ -1243,6 +1242,7 @@ def test_a_jitted_full_kv_step_compiles_once_from_the_initial_state():
   for i in range(3):
     _, state = step(state, jax.device_put(picks(i), jax.devices()[0]))
   assert step._cache_size() == 1 and state.seq_len.tolist() == [11, 11]
+
 
 def test_tiered_prefill_refuses_what_the_reference_refuses_before_any_donation():
   """``TieredDecoder.prefill`` and ``decode.prefill`` refuse lengths outside [0, P],

@@ -403,8 +403,8 @@ def test_decode_logits_among_records_the_requests_rows_and_sends_the_others_at_t
 
   engine.submit = recording_submit
   target, rows = bench.decode_logits_among(engine, target_spec, others)
-  assert target.slot is None and sent_at == {target_spec.id: 0, **{spec.id: at for at, spec in others}}
-  assert target.state is State.FINISHED
+  assert sent_at == {target_spec.id: 0, **{spec.id: at for at, spec in others}}
+  assert target.state is State.FINISHED and target.slot is None
   sequence = list(target_spec.prompt) + target.output
   want = [model._logits(sequence[:len(target_spec.prompt) + i])
           for i in range(1, len(target.output))]

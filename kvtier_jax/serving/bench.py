@@ -243,10 +243,9 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
   return Served(sent, steps, start, engine.now(), refused, resumed_at, at_resume)
 
 
-# Metrics -----------------------------------------------------------------------
-
 def decode_logits_among(engine: Engine, spec: RequestSpec,
-                        others: Sequence[tuple[int, RequestSpec]]) -> tuple[Request, np.ndarray]:
+                        others: Sequence[tuple[int, RequestSpec]]
+                        ) -> tuple[Request, np.ndarray]:
   """Serve ``spec`` on ``engine`` while each of ``others`` ((engine step, request))
   is sent once the engine has taken that many steps; returns the request and its
   logits at each decode step it took part in [steps, V].
@@ -277,6 +276,8 @@ def decode_logits_among(engine: Engine, spec: RequestSpec,
     engine.model.decode = decode
   return target, np.stack(rows) if rows else np.zeros((0, engine.model.vocab_size))
 
+
+# Metrics -----------------------------------------------------------------------
 
 def distribution(values: Sequence[float | None], scale: float = 1.0) -> dict:
   """mean / median / p90 / p99 of the finite values times ``scale`` (None: empty)."""
