@@ -252,7 +252,8 @@ def decode_logits_among(engine: Engine, spec: RequestSpec,
 
   What a batch-invariance check compares across engines of other slot counts:
   arrivals count engine steps, not seconds, so the batches the request meets depend
-  on nothing timed. The others' ``arrival_s`` is ignored."""
+  on nothing timed. The others' ``arrival_s`` is ignored. A preempted request replays
+  its outputs through decode steps when it resumes: those rows are recorded again."""
   rows, decode = [], engine.model.decode
 
   def recording(state, tokens, active):
