@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments import common, model_setup, timing
 from kvtier_jax.serving import Engine, EngineConfig
-from kvtier_jax.serving.bench import RequestSpec, decode_logits_among
+from kvtier_jax.serving.bench import RequestSpec, decode_logits_among, random_others
 from models import backends, serving, setup
 from models.transformer import Transformer
 
@@ -53,10 +53,8 @@ def request_logits(model, ids, slots: int, rng) -> tuple[list[int], np.ndarray]:
   extra = dict(hot_slots=2 * selector.top_k) if FLAGS.backend == "tiered" else {}
   backend = serving.ServingBackend(model, FLAGS.backend, slots, len(ids) + FLAGS.new_tokens,
                                    selector=selector, selector_params=params, **extra)
-  others = [(int(rng.integers(0, 6)), RequestSpec(
-      f"other{i}", tuple(rng.integers(0, model.cfg.vocab_size,
-                                      int(rng.integers(16, len(ids) + 1))).tolist()),
-      int(rng.integers(1, FLAGS.new_tokens + 1)))) for i in range(slots + 1)]
+  others = random_others(rng, slots + 1, model.cfg.vocab_size, (16, len(ids) + 1),
+                         (1, FLAGS.new_tokens + 1))
   target, logits = decode_logits_among(
       Engine(backend, EngineConfig()),
       RequestSpec("request", tuple(map(int, ids)), FLAGS.new_tokens), others)

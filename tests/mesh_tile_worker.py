@@ -13,8 +13,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import numpy as np  # noqa: E402
 
 from kvtier_jax import sharding  # noqa: E402
-from kvtier_jax.serving import Engine, EngineConfig  # noqa: E402
-from kvtier_jax.serving.bench import RequestSpec, decode_logits_among  # noqa: E402
+from kvtier_jax.serving import Engine, EngineConfig, State  # noqa: E402
+from kvtier_jax.serving.bench import (RequestSpec, decode_logits_among,  # noqa: E402
+                                      random_others)
 from models import serving, setup, sharded_serving  # noqa: E402
 from tests.util import SMOKE_LAYERS  # noqa: E402
 
@@ -32,10 +33,7 @@ def main():
   target = RequestSpec("target", tuple(int(t) for t in ids[offset:offset + 200]), NEW_TOKENS)
 
   def logits(slots: int, mesh_text: str | None) -> np.ndarray:
-    others = [(int(rng.integers(0, 6)), RequestSpec(
-        f"other{i}", tuple(rng.integers(0, model.cfg.vocab_size,
-                                        int(rng.integers(20, 240))).tolist()),
-        int(rng.integers(1, 8)))) for i in range(slots + 1)]
+    others = random_others(rng, slots + 1, model.cfg.vocab_size, (20, 240), (1, 8))
     kwargs = dict(selector=selector, selector_params=params, chunk_size=64, page_size=16,
                   hot_slots=128)
     if mesh_text is None:
@@ -46,7 +44,7 @@ def main():
                                                    mesh=mesh, **kwargs)
     request, rows = decode_logits_among(Engine(backend, EngineConfig(max_step_tokens=64)),
                                         target, others)
-    assert request.state.value == "finished" and len(rows) == NEW_TOKENS - 1, request
+    assert request.state is State.FINISHED and len(rows) == NEW_TOKENS - 1, request
     return rows
 
   one = logits(1, None)

@@ -388,8 +388,8 @@ def test_decode_logits_among_records_the_requests_rows_and_sends_the_others_at_t
   rng = np.random.default_rng()
   model = FakeModel()
   engine = Engine(model, EngineConfig())
-  first, target_spec, *others = specs(rng, 5)
-  others = [(int(rng.integers(0, 6)), spec) for spec in others]
+  first, target_spec = specs(rng, 2)
+  others = bench.random_others(rng, 3, VOCAB - 1, (3, 30), (2, 12))  # no POISON token
   # Sent ahead, so the request lands in slot 1, and a prompt of several chunks, so
   # it sits in its slot through steps that decode the first request only.
   engine.submit(first.prompt, 12, request_id=first.id)

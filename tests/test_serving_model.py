@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
-from kvtier_jax.serving.bench import RequestSpec, decode_logits_among
+from kvtier_jax.serving.bench import RequestSpec, decode_logits_among, random_others
 from models import backends, serving, setup, text
 from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
@@ -487,9 +487,7 @@ def test_a_row_tiled_decode_gives_a_request_the_same_logits_at_any_slot_count(
                                      selector_params=params, chunk_size=64,
                                      page_size=16, **extra)
     assert backend.selector.row_tile == 8
-    others = [(int(rng.integers(0, 6)), RequestSpec(
-        f"other{i}", tuple(rng.integers(0, vocab, int(rng.integers(20, 240))).tolist()),
-        int(rng.integers(1, 8)))) for i in range(slots + 1)]
+    others = random_others(rng, slots + 1, vocab, (20, 240), (1, 8))
     target, rows = decode_logits_among(Engine(backend, EngineConfig(max_step_tokens=64)),
                                        RequestSpec("target", tuple(prompt), 6), others)
     assert target.state is State.FINISHED and len(rows) == 5

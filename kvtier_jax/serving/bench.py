@@ -243,6 +243,21 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
   return Served(sent, steps, start, engine.now(), refused, resumed_at, at_resume)
 
 
+def random_others(rng: np.random.Generator, count: int, vocab_size: int,
+                  prompt_lens: tuple[int, int], new_tokens: tuple[int, int],
+                  arrival_steps: int = 6) -> list[tuple[int, RequestSpec]]:
+  """``count`` requests of random token ids for ``decode_logits_among``: (arrival
+  step in [0, arrival_steps), spec), prompt lengths and token counts drawn from the
+  half-open ranges ``prompt_lens`` and ``new_tokens``."""
+  others = []
+  for i in range(count):
+    at = int(rng.integers(0, arrival_steps))
+    prompt = rng.integers(0, vocab_size, int(rng.integers(*prompt_lens)))
+    others.append((at, RequestSpec(f"other{i}", tuple(prompt.tolist()),
+                                   int(rng.integers(*new_tokens)))))
+  return others
+
+
 def decode_logits_among(engine: Engine, spec: RequestSpec,
                         others: Sequence[tuple[int, RequestSpec]]
                         ) -> tuple[Request, np.ndarray]:
