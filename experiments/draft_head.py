@@ -3,7 +3,7 @@ r"""Train an EAGLE-style draft head for SmolLM2; its acceptance on a held-out te
 What it is for: the lookahead prefetch needs the next step's token before the
 current step has produced it. OasisKV (arXiv 2608.08097) drafts it with an EAGLE-3
 head (98.74% next-step top-K agreement); the prompt-lookup draft
-(``models.backends.ngram_draft``) is right at 8 of 128 steps on our pydoc trace.
+(``kvtier_jax.draft.ngram_draft``) is right at 8 of 128 steps on our pydoc trace.
 
 The head (``models/draft_head.py``) is trained on windows of the pydoc language
 reference (``models.text.load_text``) and evaluated on windows of stdlib docstrings
@@ -35,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import common
+from kvtier_jax.draft import ngram_draft
 from models import backends, draft_head, text
 from models import transformer as tfm
 
@@ -104,7 +105,7 @@ def main(argv):
   drafts = {"draft head": np.asarray(draft_head.draft_tokens(cfg, weights, head,
                                                               feat_prev, token))}
   own = greedy_tokens(cfg, weights, feat_next)
-  drafts["prompt lookup"] = np.array([backends.ngram_draft(t[:p + 1])
+  drafts["prompt lookup"] = np.array([ngram_draft(t[:p + 1])
                                       for t in eval_t for p in range(1, window - 1)])
   head_at = iter(drafts["draft head"].tolist())  # the same positions, in order
   drafts["prompt lookup (n >= 2), else draft head"] = np.array([

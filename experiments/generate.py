@@ -25,10 +25,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("cache", "tiered", list(backends.BACKENDS), "Cache backend.")
 flags.DEFINE_integer("steps", 32, "Tokens to generate.")
 flags.DEFINE_integer("hot_slots", None, "B for the tiered cache (default 2k).")
-flags.DEFINE_enum("lookahead", "none", ["none", "draft"], "Tiered: prefetch the next "
-                  "step's rows by an uncommitted pass of a draft token.")
-flags.DEFINE_integer("lookahead_cap", 64, "Rows prefetched per layer and unit per step.",
-                     lower_bound=1)
 
 
 def main(argv):

@@ -655,7 +655,7 @@ def audit_model(smoke: bool) -> list[ModelAudit]:
                                   impl=gpu, lookahead_cap=64)
   carry = place(abstract_tiered_carry(cfg, tier_cfg, selector, weights))
   rows.append(audit("tiered, GPU default, draft pass (look-ahead)",
-                    deviceless.lower_for_cuda(backends._tiered_draft_pass, cfg, tier_cfg,
+                    deviceless.lower_for_cuda(backends.tiered_draft_pass, cfg, tier_cfg,
                                               selector, weights, tokens, carry), tier_cfg))
   return rows
 

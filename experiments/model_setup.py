@@ -40,6 +40,11 @@ flags.DEFINE_integer("decode_row_tile", None, "A batch-invariant decode: the ste
                      "bits whatever else shares its step, at some cost "
                      "(experiments.batch_invariance measures both; default: untiled).",
                      lower_bound=1)
+flags.DEFINE_enum("lookahead", "none", ["none", "draft"], "Tiered: prefetch the next "
+                  "step's rows by an uncommitted pass of a draft token (prompt lookup; "
+                  "generate can add --draft_ckpt's head).")
+flags.DEFINE_integer("lookahead_cap", 64, "Rows prefetched per layer and unit per step.",
+                     lower_bound=1)
 flags.DEFINE_string("draft_ckpt", None, "A draft head (experiments.draft_head) for the "
                     "lookahead's draft token: read on a text it was not trained on.")
 

@@ -46,6 +46,7 @@ from experiments import common, model_setup
 from experiments.analysis import io_model
 from experiments.analysis.tracing import TraceCarry, lookahead_picks, trace_step
 from kvtier_jax.config import TierConfig
+from kvtier_jax.draft import ngram_draft
 from kvtier_jax.layer import prefetch_resolve
 from kvtier_jax.resolve import resolve
 from kvtier_jax.selectors.base import prefill_state
@@ -185,7 +186,7 @@ def main(argv):
     for trace, pick in zip(true, picks_t):
       trace[t] = np.where(pick[:, 0] == position, -1, pick[:, 0])
     recall[t] = recall_t[:, :, 0].mean(-1)
-    drafts = {"draft token": backends.ngram_draft(tokens[:position + 1].tolist())}
+    drafts = {"draft token": ngram_draft(tokens[:position + 1].tolist())}
     if FLAGS.draft_ckpt:
       drafts.update({"draft head": int(head_drafts[t]),
                      "lookup, else head": backends.lookup_or_head(

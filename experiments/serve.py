@@ -120,7 +120,9 @@ def make_engine(model, cache: str, selector, params, kv_budget_mib=None,
       model, cache, selector=selector, params=params, max_batch=FLAGS.max_batch,
       max_len=FLAGS.max_len, chunk_size=FLAGS.chunk_size, page_size=FLAGS.page_size,
       hot_slots=FLAGS.hot_slots, host_budget_mib=FLAGS.host_budget_mib, mesh=mesh,
-      impl=model_setup.tier_impl())
+      impl=model_setup.tier_impl(),
+      lookahead=FLAGS.lookahead if cache == "tiered" else "none",  # (not --check_exact's)
+      lookahead_cap=FLAGS.lookahead_cap)
   config = workloads.engine_config(backend, max_step_tokens=FLAGS.max_step_tokens,
                                    kv_budget_mib=kv_budget_mib, prefix_cache=prefix_cache,
                                    disk_budget_mib=disk_budget_mib,
@@ -163,7 +165,8 @@ def summarize(cache: str, served: bench.Served, engine, exact: str) -> dict:
               prefill_s_per_token=engine.prefill_seconds_per_token,
               page_size=engine.model.page_size,
               disk_recomputed_tokens=engine.disk_recomputed_tokens,
-              max_device_mib=full["peak_device_mib"], misses=full["misses"], exact=exact)
+              max_device_mib=full["peak_device_mib"], misses=full["misses"],
+              prefetched=full["prefetched"], lookahead=FLAGS.lookahead, exact=exact)
 
 
 def last_line(row: dict) -> str:
@@ -191,6 +194,10 @@ def main(argv):
   if ignored:
     raise app.UsageError(f"{', '.join(ignored)}: not used here (prompts come from the "
                          "bundled corpus or --workload)")
+  if FLAGS.draft_ckpt:
+    raise app.UsageError("--draft_ckpt: the serving engine drafts by prompt lookup")
+  if FLAGS.lookahead != "none" and (FLAGS.cache != "tiered" or FLAGS.mesh):
+    raise app.UsageError("--lookahead needs --cache=tiered on one device")
   if FLAGS.restore and FLAGS.sessions:
     raise app.UsageError("--restore continues independent requests, not --sessions")
   data = sharding.parse_mesh(FLAGS.mesh)["data"]

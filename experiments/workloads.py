@@ -188,17 +188,23 @@ def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: 
 def build_backend(model, cache: str, *, selector, params, max_batch: int, max_len: int,
                   chunk_size: int, page_size: int, hot_slots: int,
                   host_budget_mib: float, mesh=None, device=None,
-                  impl: ImplConfig | None = None) -> serving.ServingBackend:
+                  impl: ImplConfig | None = None, lookahead: str = "none",
+                  lookahead_cap: int | None = None) -> serving.ServingBackend:
   """``model`` with one cache backend (dense / sparse / tiered) over ``max_batch``
   slots (nothing is allocated until an engine starts on it); over a ``mesh`` the
   slots and the host budget split over its data rows, the KV heads over ``model``.
-  ``impl``: the tiered cache's implementation (default: the library's)."""
+  ``impl``: the tiered cache's implementation (default: the library's);
+  ``lookahead``: "draft" prefetches by a draft pass (tiered, one device)."""
   extra = {}
   if cache == "tiered":
     extra = dict(hot_slots=hot_slots, host_pages=serving.ServingBackend.pages_for_bytes(
         model.cfg, page_size, host_budget_mib * 2**20))
     if impl is not None:
       extra["impl"] = impl
+  if lookahead != "none":
+    extra["lookahead"] = lookahead
+    if lookahead_cap is not None:
+      extra["lookahead_cap"] = lookahead_cap
   if cache != "dense":
     extra.update(selector=selector, selector_params=params)
   if mesh is not None and mesh.size > 1:
@@ -245,9 +251,10 @@ def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, 
 def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
   """Compile the prefill, the decode step and the sampler on a throwaway engine
   (the jitted functions are shared), so no measured request pays for compiling.
-  With a prefix cache a second request repeats the prompt, which compiles the
-  prefix load too (its first chunk is then cached)."""
+  Three tokens: the first decode step is not the request's last, so a look-ahead's
+  draft pass compiles too. With a prefix cache a second request repeats the
+  prompt, which compiles the prefix load too (its first chunk is then cached)."""
   prompt = spec.prompt[:chunk_size + 1]
-  drive(engine, [RequestSpec("warm-up", prompt, 2)])
+  drive(engine, [RequestSpec("warm-up", prompt, 3)])
   if engine.config.prefix_cache:
-    drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 2)])
+    drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 3)])

@@ -151,13 +151,18 @@ def begin_step(cfg: TierConfig, carry: TieredCarry) -> TieredCarry:
                      f"not fit the anchor it was built with "
                      f"({width(carry.anchor.prefetch_pos)}): build it with "
                      "init_carry(..., prefetch=) of this width")
-  tier = carry.tier
+  lost = carry.active & rows_without_room(cfg, carry.tier)
+  return carry.replace(status=jnp.where(lost.any(), STATUS_CAPACITY, 0).astype(jnp.int32))
+
+
+def rows_without_room(cfg: TierConfig, tier: TieredKVState) -> jax.Array:
+  """bool[R]: the requests whose next token would exist nowhere if they decoded
+  now (no page for it, and not a request that lives in its B slots; see
+  ``begin_step``). A draft pass leaves them out instead of refusing the others."""
   newest = tier.seq_len
   unpaged = ~layer_lib.has_page(cfg, tier.page_table, newest)
   paged_request = (tier.page_table >= 0).any(-1)
-  lost = (carry.active & (newest < cfg.max_len) & unpaged
-          & (paged_request | (newest >= cfg.hot_slots)))
-  return carry.replace(status=jnp.where(lost.any(), STATUS_CAPACITY, 0).astype(jnp.int32))
+  return (newest < cfg.max_len) & unpaged & (paged_request | (newest >= cfg.hot_slots))
 
 
 def commit_step(carry: TieredCarry) -> TieredCarry:

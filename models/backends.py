@@ -31,6 +31,7 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import state as kv_state
 from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
+from kvtier_jax.draft import ngram_draft, ngram_match
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
                                        check_state_layout, layer_slice, prefill_state)
@@ -125,26 +126,6 @@ def sparse_attend(selector, index_share: int = 1, row_tile: int | None = None):
   return attend
 
 
-def ngram_match(history, max_n: int = 3) -> tuple[int, int]:
-  """Prompt lookup: (the token that followed the latest earlier occurrence of the
-  longest recent n-gram, n <= max_n; that n), or (the last token, 0) when not even
-  the last token occurred before."""
-  tokens = list(history)
-  for n in range(max_n, 0, -1):
-    if len(tokens) <= n:
-      continue
-    tail = tokens[-n:]
-    for start in range(len(tokens) - n - 1, -1, -1):
-      if tokens[start:start + n] == tail:
-        return tokens[start + n], n
-  return tokens[-1], 0
-
-
-def ngram_draft(history, max_n: int = 3) -> int:
-  """Prompt-lookup drafting: ``ngram_match``'s token; no model."""
-  return ngram_match(history, max_n)[0]
-
-
 def lookup_or_head(history, head_token: int, min_match: int = 2) -> int:
   """The prompt-lookup draft where an n-gram of at least ``min_match`` tokens
   matched, else ``head_token`` (a trained draft head's): on held-out text it
@@ -187,10 +168,14 @@ def tiered_step(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights, token
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tier_cfg", "selector"),
                    donate_argnames=("carry",))
-def _tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights,
-                       tokens, carry: kv_decode.TieredCarry):
-  """Look-ahead (OasisKV): run a draft token at the next position without
-  committing it; its capped misses are the prefetch (``decode.finish_draft``)."""
+def tiered_draft_pass(cfg: ModelConfig, tier_cfg: TierConfig, selector, weights,
+                      tokens, carry: kv_decode.TieredCarry):
+  """Look-ahead (OasisKV): run a draft token at each active request's next
+  position without committing it; its capped misses are the prefetch
+  (``decode.finish_draft``). A request without the page of that position sits
+  the pass out (its step would refuse the whole batch's)."""
+  carry = carry.replace(active=carry.active & ~kv_decode.rows_without_room(tier_cfg,
+                                                                             carry.tier))
   before = kv_decode.begin_step(tier_cfg, carry)
   _, after = apply_decode(cfg, weights, tokens, carry.tier.seq_len, before,
                           kv_decode.tiered_attend(tier_cfg, selector, draft=True))
@@ -363,8 +348,8 @@ class Runner:
                                         tokens)).tolist()
         drafts = [lookup_or_head(h, t) for h, t in zip(self.history, heads)]
       self.last_draft = drafts
-      self.carry = _tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
-                                      jnp.asarray(drafts, jnp.int32), self.carry)
+      self.carry = tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
+                                     jnp.asarray(drafts, jnp.int32), self.carry)
     if self.draft_head is not None:
       self.features = feats[0]  # f_p: the next step's f_{p-1}
     return logits

@@ -42,6 +42,7 @@ from models.backends import (
   sparse_attend,
   tier_config,
   tiled_selector,
+  tiered_draft_pass,
   tiered_step,
   warn_past_context,
 )
@@ -217,6 +218,10 @@ class ServingBackend:
     host_pages: pages in the host pool (tiered; default: every slot can hold
       ``max_len``).
     index_share: layers per selection (sparse, tiered).
+    lookahead: "none" or "draft" (tiered): after each decode step the engine hands
+      ``draft_pass`` each decoding slot's prompt-lookup draft of its next token; an
+      uncommitted pass of it fetches up to ``lookahead_cap`` (default 64) rows per
+      layer and unit that the next step would miss (``Runner``'s look-ahead).
     device: where the weights and the state live (default: JAX's default device);
       the host tier lives in that device's host memory.
     tier_overrides: more ``TierConfig`` fields (impl, policy, warm start...).
@@ -225,9 +230,14 @@ class ServingBackend:
   def __init__(self, model: Transformer, backend: str, num_slots: int, max_len: int, *,
                selector=None, selector_params=None, hot_slots: int | None = None,
                chunk_size: int = 128, page_size: int = 64, host_pages: int | None = None,
-               index_share: int = 1, device: jax.Device | None = None,
-               **tier_overrides):
+               index_share: int = 1, lookahead: str = "none",
+               device: jax.Device | None = None, **tier_overrides):
     check_backend(backend, selector, hot_slots, model.cfg.num_layers, index_share)
+    if lookahead not in ("none", "draft") or (lookahead != "none" and backend != "tiered"):
+      raise ValueError(f"lookahead={lookahead!r}: 'none', or 'draft' on the tiered "
+                       f"backend (got {backend!r})")
+    if lookahead == "draft":
+      tier_overrides.setdefault("lookahead_cap", 64)
     warn_past_context(model.cfg, max_len)
     selector = tiled_selector(selector, model.cfg)
     if backend == "tiered" and chunk_size % page_size:
@@ -243,6 +253,7 @@ class ServingBackend:
     self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
     self.page_size, self.vocab_size = page_size, cfg.vocab_size
     self.selector, self.params, self.index_share = selector, selector_params, index_share
+    self.lookahead = lookahead
     self.hot_slots = hot_slots if backend == "tiered" else 0
     self.stage_len = -(-max_len // chunk_size) * chunk_size
     self.tier_cfg = None
@@ -545,6 +556,25 @@ class ServingBackend:
       self.advance(active)
     return ServingState(cache, state.staging), logits
 
+  def draft_pass(self, state: ServingState, drafts: np.ndarray, active: np.ndarray
+                 ) -> ServingState:
+    """The look-ahead (``lookahead="draft"``): an uncommitted pass of ``drafts``
+    i32[S] at each active slot's next position. What it fetches stays in the hot
+    cache for the next step; lengths, counters (its rows count as ``prefetched``)
+    and outputs are as before. A slot without the page of that position sits it
+    out."""
+    if self.lookahead != "draft":
+      raise ValueError("draft_pass needs a backend built with lookahead='draft'")
+    if np.shape(drafts) != (self.num_slots,) or np.shape(active) != (self.num_slots,):
+      raise ValueError(f"drafts {np.shape(drafts)} and active {np.shape(active)} must "
+                       f"be ({self.num_slots},)")
+    active = np.asarray(active, bool) & (self.driver.seq_len < self.max_len)
+    check_tokens(np.asarray(drafts)[active], self.vocab_size)
+    carry = state.cache.replace(active=jnp.array(active))
+    cache = tiered_draft_pass(self.cfg, self.tier_cfg, self.selector, self.weights,
+                              jnp.asarray(drafts, jnp.int32), carry)
+    return ServingState(cache, state.staging)
+
   # Snapshot --------------------------------------------------------------------
 
   def snapshot(self, state: ServingState) -> list[np.ndarray]:
@@ -575,19 +605,22 @@ class ServingBackend:
     if self.backend != "tiered":
       return {}
     rows = 2**32
-    return dict(hits=rows, misses=rows, fetched_rows=rows,
+    return dict(hits=rows, misses=rows, prefetched=rows, fetched_rows=rows,
                 host_to_device_bytes=rows * 2 * self.tier_cfg.row_bytes)
 
   def stats(self, state: ServingState, units: int | None = None) -> dict:
-    """``units``: count hits and misses of the first ``units`` only (the mesh's
-    padded heads are not the model's); fetched rows and bytes count every row."""
+    """``units``: count hits, misses and prefetched rows of the first ``units``
+    only (the mesh's padded heads are not the model's); fetched rows and bytes
+    count every row. ``misses`` are the steps' own (on the critical path); rows a
+    look-ahead fetched ahead count as ``prefetched``."""
     if self.backend != "tiered":
       return {}
     tier = state.cache.tier
     if units is not None:
-      tier = tier.replace(hits=tier.hits[:, :, :units], misses=tier.misses[:, :, :units])
+      tier = tier.replace(hits=tier.hits[:, :, :units], misses=tier.misses[:, :, :units],
+                          prefetched=tier.prefetched[:, :, :units])
     stats = kv_state.cache_stats(self.tier_cfg, tier)
-    return {k: stats[k] for k in ("hits", "misses", "fetched_rows",
+    return {k: stats[k] for k in ("hits", "misses", "prefetched", "fetched_rows",
                                   "host_to_device_bytes")}
 
 

@@ -73,6 +73,8 @@ class MeshServingBackend:
                mesh, selector=None, selector_params=None, host_pages: int | None = None,
                **kwargs):
     rows, width = mesh.shape[sharding.DATA], mesh.shape[sharding.MODEL]
+    if kwargs.get("lookahead", "none") != "none":  # (its decode runs no draft pass)
+      raise ValueError("the look-ahead runs on one device's backend, not over a mesh")
     if num_slots % rows:
       raise ValueError(f"num_slots={num_slots} must be a multiple of data={rows}")
     if host_pages is not None and host_pages < rows:

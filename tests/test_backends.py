@@ -18,6 +18,7 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import driver
 from kvtier_jax import selectors as sel_lib
 from kvtier_jax.config import ImplConfig
+from kvtier_jax.draft import ngram_match
 from kvtier_jax.policies import PolicyConfig
 from models import backends
 from tests.util import default_codegen_env, smollm2_or_skip
@@ -262,13 +263,43 @@ def test_the_draft_pass_leaves_the_score_ema_to_the_real_step(model_and_prompt):
     logits = runner.step(jnp.argmax(logits, -1))
   before = jax.device_get(runner.carry.tier)
   copy = jax.tree.map(jnp.copy, runner.carry)
-  after = jax.device_get(backends._tiered_draft_pass(
+  after = jax.device_get(backends.tiered_draft_pass(
       model.cfg, runner.tier_cfg, selector, runner.weights,
       jnp.asarray([ids[5]], jnp.int32), copy).tier)
   refilled = after.slot_pos != before.slot_pos
   assert refilled.any() and (np.asarray(after.prefetched) > np.asarray(before.prefetched)).any()
   np.testing.assert_array_equal(after.slot_score[~refilled], before.slot_score[~refilled])
   np.testing.assert_array_equal(after.slot_score[refilled], 1.0)
+
+
+def test_a_request_without_its_next_page_sits_the_draft_pass_out(model_and_prompt):
+  """A serving batch drafts while some request's next position has no host page
+  yet (the engine allocates it before the real step): that request's row is left
+  out of the pass, untouched, and the others still fetch ahead (the whole pass
+  refused, before)."""
+  _, ids = model_and_prompt
+  model, _ = smollm2_or_skip(num_layers=3)
+  selector, _ = selector_for("quest", model.cfg)
+  runner = backends.Runner(model, "tiered", len(ids) + 8, selector=selector,
+                           hot_slots=selector.top_k)
+  logits = runner.prefill(np.stack([ids, np.roll(ids, 7)]), [len(ids), len(ids)])
+  for _ in range(2):
+    logits = runner.step(jnp.argmax(logits, -1))
+  carry, cfg = runner.carry, runner.tier_cfg
+  table = np.asarray(carry.tier.page_table).copy()
+  table[1, int(runner.seq_len[1]) // cfg.page_size] = -1
+  carry = carry.replace(tier=carry.tier.replace(page_table=jnp.asarray(table)))
+  before = jax.device_get(carry.tier)
+  after = backends.tiered_draft_pass(model.cfg, cfg, selector, runner.weights,
+                                     jnp.asarray([ids[5], ids[9]], jnp.int32),
+                                     jax.tree.map(jnp.copy, carry))
+  assert int(after.status) == 0
+  tier = jax.device_get(after.tier)
+  assert (tier.prefetched[:, 0] > before.prefetched[:, 0]).any()
+  for name in ("slot_pos", "prefetched", "hits", "misses"):  # [L, R, ...]
+    np.testing.assert_array_equal(getattr(tier, name)[:, 1], getattr(before, name)[:, 1],
+                                  name)
+  assert tier.seq_len.tolist() == before.seq_len.tolist()
 
 
 @pytest.mark.parametrize("name", ["dsa"])  # the selector that also reads x
@@ -420,7 +451,7 @@ def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
       assert list(whole[r, :len(seq)]) == seq
       head_token = int(draft_lib.draft_tokens(cfg, weights, head, feats[r, len(seq) - 2],
                                               jnp.asarray(seq[-1])))
-      from_head += backends.ngram_match(seq)[1] < 2
+      from_head += ngram_match(seq)[1] < 2
       want.append(backends.lookup_or_head(seq, head_token))
     assert runners[1].last_draft == want
   assert from_head > 6, from_head  # most drafts were the head's

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvtier_jax import draft
 from models import draft_head, text
 from models import transformer as tfm
 from models.config import ModelConfig
@@ -135,8 +136,8 @@ def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
       if len(history) > n and starts:
         want = (history[max(starts) + n], n)
         break
-    assert backends.ngram_match(history) == want, history
-    assert backends.ngram_draft(history) == want[0]
+    assert draft.ngram_match(history) == want, history
+    assert draft.ngram_draft(history) == want[0]
     for min_match in (1, 2, 3):
       got = backends.lookup_or_head(history, -7, min_match)
       assert got == (want[0] if want[1] >= min_match else -7), (history, min_match)

@@ -80,6 +80,19 @@ def test_the_serving_runners_serve_a_row_tiled_model(tmp_path):
   assert next(r for r in rows if r["cache"] == "tiered")["same_tokens"] == "3/3"
 
 
+@pytest.mark.slow  # end to end in a subprocess: CI runs it (--runslow)
+def test_serve_with_the_look_ahead_is_exact_and_fetches_ahead(tmp_path):
+  """``serve --lookahead=draft``: every request checked against the sparse backend
+  alone (which runs no look-ahead), and the summary counts the rows fetched ahead
+  apart from the misses left on the steps."""
+  out = run("experiments.serve", "--smoke", f"--model_layers={SMOKE_LAYERS}",
+            "--lookahead=draft", "--check_exact", f"--out_root={tmp_path}")
+  assert out.strip().splitlines()[-1].endswith("exact=4/4 prefix_hit=0"), out[-500:]
+  _, rows = only_run(tmp_path, "serve")
+  assert rows[0]["lookahead"] == "draft"
+  assert rows[0]["prefetched"] > 0
+
+
 def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   """sparse vs tiered at one device budget on SmolLM2: the tiered engine admits and
   runs more requests at once, and every request's tokens equal the sparse run's. On

@@ -680,6 +680,64 @@ def test_random_schedules_equal_solo_runs(seed):
                               req.max_new_tokens, req.sampling)
 
 
+class DraftingModel(FakeModel):
+  """A FakeModel with a look-ahead: each draft pass is checked against the slots
+  the step before it decoded and the tokens they were fed."""
+
+  lookahead = "draft"
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.engine, self.decoded, self.drafted, self.rows = None, None, 0, 0
+
+  def decode(self, state, tokens, active):
+    self.decoded = np.array(active)
+    self.rows += int(self.decoded.sum())
+    return super().decode(state, tokens, active)
+
+  def draft_pass(self, state, drafts, active):
+    for slot, req in enumerate(self.engine.slots):
+      goes_on = bool(self.decoded[slot]) and req is not None and (
+          req.state is State.DECODING)
+      assert active[slot] == goes_on, (slot, req)
+      if goes_on:  # the prompt lookup over what the slot was fed, by brute force
+        fed = state["seq"][slot]
+        want = fed[-1]
+        for n in (3, 2, 1):
+          starts = [s for s in range(len(fed) - n) if fed[s:s + n] == fed[-n:]]
+          if starts:
+            want = fed[max(starts) + n]
+            break
+        assert drafts[slot] == want, (slot, fed)
+        self.drafted += 1
+    self.decoded = None  # one pass per step
+    return state
+
+
+def test_the_look_ahead_drafts_each_request_that_decodes_on_from_what_it_was_fed():
+  """``lookahead == "draft"``: after each decode step the engine passes the model
+  the prompt-lookup draft of every request that decodes on (not one that finished,
+  was aborted or waits), drawn from the tokens fed so far, not the one just sampled;
+  with preemption and aborts the tokens are the solo runs'."""
+  rng = np.random.default_rng()
+  model = DraftingModel(num_host_pages=24)
+  engine = Engine(model, EngineConfig(max_step_tokens=20))
+  model.engine = engine
+  reqs = []
+  for prompt, new, sp, delay in random_workload(rng, 30, vocab=6):
+    for _ in range(delay):
+      engine.step()
+    reqs.append(engine.submit(prompt, new, sp))
+    if rng.random() < 0.1:
+      engine.abort(reqs[int(rng.integers(len(reqs)))].id)
+  engine.run()
+  assert 0 < model.drafted < model.rows  # (a request's last step drafts nothing)
+  assert sum(r.metrics.preemptions for r in reqs) > 0, "no page pressure"
+  for req in reqs:
+    if req.state is State.FINISHED:
+      assert req.output == solo(FakeModel, req.prompt, req.max_new_tokens, req.sampling)
+
+
 def test_engine_books_at_their_boundaries():
   """Values at the edges of the engine's rules, each a mutant a wider test passed:
   a request charging exactly the device budget runs; one whose whole life is B

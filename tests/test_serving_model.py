@@ -12,7 +12,8 @@ import pytest
 
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from kvtier_jax.serving.bench import RequestSpec, decode_logits_among, random_others
-from models import backends, serving, setup, text
+from kvtier_jax import sharding
+from models import backends, serving, setup, sharded_serving, text
 from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
 
@@ -34,9 +35,10 @@ def model_and_ids():
   return model, text.tokenize_prompt(tokenizer, text.load_text(), 2400)
 
 
-def backend(model, name, host_pages=None, chunk_size=64):
+def backend(model, name, host_pages=None, chunk_size=64, **extra):
   selector, params = setup.build_selector("quest", model.cfg, 32)
-  extra = dict(hot_slots=48, host_pages=host_pages) if name == "tiered" else {}
+  if name == "tiered":
+    extra.update(hot_slots=48, host_pages=host_pages)
   return serving.ServingBackend(model, name, 3, 256, selector=selector,
                                 selector_params=params, chunk_size=chunk_size,
                                 page_size=16, **extra)
@@ -48,8 +50,10 @@ def backend(model, name, host_pages=None, chunk_size=64):
 BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 
-def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None, **config):
-  engine = Engine(backend(model, name, host_pages),
+def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
+          lookahead="none", **config):
+  extra = dict(lookahead=lookahead) if lookahead != "none" else {}
+  engine = Engine(backend(model, name, host_pages, **extra),
                   EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
   pending = list(enumerate(workload))
   reqs, arrived = {}, {}
@@ -421,6 +425,53 @@ def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
     logits.append(np.asarray(out)[0])
   assert np.isfinite(logits[1]).all()
   np.testing.assert_array_equal(logits[1], logits[0])
+
+
+def test_the_look_ahead_fetches_ahead_and_keeps_every_token(model_and_ids):
+  """``lookahead="draft"``: after each step the engine drafts every decoding
+  request's next token by prompt lookup and the backend runs it uncommitted. With
+  preemption, a sampled request and an abort on the way, every request yields the
+  plain tiered engine's tokens (the sparse engine's, test above); the misses left on
+  the steps fall, the rows fetched ahead count as prefetched, and the draft pass
+  compiles once."""
+  model, ids = model_and_ids
+  plain, want = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED)
+  compiled = backends.tiered_draft_pass._cache_size()
+  ahead, got = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
+                     lookahead="draft")
+  for i, req in got.items():
+    assert req.state is want[i].state, (i, req.reason)
+    assert req.output == want[i].output, i
+  assert sum(r.metrics.preemptions for r in got.values()) > 0, "no preemption"
+  assert backends.tiered_draft_pass._cache_size() == compiled + 1
+  plain_stats, ahead_stats = (e.model.stats(e.state) for e in (plain, ahead))
+  assert plain_stats["prefetched"] == 0 < ahead_stats["prefetched"]
+  assert ahead_stats["misses"] < plain_stats["misses"] / 2, (ahead_stats, plain_stats)
+  assert ahead_stats["fetched_rows"] == ahead_stats["misses"] + ahead_stats["prefetched"]
+
+
+def test_the_look_ahead_is_refused_where_nothing_would_run_it(model_and_ids):
+  model, _ = model_and_ids
+  for name in ("dense", "sparse"):
+    with pytest.raises(ValueError, match="'draft' on the tiered backend"):
+      backend(model, name, lookahead="draft")
+  with pytest.raises(ValueError, match="lookahead='ahead'"):
+    backend(model, "tiered", lookahead="ahead")
+  plain = backend(model, "tiered")
+  with pytest.raises(ValueError, match="lookahead='draft'"):
+    plain.draft_pass(plain.init(), np.zeros(3, np.int32), np.ones(3, bool))
+  ahead = backend(model, "tiered", lookahead="draft")
+  with pytest.raises(ValueError, match="must be \\(3,\\)"):
+    ahead.draft_pass(ahead.init(), np.zeros(2, np.int32), np.ones(3, bool))
+  with pytest.raises(ValueError, match=r"must be in \[0, "):
+    ahead.draft_pass(ahead.init(), np.full(3, model.cfg.vocab_size, np.int32),
+                     np.ones(3, bool))
+  selector, params = setup.build_selector("quest", model.cfg, 32)
+  with pytest.raises(ValueError, match="not over a mesh"):
+    sharded_serving.MeshServingBackend(
+        model, "tiered", 3, 256, mesh=sharding.make_mesh({"data": 1}), selector=selector,
+        selector_params=params, hot_slots=48, chunk_size=64, page_size=16,
+        lookahead="draft")
 
 
 def test_step_counters_stay_exact_when_the_device_counters_wrap(model_and_ids):

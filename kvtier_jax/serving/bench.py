@@ -372,7 +372,8 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
              * host_page_bytes / 2**20,
              prefix_hit=(sum(p["cached_tokens"] or 0 for p in per) / prompt_tokens
                          if prompt_tokens else None),
-             misses=sum(s.get("misses", 0) for s in steps))
+             misses=sum(s.get("misses", 0) for s in steps),
+             prefetched=sum(s.get("prefetched", 0) for s in steps))
   for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s")):
     for stat, value in distribution([p[key] for p in per], 1e3).items():
       row[f"{name}_{stat}_ms"] = value

@@ -15,7 +15,10 @@ Each ``step()``:
    one; when the pool is empty the newest running request is preempted (slot and
    pages freed, re-queued first) and later resumes exactly: its prompt is
    prefilled again and its earlier outputs are fed back through decode steps, not
-   re-sampled, so it yields the same tokens.
+   re-sampled, so it yields the same tokens. A model with a look-ahead
+   (``lookahead == "draft"``) then gets each still-decoding request's
+   prompt-lookup draft of its next token (``ServingModel.draft_pass``), so the
+   rows the next step selects are fetched ahead of it.
 3. **Chunked prefill** with the step's leftover token budget (at least one chunk
    per step): the prompt runs in chunks of C tokens at fixed boundaries, so a
    prompt's numbers do not depend on the schedule; after the last chunk the
@@ -63,6 +66,7 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
+from kvtier_jax.draft import ngram_draft
 from kvtier_jax.driver import StepRefused
 from kvtier_jax.serving import sampling
 from kvtier_jax.serving import handoff as handoff_lib
@@ -755,7 +759,22 @@ class Engine:
     for req in batch:
       req.cached += 1
     self._sample(batch, logits, [r.slot for r in batch], [r.cached for r in batch])
+    if getattr(self.model, "lookahead", "none") == "draft":
+      self._draft(batch)
     return len(batch)
+
+  def _draft(self, batch: list[Request]) -> None:
+    """The look-ahead: each request of ``batch`` that decodes on drafts its next
+    token from the tokens it has fed (not the one just sampled: the draft stands
+    in for it, as it would while the step still ran beside it)."""
+    drafts = np.zeros((self.model.num_slots,), np.int32)
+    active = np.zeros((self.model.num_slots,), bool)
+    for req in batch:
+      if req.state is State.DECODING:  # (an ended request let its slot go)
+        drafts[req.slot] = ngram_draft((req.prompt + req.output)[:req.cached])
+        active[req.slot] = True
+    if active.any():
+      self.state = self.model.draft_pass(self.state, drafts, active)
 
   def _sample(self, batch: list[Request], logits, rows: list[int],
               positions: list[int]) -> None:

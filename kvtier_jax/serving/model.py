@@ -68,6 +68,15 @@ class ServingModel(Protocol):
     garbage and their slots unchanged. Raises ``StepRefused`` (with the state
     unchanged) when the step refused its input."""
 
+  # Optional: the look-ahead. A model whose ``lookahead`` is "draft" gets, after
+  # each decode step, a draft of each still-decoding slot's next token.
+  lookahead: str
+
+  def draft_pass(self, state: Any, drafts: np.ndarray, active: np.ndarray) -> Any:
+    """Run ``drafts`` i32[S] at each active slot's next position without
+    committing anything the outputs depend on: only what is cached moves (the rows
+    the next step would fetch, fetched now)."""
+
   # Optional: a data-parallel model (requests over D devices, one host tier each)
   # splits its slots and host pages into ``num_partitions`` equal ranges; slot s
   # may only hold pages of its own range (default 1).
