@@ -31,7 +31,7 @@ from kvtier_jax.selectors.base import (StepInputs, check_picked, check_ranking,
                                        check_state_capacity, check_state_layout,
                                        layer_slice)
 from kvtier_jax.shapes import EMPTY
-from kvtier_jax.state import TieredKVState
+from kvtier_jax.state import TieredKVState, committed
 
 
 @flax.struct.dataclass
@@ -59,23 +59,6 @@ def init_carry(cfg: TierConfig, tier: TieredKVState, sel=None, params=None,
   width = None if prefetch is None else prefetch.shape[-1]
   return committed(TieredCarry(tier, sel, params, jnp.int32(0),
                                AnchorResult.empty(cfg, width), active, prefetch))
-
-
-def committed(tree):
-  """``tree`` with every eager, uncommitted array committed where it already lives.
-
-  jit keys its compiled code on whether each argument is committed to a device. A
-  carry built eagerly (uncommitted scalars, a jitted prefill's outputs) and the
-  carry the step returns (committed) would compile the step twice. Inside a trace
-  (tracers) nothing changes.
-  """
-  def commit(x):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and (
-        not x.committed):
-      return jax.device_put(x, x.sharding)
-    return x
-
-  return jax.tree.map(commit, tree)
 
 
 @functools.cache

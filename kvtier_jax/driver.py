@@ -22,7 +22,7 @@ from kvtier_jax.resolve import (STATUS_CAPACITY, STATUS_DUPLICATE, STATUS_OUT_OF
                                 check_selection)
 from kvtier_jax.selectors.base import check_ranking
 from kvtier_jax.selectors.synthetic import GivenSelector
-from kvtier_jax.state import TieredKVState
+from kvtier_jax.state import TieredKVState, committed
 
 
 def describe_status(status: int) -> str:
@@ -95,7 +95,7 @@ class TieredDriver:
       carry = carry.replace(active=jnp.ones(self.seq_len.shape, bool))  # all rows
     # Committed like the carry the step returns: an argument that is committed in
     # one call and not in the next (logits fed back as tokens) compiles twice.
-    out, carry = self._step(carry, *decode.committed(args))
+    out, carry = self._step(carry, *committed(args))
     carry = _append(self.cfg, carry)
     status = int(carry.status)
     if status:

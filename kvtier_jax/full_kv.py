@@ -11,9 +11,9 @@ import numpy as np
 
 from kvtier_jax import attention, layer_scan
 from kvtier_jax.config import TierConfig
-from kvtier_jax.decode import committed
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
                                        check_state_layout)
+from kvtier_jax.state import committed
 
 
 class FullKVState(NamedTuple):

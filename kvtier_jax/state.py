@@ -144,6 +144,23 @@ def cache_stats(cfg: TierConfig, state: TieredKVState) -> dict:
   }
 
 
+def committed(tree):
+  """``tree`` with every eager, uncommitted array committed where it already lives.
+
+  jit keys its compiled code on whether each argument is committed to a device. A
+  carry built eagerly (uncommitted scalars, a jitted prefill's outputs) and the
+  carry the step returns (committed) would compile the step twice. Inside a trace
+  (tracers) nothing changes.
+  """
+  def commit(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and (
+        not x.committed):
+      return jax.device_put(x, x.sharding)
+    return x
+
+  return jax.tree.map(commit, tree)
+
+
 def array_bytes_by_memory_kind(tree) -> dict[str, int]:
   """Bytes of every array in ``tree``, grouped by memory kind (measured sizes)."""
   out: dict[str, int] = {}

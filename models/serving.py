@@ -324,9 +324,9 @@ class ServingBackend:
 
   def init(self) -> ServingState:
     # Committed from the start, as every step returns it: else each jitted
-    # function the engine calls compiles once more (kv_decode.committed).
+    # function the engine calls compiles once more (kv_state.committed).
     with jax.default_device(self.device):
-      return kv_decode.committed(self._init())
+      return kv_state.committed(self._init())
 
   def _init(self) -> ServingState:
     cfg, slots = self.cfg, self.num_slots
