@@ -37,14 +37,15 @@ def test_sharded_step_equals_the_one_device_step_on_4_devices():
   assert result["refused"] == 3 and result["misses"] > 0, result
 
 
-@pytest.mark.slow  # five engines in a subprocess: CI runs it (--runslow)
+@pytest.mark.slow  # six engines in a subprocess: CI runs it (--runslow)
 def test_a_row_tiled_decode_over_a_mesh_is_the_same_bits_at_any_slot_count():
   """``decode_row_tile`` on a mesh engine (SmolLM2's first layers, a request among
   random others): on data:2 meshes of 2 and 4-8 slots its decode logits are one
   device's at one slot, bit for bit; on data:2 x model:2 meshes of those slot
-  counts they equal each other. Not one device's: the KV heads split over the model
-  axis (3 padded to 4) sum in another order (DESIGN, "Moving a request between
-  engines"). Untiled, a data:2 mesh at 6 slots differed from one device by 6.9e-5."""
+  counts they are a model:2 mesh's (one data row) at one slot. Not one device's:
+  the KV heads split over the model axis (3 padded to 4) sum in another order
+  (DESIGN, "Moving a request between engines"). Untiled, a data:2 mesh at 6 slots
+  differed from one device by 6.9e-5."""
   smollm2_or_skip()
   out = run("tests.mesh_tile_worker")
   result = json.loads(out.strip().splitlines()[-1])
