@@ -121,22 +121,33 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
     draft_head.load(path)
 
 
+def brute_force_lookup(history):
+  """The longest n <= 3 whose last n tokens occurred earlier: (the token after the
+  latest such occurrence, n), or (the last token, 0)."""
+  for n in (3, 2, 1):
+    starts = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
+    if len(history) > n and starts:
+      return history[max(starts) + n], n
+  return history[-1], 0
+
+
 def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
-  """``ngram_match`` on random short-alphabet histories against a brute force: the
-  longest n <= 3 whose last n tokens occurred earlier, the token after the latest
-  such occurrence (or the last token, n = 0); ``lookup_or_head`` takes the head's
-  token exactly where n < min_match."""
+  """``ngram_match`` on random short-alphabet histories against a brute force;
+  ``PromptLookup`` fed the same history in random pieces answers as it does after
+  each piece; ``lookup_or_head`` takes the head's token exactly where n <
+  min_match."""
   from models import backends
   rng = np.random.default_rng()
   for _ in range(300):
     history = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(1, 30))).tolist()
-    want = (history[-1], 0)
-    for n in (3, 2, 1):
-      starts = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
-      if len(history) > n and starts:
-        want = (history[max(starts) + n], n)
-        break
+    want = brute_force_lookup(history)
     assert draft.ngram_match(history) == want, history
+    lookup, fed = draft.PromptLookup(), 0
+    while fed < len(history):
+      piece = int(rng.integers(1, 6))
+      lookup.extend(history[fed:fed + piece])
+      fed = min(len(history), fed + piece)
+      assert lookup.match() == brute_force_lookup(history[:fed]), history[:fed]
     assert draft.ngram_draft(history) == want[0]
     for min_match in (1, 2, 3):
       got = backends.lookup_or_head(history, -7, min_match)

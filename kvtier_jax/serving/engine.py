@@ -66,7 +66,7 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
-from kvtier_jax.draft import ngram_draft
+from kvtier_jax.draft import PromptLookup
 from kvtier_jax.driver import StepRefused
 from kvtier_jax.serving import sampling
 from kvtier_jax.serving import handoff as handoff_lib
@@ -221,6 +221,7 @@ class Engine:
     self._last_stats = model.stats(self.state)
     self._peak, self._new_tokens = dict(running=0, device=0, host=0), 0  # per step
     self._callback_errors: list[Exception] = []  # raised by on_token this step
+    self._lookups: dict[str, PromptLookup] = {}  # the look-ahead's, by running request
     self.steps = 0
 
   # Submission and abort --------------------------------------------------------
@@ -676,6 +677,7 @@ class Engine:
     return self.pool.grow(slot, num_pages)
 
   def _release(self, req: Request) -> None:
+    self._lookups.pop(req.id, None)  # (a resumed request replays: built afresh)
     if req.radix_node is not None:
       self.radix.unlock(req.radix_node)
       req.radix_node = None
@@ -770,9 +772,14 @@ class Engine:
     drafts = np.zeros((self.model.num_slots,), np.int32)
     active = np.zeros((self.model.num_slots,), bool)
     for req in batch:
-      if req.state is State.DECODING:  # (an ended request let its slot go)
-        drafts[req.slot] = ngram_draft((req.prompt + req.output)[:req.cached])
-        active[req.slot] = True
+      if req.state is not State.DECODING:  # (an ended request let its slot go)
+        continue
+      lookup = self._lookups.setdefault(req.id, PromptLookup())
+      known = len(lookup.tokens)  # < req.cached: a step's token, or a whole prompt
+      lookup.extend(req.prompt[known:req.cached] +
+                    req.output[max(0, known - len(req.prompt)):req.cached - len(req.prompt)])
+      drafts[req.slot] = lookup.match()[0]
+      active[req.slot] = True
     if active.any():
       self.state = self.model.draft_pass(self.state, drafts, active)
 

@@ -75,7 +75,9 @@ class ServingModel(Protocol):
   def draft_pass(self, state: Any, drafts: np.ndarray, active: np.ndarray) -> Any:
     """Run ``drafts`` i32[S] at each active slot's next position without
     committing anything the outputs depend on: only what is cached moves (the rows
-    the next step would fetch, fetched now)."""
+    the next step would fetch, fetched now; ``stats`` may count them as
+    ``prefetched``). A slot the model cannot run ahead (the tiered backend: no host
+    page for that position yet) is left as it is."""
 
   # Optional: a data-parallel model (requests over D devices, one host tier each)
   # splits its slots and host pages into ``num_partitions`` equal ranges; slot s
