@@ -13,6 +13,7 @@ import pytest
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from kvtier_jax.serving.bench import RequestSpec, decode_logits_among, random_others
 from kvtier_jax import sharding
+from kvtier_jax.config import ImplConfig
 from models import backends, serving, setup, sharded_serving, text
 from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
@@ -51,10 +52,23 @@ BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 
 def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
-          lookahead="none", **config):
-  extra = dict(lookahead=lookahead) if lookahead != "none" else {}
-  engine = Engine(backend(model, name, host_pages, **extra),
+          logits=None, backend_args=None, **config):
+  """Serves ``workload``; ``logits``: a dict that gets each request's decode logits
+  (row bytes) at each position, in the order decoded (a resumed request replays)."""
+  engine = Engine(backend(model, name, host_pages, **(backend_args or {})),
                   EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
+  if logits is not None:
+    decode = engine.model.decode
+
+    def recording_decode(state, tokens, active):
+      state, out = decode(state, tokens, active)
+      rows = np.asarray(out)
+      for req in engine.slots:
+        if req is not None and active[req.slot]:
+          logits.setdefault((req.id, req.cached), []).append(rows[req.slot].tobytes())
+      return state, out
+
+    engine.model.decode = recording_decode
   pending = list(enumerate(workload))
   reqs, arrived = {}, {}
   while pending or engine.has_work:
@@ -427,18 +441,26 @@ def test_dense_install_leaves_no_earlier_staging_rows(model_and_ids):
   np.testing.assert_array_equal(logits[1], logits[0])
 
 
-def test_the_look_ahead_fetches_ahead_and_keeps_every_token(model_and_ids):
+@pytest.mark.parametrize("extra", [
+    {}, pytest.param(dict(index_share=SMOKE_LAYERS // 2, policy="freq",
+                          impl=ImplConfig(fused=True)), marks=pytest.mark.slow)])
+def test_the_look_ahead_fetches_ahead_and_keeps_every_logit(model_and_ids, extra):
   """``lookahead="draft"``: after each step the engine drafts every decoding
   request's next token by prompt lookup and the backend runs it uncommitted. With
-  preemption, a sampled request and an abort on the way, every request yields the
-  plain tiered engine's tokens (the sparse engine's, test above); the misses left on
-  the steps fall, the rows fetched ahead count as prefetched, and the draft pass
-  compiles once."""
+  preemption, a sampled request and an abort on the way, every decode logit is the
+  plain tiered engine's, bit for bit (the sparse engine's tokens, test above; the
+  schedule is the same); the misses left on the steps fall, the rows fetched ahead
+  count as prefetched, and the draft pass compiles once. Also with index sharing,
+  a keyed policy and the fused layer step (slow tier)."""
   model, ids = model_and_ids
-  plain, want = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED)
+  want_logits, got_logits = {}, {}
+  plain, want = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
+                      logits=want_logits, backend_args=extra)
   compiled = backends.tiered_draft_pass._cache_size()
   ahead, got = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
-                     lookahead="draft")
+                     logits=got_logits, backend_args=dict(extra, lookahead="draft"))
+  assert got_logits.keys() == want_logits.keys() and len(got_logits) > 50
+  assert all(got_logits[key] == want_logits[key] for key in want_logits)
   for i, req in got.items():
     assert req.state is want[i].state, (i, req.reason)
     assert req.output == want[i].output, i
