@@ -81,6 +81,8 @@ def step_ms(models: dict, batch: int, rng) -> tuple[dict, dict]:
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   if FLAGS.decode_row_tile is not None:
     raise app.UsageError("--decode_row_tile: this runner compares an untiled model with "
                          "one of --tile")

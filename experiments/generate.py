@@ -33,6 +33,8 @@ def main(argv):
     raise ValueError("--lookahead needs --cache=tiered")
   if FLAGS.draft_ckpt and FLAGS.lookahead == "none":
     raise ValueError("--draft_ckpt drafts for --lookahead=draft")
+  if FLAGS["lookahead_cap"].present and FLAGS.lookahead == "none":
+    raise ValueError("--lookahead_cap caps --lookahead=draft's prefetch")
   model_setup.check_draft_ckpt()
   model, tokenizer, ids = model_setup.load_model_and_prompt(
       FLAGS.prompt_file, FLAGS.prompt_tokens, FLAGS.offset)

@@ -100,6 +100,8 @@ def serve_receiver(port: int) -> None:
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   if FLAGS.serve_port:
     serve_receiver(int(FLAGS.serve_port))
     return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from absl import flags
+from absl import app, flags
 
 from kvtier_jax.config import ImplConfig
 from models import draft_head, setup
@@ -55,6 +55,17 @@ def load_model_and_prompt(prompt_file: str | None, prompt_tokens: int, offset: i
   return setup.load_model_and_prompt(prompt_file, prompt_tokens, offset,
                                      num_layers=FLAGS.model_layers,
                                      decode_row_tile=FLAGS.decode_row_tile)
+
+
+NO_LOOKAHEAD = ("lookahead", "lookahead_cap", "draft_ckpt")
+
+
+def refuse_given(names, why: str) -> None:
+  """A ``UsageError`` for any of the shared flags ``names`` given on the command
+  line: a runner that does not read them would otherwise run without them."""
+  given = [f"--{name}" for name in names if FLAGS[name].present]
+  if given:
+    raise app.UsageError(f"{', '.join(given)}: {why}")
 
 
 def tier_impl(keyed_policy: bool = False) -> ImplConfig:

@@ -39,6 +39,8 @@ TOLERANCE = 1e-4
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
                                                     FLAGS.offset)
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,

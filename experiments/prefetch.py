@@ -138,6 +138,8 @@ def main(argv):
     raise app.UsageError(f"--share={FLAGS.share} must divide the IO model's "
                          f"{ModelConfig.glm_5_1().num_layers} layers (as index sharing "
                          "requires of a model)")
+  model_setup.refuse_given(("lookahead", "lookahead_cap"), "this runner compares its "
+                           "own predictors (the draft token among them)")
   model_setup.check_draft_ckpt()
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
   if FLAGS["prompt_tokens"].present:  # (the shared flag's default is not this table's)

@@ -194,8 +194,7 @@ def main(argv):
   if ignored:
     raise app.UsageError(f"{', '.join(ignored)}: not used here (prompts come from the "
                          "bundled corpus or --workload)")
-  if FLAGS.draft_ckpt:
-    raise app.UsageError("--draft_ckpt: the serving engine drafts by prompt lookup")
+  model_setup.refuse_given(["draft_ckpt"], "the serving engine drafts by prompt lookup")
   if FLAGS.lookahead != "none" and (FLAGS.cache != "tiered" or FLAGS.mesh):
     raise app.UsageError("--lookahead needs --cache=tiered on one device")
   if FLAGS.restore and FLAGS.sessions:

@@ -285,6 +285,8 @@ def plot(out, rows) -> None:
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   ignored = [f"--{name}" for name in ("prompt_file", "offset", "prompt_tokens")
              if FLAGS[name].present]
   if FLAGS.workload not in ("synthetic", "rollout"):  # a JSONL file says these itself

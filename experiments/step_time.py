@@ -110,6 +110,8 @@ def io_rows():
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   if FLAGS["prompt_tokens"].present:
     raise app.UsageError("--prompt_tokens: not used here (the context lengths are "
                          "--contexts)")

@@ -68,6 +68,8 @@ def churn(trace: np.ndarray) -> float:
 
 def main(argv):
   del argv
+  model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
+                           "(generate, serve and prefetch do)")
   prompt, steps = (512, 16) if FLAGS.smoke else (FLAGS.prompt_tokens, FLAGS.steps)
   if not FLAGS.smoke and FLAGS["prompt_tokens"].using_default_value:
     prompt = 7680

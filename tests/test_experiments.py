@@ -27,6 +27,25 @@ def only_run(root, experiment):
   return run_dir, rows
 
 
+@pytest.mark.parametrize("module,flag,why", [
+    ("batch_invariance", "--lookahead=draft", "runs no look-ahead"),
+    ("handoff", "--lookahead_cap=8", "runs no look-ahead"),
+    ("parity", "--draft_ckpt=head", "runs no look-ahead"),
+    ("serve_sweep", "--lookahead=draft", "runs no look-ahead"),
+    ("step_time", "--lookahead=draft", "runs no look-ahead"),
+    ("trace", "--draft_ckpt=head", "runs no look-ahead"),
+    ("prefetch", "--lookahead=draft", "compares its own predictors"),
+    ("serve", "--draft_ckpt=head", "drafts by prompt lookup"),
+    ("generate", "--lookahead_cap=8", "caps --lookahead=draft")])
+def test_runners_refuse_the_look_ahead_flags_they_do_not_read(module, flag, why):
+  """The look-ahead's flags are shared (experiments/model_setup.py): a runner that
+  does not read one refuses it before loading anything, not runs without it."""
+  proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", flag],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
+  assert why in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_bench_decode_smoke(tmp_path):
   variants = ["full_kv", "tiered", "tiered_index_share2", "tiered_overlap",
