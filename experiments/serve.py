@@ -197,6 +197,8 @@ def main(argv):
   model_setup.refuse_given(["draft_ckpt"], "the serving engine drafts by prompt lookup")
   if FLAGS.lookahead != "none" and (FLAGS.cache != "tiered" or FLAGS.mesh):
     raise app.UsageError("--lookahead needs --cache=tiered on one device")
+  if FLAGS.lookahead == "none":
+    model_setup.refuse_given(["lookahead_cap"], "it caps --lookahead=draft's prefetch")
   if FLAGS.restore and FLAGS.sessions:
     raise app.UsageError("--restore continues independent requests, not --sessions")
   data = sharding.parse_mesh(FLAGS.mesh)["data"]

@@ -36,6 +36,7 @@ def only_run(root, experiment):
     ("trace", "--draft_ckpt=head", "runs no look-ahead"),
     ("prefetch", "--lookahead=draft", "compares its own predictors"),
     ("serve", "--draft_ckpt=head", "drafts by prompt lookup"),
+    ("serve", "--lookahead_cap=8", "caps --lookahead=draft"),
     ("generate", "--lookahead_cap=8", "caps --lookahead=draft")])
 def test_runners_refuse_the_look_ahead_flags_they_do_not_read(module, flag, why):
   """The look-ahead's flags are shared (experiments/model_setup.py): a runner that
