@@ -6,6 +6,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def prompt_lookup_oracle(history):
+  """Prompt lookup by brute force: the longest n <= 3 whose last n tokens occurred
+  earlier gives (the token after the latest such occurrence, n); else (the last
+  token, 0)."""
+  for n in (3, 2, 1):
+    starts = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
+    if len(history) > n and starts:
+      return history[max(starts) + n], n
+  return history[-1], 0
+
+
 def resolve_row_oracle(slot_pos, lru, selected, newest):
   """One (request, layer) RESOLVE step, as docs/DESIGN.md ("RESOLVE") describes it."""
   slot_pos = [int(x) for x in slot_pos]

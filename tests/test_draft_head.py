@@ -15,6 +15,7 @@ from kvtier_jax import draft
 from models import draft_head, text
 from models import transformer as tfm
 from models.config import ModelConfig
+from tests.oracles import prompt_lookup_oracle
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
 
 
@@ -121,16 +122,6 @@ def test_head_learns_a_learnable_next_token_rule_and_round_trips(tmp_path):
     draft_head.load(path)
 
 
-def brute_force_lookup(history):
-  """The longest n <= 3 whose last n tokens occurred earlier: (the token after the
-  latest such occurrence, n), or (the last token, 0)."""
-  for n in (3, 2, 1):
-    starts = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
-    if len(history) > n and starts:
-      return history[max(starts) + n], n
-  return history[-1], 0
-
-
 def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
   """``ngram_match`` on random short-alphabet histories against a brute force;
   ``PromptLookup`` fed the same history in random pieces answers as it does after
@@ -140,14 +131,14 @@ def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
   rng = np.random.default_rng()
   for _ in range(300):
     history = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(1, 30))).tolist()
-    want = brute_force_lookup(history)
+    want = prompt_lookup_oracle(history)
     assert draft.ngram_match(history) == want, history
     lookup, fed = draft.PromptLookup(), 0
     while fed < len(history):
       piece = int(rng.integers(1, 6))
       lookup.extend(history[fed:fed + piece])
       fed = min(len(history), fed + piece)
-      assert lookup.match() == brute_force_lookup(history[:fed]), history[:fed]
+      assert lookup.match() == prompt_lookup_oracle(history[:fed]), history[:fed]
     assert draft.ngram_draft(history) == want[0]
     for min_match in (1, 2, 3):
       got = backends.lookup_or_head(history, -7, min_match)
