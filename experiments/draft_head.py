@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import common
-from kvtier_jax.draft import ngram_draft
+from kvtier_jax.draft import ngram_draft, ngram_match
 from models import backends, draft_head, text
 from models import transformer as tfm
 
@@ -109,7 +109,7 @@ def main(argv):
                                       for t in eval_t for p in range(1, window - 1)])
   head_at = iter(drafts["draft head"].tolist())  # the same positions, in order
   drafts["prompt lookup (n >= 2), else draft head"] = np.array([
-      backends.lookup_or_head(t[:p + 1], next(head_at))
+      backends.lookup_or_head(ngram_match(t[:p + 1]), next(head_at))
       for t in eval_t for p in range(1, window - 1)])
   drafts["model's next token (after the step)"] = own
   label = np.asarray(label)

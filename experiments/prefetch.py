@@ -46,7 +46,7 @@ from experiments import common, model_setup
 from experiments.analysis import io_model
 from experiments.analysis.tracing import TraceCarry, lookahead_picks, trace_step
 from kvtier_jax.config import TierConfig
-from kvtier_jax.draft import ngram_draft
+from kvtier_jax.draft import ngram_draft, ngram_match
 from kvtier_jax.layer import prefetch_resolve
 from kvtier_jax.resolve import resolve
 from kvtier_jax.selectors.base import prefill_state
@@ -192,7 +192,7 @@ def main(argv):
     if FLAGS.draft_ckpt:
       drafts.update({"draft head": int(head_drafts[t]),
                      "lookup, else head": backends.lookup_or_head(
-                         tokens[:position + 1].tolist(), head_drafts[t]),
+                         ngram_match(tokens[:position + 1].tolist()), head_drafts[t]),
                      "model's next token": int(own_drafts[t])})
     for kind, draft in drafts.items():
       draft_hits[kind] += int(draft == tokens[position + 1])

@@ -31,7 +31,7 @@ from kvtier_jax import decode as kv_decode
 from kvtier_jax import state as kv_state
 from kvtier_jax.attention import full_kv_attention
 from kvtier_jax.config import TierConfig
-from kvtier_jax.draft import ngram_draft, ngram_match
+from kvtier_jax.draft import PromptLookup
 from kvtier_jax.driver import StepRefused, TieredDriver
 from kvtier_jax.selectors.base import (StepInputs, check_picked, check_state_capacity,
                                        check_state_layout, layer_slice, prefill_state)
@@ -126,12 +126,12 @@ def sparse_attend(selector, index_share: int = 1, row_tile: int | None = None):
   return attend
 
 
-def lookup_or_head(history, head_token: int, min_match: int = 2) -> int:
-  """The prompt-lookup draft where an n-gram of at least ``min_match`` tokens
-  matched, else ``head_token`` (a trained draft head's): on held-out text it
-  beats either alone, where a shorter match is mostly a guess from the last
-  token (WORKSPACE_NOTES.md, twenty-first session)."""
-  token, n = ngram_match(history)
+def lookup_or_head(match: tuple[int, int], head_token: int, min_match: int = 2) -> int:
+  """The prompt-lookup draft (``match``: ``ngram_match``'s (token, n)) where an
+  n-gram of at least ``min_match`` tokens matched, else ``head_token`` (a trained
+  draft head's): on held-out text it beats either alone, where a shorter match is
+  mostly a guess from the last token (WORKSPACE_NOTES.md, twenty-first session)."""
+  token, n = match
   return token if n >= min_match else int(head_token)
 
 
@@ -233,7 +233,7 @@ class Runner:
     lookahead: "none" or "draft" (tiered): after each step, an uncommitted pass of
       a draft token prefetches up to ``lookahead_cap`` (default 64; None: no cap)
       rows per layer and unit for the next step. The draft is prompt lookup's
-      (``ngram_draft``), or with ``draft_head`` ``lookup_or_head``'s: the head
+      (``kvtier_jax.draft``), or with ``draft_head`` ``lookup_or_head``'s: the head
       reads the previous step's features and the token being decoded, both known
       when the step starts (models/draft_head.py).
     tier_overrides: extra TierConfig fields (impl, warm start, lookahead_cap,
@@ -261,7 +261,7 @@ class Runner:
     self.tier_overrides = dict(tier_overrides, index_share=index_share)
     if lookahead == "draft":
       self.tier_overrides.setdefault("lookahead_cap", 64)
-    self.history: list[list[int]] = []
+    self.lookups: list[PromptLookup] = []  # each row's tokens, for the drafts
     self.weights = model.weights()
     self.tier_cfg = None
     self.driver = None
@@ -310,7 +310,10 @@ class Runner:
             features=self.draft_head is not None))
         self.driver.start(lens_np)
     self.seq_len = lens_np.copy()
-    self.history = [np.asarray(tokens)[r, :n].tolist() for r, n in enumerate(lens_np)]
+    if self.lookahead == "draft":
+      self.lookups = [PromptLookup() for _ in lens_np]
+      for lookup, row, n in zip(self.lookups, np.asarray(tokens), lens_np):
+        lookup.extend(row[:n].tolist())
     return logits
 
   def step(self, tokens):
@@ -338,15 +341,15 @@ class Runner:
         raise
       logits, *feats = out if self.draft_head is not None else (out,)
     self.seq_len += 1
-    for hist, token in zip(self.history, np.asarray(tokens).tolist()):
-      hist.append(token)
+    for lookup, token in zip(self.lookups, np.asarray(tokens).tolist()):
+      lookup.extend((token,))
     if self.lookahead == "draft" and (self.seq_len < self.max_len).all():
       if self.draft_head is None:
-        drafts = [ngram_draft(h) for h in self.history]
+        drafts = [lookup.match()[0] for lookup in self.lookups]
       else:  # what the head knew as this step began: f_{p-1} and x_p
         heads = np.asarray(draft_tokens(cfg, self.weights, self.draft_head, feats_before,
                                         tokens)).tolist()
-        drafts = [lookup_or_head(h, t) for h, t in zip(self.history, heads)]
+        drafts = [lookup_or_head(lookup.match(), t) for lookup, t in zip(self.lookups, heads)]
       self.last_draft = drafts
       self.carry = tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
                                      jnp.asarray(drafts, jnp.int32), self.carry)

@@ -400,7 +400,8 @@ def test_draft_lookahead_without_a_cap_fetches_every_miss():
 
 def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
   """``Runner(lookahead="draft", draft_head=...)``: each step's draft is
-  ``lookup_or_head(history, head token)``, the head fed the features of the
+  ``lookup_or_head(ngram_match(history), head token)`` (without a head, prompt
+  lookup's), the head fed the features of the
   position before the one decoded and that position's token (known as the step
   begins), checked against features from a teacher-forced forward pass
   (``apply_features``); logits stay those of the plain tiered run. Random weights
@@ -452,8 +453,9 @@ def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
       head_token = int(draft_lib.draft_tokens(cfg, weights, head, feats[r, len(seq) - 2],
                                               jnp.asarray(seq[-1])))
       from_head += ngram_match(seq)[1] < 2
-      want.append(backends.lookup_or_head(seq, head_token))
+      want.append(backends.lookup_or_head(ngram_match(seq), head_token))
     assert runners[1].last_draft == want
+    assert runners[0].last_draft == [ngram_match(seq)[0] for seq in seqs]
   assert from_head > 6, from_head  # most drafts were the head's
   with pytest.raises(ValueError, match="draft_head"):
     backends.Runner(model, "tiered", 140, selector=selector, hot_slots=128, draft_head=head)

@@ -141,7 +141,7 @@ def test_prompt_lookup_matches_brute_force_and_defers_to_the_head():
       assert lookup.match() == prompt_lookup_oracle(history[:fed]), history[:fed]
     assert draft.ngram_draft(history) == want[0]
     for min_match in (1, 2, 3):
-      got = backends.lookup_or_head(history, -7, min_match)
+      got = backends.lookup_or_head(draft.ngram_match(history), -7, min_match)
       assert got == (want[0] if want[1] >= min_match else -7), (history, min_match)
 
 
