@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.driver import StepRefused
 from kvtier_jax.serving import sampling
 from kvtier_jax.serving.request import is_int
 from tests.oracles import prompt_lookup_oracle
@@ -681,6 +682,57 @@ def test_random_schedules_equal_solo_runs(seed):
                               req.max_new_tokens, req.sampling)
 
 
+DOOMED = VOCAB - 2  # RefusingModel refuses a step that feeds such a request far
+
+
+class RefusingModel(FakeModel):
+  """A FakeModel that refuses a decode step (its state untouched) in which an
+  active slot's sequence starts with DOOMED and reaches ``doom_len`` tokens."""
+
+  doom_len: int = 20
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.shared_refusals = 0  # refused steps that other requests were in
+
+  def decode(self, state, tokens, active):
+    doomed = [s for s in np.flatnonzero(active)
+              if state["seq"][s][:1] == [DOOMED] and len(state["seq"][s]) + 1 >= self.doom_len]
+    if doomed:
+      self.shared_refusals += int(active.sum()) > len(doomed)
+      raise StepRefused(f"slots {doomed} refused", state)
+    return super().decode(state, tokens, active)
+
+
+def test_a_refused_step_fails_only_the_requests_refused_alone():
+  """A decode step the model refuses is retried request by request: each request
+  ends as its solo run does (a doomed one fails at the same token, the others
+  finish with the same tokens), although the refused steps held other requests;
+  nothing leaks."""
+  rng = np.random.default_rng()
+  factory = lambda: RefusingModel(num_host_pages=24)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=20))
+  reqs = []
+  for prompt, new, sp, delay in random_workload(rng, 30):
+    for _ in range(delay):
+      engine.step()
+    prompt[0] = DOOMED if rng.random() < 0.3 else prompt[0] % DOOMED
+    reqs.append(engine.submit(prompt, new, sp))
+  engine.run()
+  assert engine.model.shared_refusals > 0, "no refused step held another request"
+  assert engine.pool.in_use == 0 and engine._device_in_use == 0
+  assert engine.slots == [None] * len(engine.slots)
+  states = [r.state for r in reqs]
+  assert State.FAILED in states and State.FINISHED in states
+  for req in reqs:
+    alone = Engine(factory())
+    want = alone.submit(req.prompt, req.max_new_tokens, req.sampling)
+    alone.run()
+    assert (req.state, req.output) == (want.state, want.output), req.id
+    if req.state is State.FAILED:
+      assert "refused" in req.reason, req.reason
+
+
 class DraftingModel(FakeModel):
   """A FakeModel with a look-ahead: each draft pass is checked against the slots
   the step before it decoded and the tokens they were fed."""
@@ -740,7 +792,6 @@ def test_engine_books_at_their_boundaries():
   and pages; a request that takes a page and finishes in one step peaks with it;
   the first token's time is the first token's; a stop id past the
   vocabulary is refused; the page pool hands out its lowest free page."""
-  from kvtier_jax.driver import StepRefused
   engine = Engine(FakeModel(), EngineConfig(kv_budget_bytes=500))
   exact = engine.submit([1] * 45, 5)  # 50 positions x 10 bytes: the whole budget
   for _ in range(100):  # bounded: a request never admitted would wait for good

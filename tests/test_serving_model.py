@@ -14,6 +14,7 @@ from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snap
 from kvtier_jax.serving.bench import RequestSpec, decode_logits_among, random_others
 from kvtier_jax import sharding
 from kvtier_jax.config import ImplConfig
+from kvtier_jax.driver import StepRefused
 from models import backends, serving, setup, sharded_serving, text
 from models.transformer import Transformer
 from tests.util import SMOKE_LAYERS, smollm2_or_skip
@@ -52,11 +53,21 @@ BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 
 def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
-          logits=None, backend_args=None, **config):
+          logits=None, backend_args=None, refuse=None, **config):
   """Serves ``workload``; ``logits``: a dict that gets each request's decode logits
-  (row bytes) at each position, in the order decoded (a resumed request replays)."""
+  (row bytes) at each position, in the order decoded (a resumed request replays);
+  ``refuse(engine, active)``: the model refuses a decode step where it is true."""
   engine = Engine(backend(model, name, host_pages, **(backend_args or {})),
                   EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
+  if refuse is not None:
+    model_decode = engine.model.decode
+
+    def refusing_decode(state, tokens, active):
+      if refuse(engine, active):
+        raise StepRefused("refused by the test", state)
+      return model_decode(state, tokens, active)
+
+    engine.model.decode = refusing_decode
   if logits is not None:
     decode = engine.model.decode
 
@@ -470,6 +481,40 @@ def test_the_look_ahead_fetches_ahead_and_keeps_every_logit(model_and_ids, extra
   assert plain_stats["prefetched"] == 0 < ahead_stats["prefetched"]
   assert ahead_stats["misses"] < plain_stats["misses"] / 2, (ahead_stats, plain_stats)
   assert ahead_stats["fetched_rows"] == ahead_stats["misses"] + ahead_stats["prefetched"]
+
+
+def test_a_refused_step_keeps_the_logits_of_the_requests_it_did_not_refuse(model_and_ids):
+  """A decode step refused once request 0 has 8 outputs is retried request by
+  request: request 0 fails (refused alone too), and every other request's decode
+  logits are the plain tiered engine's, bit for bit, those of the step retried
+  alone included."""
+  model, ids = model_and_ids
+  want_logits, got_logits, shared = {}, {}, []
+
+  def refuse(engine, active):
+    doomed = engine.requests.get("0")
+    if doomed is None or doomed.slot is None or not active[doomed.slot]:
+      return False
+    if len(doomed.output) < 8:
+      return False
+    shared.append(int(active.sum()) > 1)
+    return True
+
+  _, want = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
+                  logits=want_logits)
+  _, got = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
+                 logits=got_logits, refuse=refuse)
+  assert any(shared), "no refused step held another request"
+  assert got[0].state is State.FAILED and len(got[0].output) == 8, got[0].reason
+  assert got[0].output == want[0].output[:8]
+  others = {key for key in want_logits if key[0] != "0"}
+  assert {key for key in got_logits if key[0] != "0"} == others and len(others) > 30
+  # One row per position, in both runs: a replay (request 0's pages freed, fewer
+  # preemptions here) repeats its first decode's bits.
+  assert all(len(set(got_logits[key] + want_logits[key])) == 1 for key in others)
+  for i, req in got.items():
+    if i != 0:
+      assert (req.state, req.output) == (want[i].state, want[i].output), i
 
 
 def test_the_look_ahead_is_refused_where_nothing_would_run_it(model_and_ids):

@@ -752,18 +752,43 @@ class Engine:
       active[req.slot] = True
     try:
       self.state, logits = self.model.decode(self.state, tokens, active)
+      decoded = batch
     except StepRefused as err:
       self.state = err.state
-      for req in batch:
+      decoded, logits = self._decode_apart(batch, tokens)
+    for req in decoded:
+      req.cached += 1
+    if decoded:
+      self._sample(decoded, logits, [r.slot for r in decoded], [r.cached for r in decoded])
+    if decoded and getattr(self.model, "lookahead", "none") == "draft":
+      self._draft(decoded)
+    return len(batch)
+
+  def _decode_apart(self, batch: list[Request], tokens: np.ndarray):
+    """After a refused step (nothing committed, so a retry is exact): step each
+    request of ``batch`` alone, so that only the requests that refuse alone fail.
+    Returns (the requests decoded, logits f32[S, V] with their rows). One step per
+    request, on a refusal only; an inactive row's logits are garbage and each row's
+    do not depend on the others', so every row is what the batch step gave it."""
+    decoded, rows = [], {}
+    for req in batch:
+      alone = np.zeros((self.model.num_slots,), bool)
+      alone[req.slot] = True
+      try:
+        self.state, logits = self.model.decode(self.state, tokens, alone)
+      except StepRefused as err:
+        self.state = err.state
         self._release(req)
         self._end(req, State.FAILED, f"decode step refused: {err}")
-      return len(batch)
-    for req in batch:
-      req.cached += 1
-    self._sample(batch, logits, [r.slot for r in batch], [r.cached for r in batch])
-    if getattr(self.model, "lookahead", "none") == "draft":
-      self._draft(batch)
-    return len(batch)
+        continue
+      decoded.append(req)
+      rows[req.slot] = np.asarray(logits[req.slot])
+    if not decoded:
+      return decoded, None
+    logits = np.zeros((self.model.num_slots, rows[decoded[0].slot].shape[-1]), np.float32)
+    for slot, row in rows.items():
+      logits[slot] = row
+    return decoded, logits
 
   def _draft(self, batch: list[Request]) -> None:
     """The look-ahead: each request of ``batch`` that decodes on drafts its next

@@ -66,7 +66,9 @@ class ServingModel(Protocol):
     """One decode step of the active slots: ``tokens`` i32[S] at each active
     slot's next position. Returns (state, logits f32[S, V]); inactive rows are
     garbage and their slots unchanged. Raises ``StepRefused`` (with the state
-    unchanged) when the step refused its input."""
+    unchanged) when the step refused its input; the engine then steps each
+    request alone, so an active row's logits must not depend on the other rows'
+    tokens or activity."""
 
   # Optional: the look-ahead. A model whose ``lookahead`` is "draft" gets, after
   # each decode step, a draft of each still-decoding slot's next token.
