@@ -558,9 +558,11 @@ def test_load_cache_returns_what_the_gguf_holds(tmp_path, monkeypatch):
   assert cached.tokenizer.encode(text).ids == fresh.tokenizer.encode(text).ids
 
 
-def _gguf_copy(tmp_path, monkeypatch):
+def _gguf_copy(tmp_path, monkeypatch, seed=True):
   """(a copy of the SmolLM2 GGUF under ``tmp_path`` with its own load cache, the
-  final norm's tensor in it, whose bytes the tests rewrite)."""
+  final norm's tensor in it, whose bytes the tests rewrite). With ``seed`` the
+  copy's cache starts with the installed file's entry (the same bytes: the same
+  key), so only a rewritten file is parsed (~10 s a parse)."""
   import shutil
 
   from models import gguf_loader
@@ -568,9 +570,17 @@ def _gguf_copy(tmp_path, monkeypatch):
     source = gguf_loader.gguf_path()
   except gguf_loader.ModelNotInstalledError as e:
     pytest.skip(str(e))
+  gguf_loader.load_gguf(source)  # cached after the first load on this machine
+  entry = gguf_loader._cache_entry(source)
   monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
   path = tmp_path / source.name
   shutil.copy2(source, path)
+  seeded = gguf_loader._cache_entry(path)
+  assert seeded.name == entry.name
+  seeded.parent.mkdir(parents=True, exist_ok=True)
+  for suffix in (".npz", ".json"):
+    if seed and entry.with_suffix(suffix).exists():  # (not where it is read-only)
+      shutil.copy2(entry.with_suffix(suffix), seeded.with_suffix(suffix))
   tensors = {t.name: t for t in gguf_loader.open_reader(path).tensors}
   return path, tensors["output_norm.weight"]
 
@@ -615,7 +625,7 @@ def test_a_file_rewritten_while_it_loads_is_not_cached_under_its_old_contents(
   """The key is the file's hash before parsing: a rewrite in between stored the new
   arrays under the old contents' key, so the old file, put back, loaded them."""
   from models import gguf_loader
-  path, tensor = _gguf_copy(tmp_path, monkeypatch)
+  path, tensor = _gguf_copy(tmp_path, monkeypatch, seed=False)  # both loads parse
   original = path.read_bytes()
   value = np.float32(np.random.default_rng().uniform(50, 100))
   opened = gguf_loader.open_reader
