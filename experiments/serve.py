@@ -31,8 +31,9 @@ run per request, ~2 min):
       --prefix_cache --host_budget_mib=150 --disk_budget_mib=512 --check_exact
 Workload JSONL (experiments/workloads.py): one request per line, ``{"id", "prompt":
 text | "prompt_ids": [...], "max_new_tokens", "arrival_s", "temperature", "top_k",
-"top_p", "seed", "stop_ids"}`` (all but the prompt and ``max_new_tokens``
-optional), or session turns ``{"id", "session", "append", "max_new_tokens"}``;
+"top_p", "seed", "stop_ids", "logprobs"}`` (all but the prompt and
+``max_new_tokens`` optional; with ``logprobs``: N, requests.jsonl also holds the
+request's ``output_ids``, ``logprobs`` and ``top_logprobs``), or session turns ``{"id", "session", "append", "max_new_tokens"}``;
 without ``--workload``, a synthetic one from the bundled corpus (Python's pydoc
 topics): independent requests, or agent sessions (``--sessions=skewed|narrow``).
 Results: results/serve/<time>/ (config.json, rows.jsonl (the summary),
@@ -281,9 +282,11 @@ def main(argv):
   for req in served.requests:
     summary = req.metrics.summary()
     summary.pop("itl_s")
+    logprobs = {} if req.sampling.logprobs is None else dict(
+        output_ids=req.output, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     common.append_jsonl(out / "requests.jsonl", dict(
         id=req.id, state=req.state.value, reason=req.reason, prompt_tokens=len(req.prompt),
-        output_tokens=len(req.output), **summary))
+        output_tokens=len(req.output), **summary, **logprobs))
   for step in served.steps:
     common.append_jsonl(out / "steps.jsonl", step)
   row = summarize(FLAGS.cache, served, engine, exact)

@@ -6,8 +6,8 @@ Workloads are lists of ``kvtier_jax.serving.bench.RequestSpec`` / ``Rollout``:
   corpus for SmolLM2; random ids for dummy weights), lengths uniform in a range;
 * ``load_jsonl``: the ``experiments.serve`` format, one request per line:
   ``{"id", "prompt": text | "prompt_ids": [...], "max_new_tokens", "arrival_s",
-  "temperature", "top_k", "top_p", "seed", "stop_ids"}`` (all but the prompt and
-  ``max_new_tokens`` optional). Sessions: ``{"id", "session": name, "append": text
+  "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs"}`` (all but the
+  prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name, "append": text
   | "append_ids": [...], "max_new_tokens"}`` is a turn whose prompt is the
   session's history (earlier appends and the engine's own outputs) plus this
   append, sent when the session's previous turn finishes; sessions interleave in
@@ -157,7 +157,9 @@ def _sampling(row: dict, where: str) -> SamplingParams:
   return SamplingParams(temperature=float(row.get("temperature", 0.0)),
                         top_k=_int(row, "top_k", where, 0),
                         top_p=float(row.get("top_p", 1.0)),
-                        seed=_int(row, "seed", where) if "seed" in row else None)
+                        seed=_int(row, "seed", where) if "seed" in row else None,
+                        logprobs=(_int(row, "logprobs", where) if "logprobs" in row
+                                  else None))
 
 
 def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: int,

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
 from kvtier_jax.driver import StepRefused
-from kvtier_jax.serving import sampling
+from kvtier_jax.serving import Engine, EngineConfig, PagePool, SamplingParams, State
+from kvtier_jax.serving import handoff as handoff_lib
+from kvtier_jax.serving import sampling, snapshot
 from kvtier_jax.serving.request import is_int
 from tests.oracles import prompt_lookup_oracle
 
@@ -292,9 +293,9 @@ def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
     with pytest.raises(ValueError, match="must be"):
       sp.check()
   sp = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float64(0.9),
-                      seed=np.int32(3))
+                      seed=np.int32(3), logprobs=np.int16(2))
   sp.check()
-  assert [type(v) for v in dataclasses.astuple(sp)] == [float, int, float, int]
+  assert [type(v) for v in dataclasses.astuple(sp)] == [float, int, float, int, int]
 
 
 def test_submit_rejects_bad_input_and_the_engine_carries_on():
@@ -680,6 +681,90 @@ def test_random_schedules_equal_solo_runs(seed):
     assert req.state is State.FINISHED
     assert req.output == solo(lambda: FakeModel(num_host_pages=40), req.prompt,
                               req.max_new_tokens, req.sampling)
+
+
+def check_logprobs(req):
+  """``req``'s log-probabilities against a float64 log-softmax of the logits
+  FakeModel gave each output's position (the raw logits: no temperature or
+  top-k/top-p), within f32 rounding; the N best in order."""
+  top_n = req.sampling.logprobs
+  if top_n is None:
+    assert req.logprobs == [] and req.top_logprobs == [], req.id
+    return
+  assert len(req.logprobs) == len(req.top_logprobs) == len(req.output), req.id
+  for i, token in enumerate(req.output):
+    logits = FakeModel._logits(None, req.prompt + req.output[:i]).astype(np.float64)
+    lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+    want = logits - lse
+    # f32 rounding of the logit, the log-sum-exp and their difference, per entry
+    # (one bound for all would be set by the -1e9 logit FakeModel gives POISON).
+    tol = 4 * np.finfo(np.float32).eps * (np.abs(logits) + abs(lse))
+    assert abs(req.logprobs[i] - want[token]) <= tol[token], (req.id, i)
+    best = np.argsort(-want, kind="stable")[:top_n]
+    assert [t for t, _ in req.top_logprobs[i]] == best.tolist(), (req.id, i)
+    got = np.array([x for _, x in req.top_logprobs[i]])
+    assert (np.abs(got - want[best]) <= tol[best]).all(), (req.id, i)
+
+
+def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
+  """``SamplingParams(logprobs=N)``: each output token's log-probability and the N
+  most likely tokens', as a float64 log-softmax of its logits gives them (greedy
+  and sampled requests, with preemption); a snapshot restores them bit for bit
+  and the restored engine goes on as the original; a handoff, through its wire
+  format, carries them to the receiver, which goes on recording."""
+  rng = np.random.default_rng()
+  factory = lambda: FakeModel(num_host_pages=24)
+  engines = [Engine(factory(), EngineConfig(max_step_tokens=20))]
+  reqs = []
+  for i, (prompt, new, sp, delay) in enumerate(random_workload(rng, 16)):
+    for _ in range(delay):
+      engines[0].step()
+    top_n = [None, 0, 3, 20][i % 4]
+    reqs.append(engines[0].submit(prompt, new + 4, dataclasses.replace(sp, logprobs=top_n),
+                                  request_id=f"r{i}"))
+  snapshot.save(engines[0], tmp_path / "snap")
+  engines.append(snapshot.restore(tmp_path / "snap", factory(),
+                                  EngineConfig(max_step_tokens=20)))
+  for engine in engines:
+    engine.run()
+  assert sum(r.metrics.preemptions for r in reqs) > 0, "no page pressure"
+  restored = engines[1].requests
+  for req in reqs:
+    assert req.state is State.FINISHED
+    check_logprobs(req)
+    again = restored[req.id]
+    assert (again.output, again.logprobs, again.top_logprobs) == (
+        req.output, req.logprobs, req.top_logprobs), req.id
+  # A handoff mid-decode, over the wire: the receiver keeps the relayed entries.
+  sender, receiver = Engine(factory()), Engine(factory())
+  moving = sender.submit(reqs[3].prompt, reqs[3].max_new_tokens, reqs[3].sampling)
+  while len(moving.output) < 3:
+    sender.step()
+  wire = handoff_lib.Handoff.from_bytes(sender.export(moving.id, kv="none").to_bytes())
+  moved = receiver.accept(wire)
+  receiver.run()
+  assert moved.relayed == 3 and moved.logprobs[:3] == moving.logprobs
+  assert (moved.output, moved.logprobs) == (reqs[3].output, reqs[3].logprobs)
+  check_logprobs(moved)
+
+
+def test_logprobs_are_refused_out_of_range_and_in_a_handoff_that_disagrees():
+  for bad in (-1, 21, 2.0, True):
+    with pytest.raises(ValueError, match="logprobs"):
+      Engine(FakeModel()).submit([1, 2], 3, SamplingParams(logprobs=bad))
+  sender = Engine(FakeModel())
+  req = sender.submit([1, 2, 3], 8, SamplingParams(logprobs=2))
+  while len(req.output) < 2:
+    sender.step()
+  good = sender.export(req.id, kv="none")
+  for change in (dict(logprobs=good.logprobs[:1]), dict(logprobs=None),
+                 dict(logprobs=[good.logprobs[0], "x"]),
+                 dict(top_logprobs=[good.top_logprobs[0], good.top_logprobs[1][:1]]),
+                 dict(top_logprobs=[good.top_logprobs[0], [(VOCAB, -1.0), (0, -2.0)]]),
+                 dict(sampling=SamplingParams(seed=1))):
+    with pytest.raises(ValueError, match="logprobs"):
+      Engine(FakeModel()).accept(dataclasses.replace(good, **change))
+  Engine(FakeModel()).accept(good)
 
 
 DOOMED = VOCAB - 2  # RefusingModel refuses a step that feeds such a request far

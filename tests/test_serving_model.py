@@ -54,8 +54,9 @@ BUDGET = 24 * 2**20 * SMOKE_LAYERS // 30
 
 def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
           logits=None, backend_args=None, refuse=None, **config):
-  """Serves ``workload``; ``logits``: a dict that gets each request's decode logits
-  (row bytes) at each position, in the order decoded (a resumed request replays);
+  """Serves ``workload``; ``logits``: a dict that gets each request's logits (row
+  bytes) at each position, in the order computed (decode steps, and the last
+  position of each prefill chunk; a resumed request replays);
   ``refuse(engine, active)``: the model refuses a decode step where it is true."""
   engine = Engine(backend(model, name, host_pages, **(backend_args or {})),
                   EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
@@ -80,6 +81,15 @@ def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
       return state, out
 
     engine.model.decode = recording_decode
+    prefill = engine.model.prefill
+
+    def recording_prefill(state, slot, tokens, start, count):
+      state, out = prefill(state, slot, tokens, start, count)
+      req = engine.slots[slot]
+      logits.setdefault((req.id, start + count - 1), []).append(np.asarray(out).tobytes())
+      return state, out
+
+    engine.model.prefill = recording_prefill
   pending = list(enumerate(workload))
   reqs, arrived = {}, {}
   while pending or engine.has_work:
@@ -515,6 +525,28 @@ def test_a_refused_step_keeps_the_logits_of_the_requests_it_did_not_refuse(model
   for i, req in got.items():
     if i != 0:
       assert (req.state, req.output) == (want[i].state, want[i].output), i
+
+
+def test_logprobs_on_smollm2_are_the_log_softmax_of_the_served_logits(model_and_ids):
+  """A sampled request with ``logprobs=5`` on the tiered engine: each output's
+  log-probability and the 5 best are a float64 log-softmax of the logits its
+  step returned (49,152 entries; within f32 rounding), the first output's from
+  the prefill's."""
+  model, ids = model_and_ids
+  sp = SamplingParams(temperature=0.9, seed=3, logprobs=5)
+  rows = {}
+  _, reqs = serve(model, ids, "tiered", [(100, 90, 6, sp, 0)], host_pages=24, logits=rows)
+  req = reqs[0]
+  assert len(req.logprobs) == len(req.top_logprobs) == len(req.output) == 6
+  for i, token in enumerate(req.output):
+    logits = np.frombuffer(rows[req.id, 89 + i][0], np.float32).astype(np.float64)
+    lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+    want = logits - lse
+    tol = 4 * np.finfo(np.float32).eps * (np.abs(logits) + abs(lse))
+    assert abs(req.logprobs[i] - want[token]) <= tol[token], i
+    best = np.argsort(-want, kind="stable")[:5]
+    assert [t for t, _ in req.top_logprobs[i]] == best.tolist(), i
+    assert all(abs(x - want[t]) <= tol[t] for t, x in req.top_logprobs[i]), i
 
 
 def test_the_look_ahead_is_refused_where_nothing_would_run_it(model_and_ids):

@@ -321,6 +321,9 @@ class Engine:
     out = handoff_lib.Handoff(request_id, list(req.prompt), list(req.output),
                               req.max_new_tokens, req.sampling, sorted(req.stop_ids),
                               chunk_size=self.model.chunk_size)
+    if req.sampling.logprobs is not None:
+      out.logprobs = list(req.logprobs)
+      out.top_logprobs = [list(top) for top in req.top_logprobs]
     if kv != "none":
       size = self.model.page_size
       # The K/V of every position but the newest output's: that one the receiver
@@ -381,6 +384,10 @@ class Engine:
                             arrival, returning=True)
     req.output = [int(t) for t in handoff.output]
     req.relayed = len(handoff.output)
+    if req.sampling.logprobs is not None:
+      req.logprobs = [float(x) for x in handoff.logprobs]
+      req.top_logprobs = [[(int(i), float(x)) for i, x in top]
+                          for top in handoff.top_logprobs]
     if keeps_kv:
       size = self.model.page_size
       pages = -(-kv_end // size) - handoff.kv_start // size
@@ -825,6 +832,9 @@ class Engine:
                                      params[2].astype(np.float32),
                                      params[3].astype(np.int32), pos)
     tokens, finite = np.asarray(tokens), np.asarray(finite)
+    wanted = [r.sampling.logprobs for r in batch if r.sampling.logprobs is not None]
+    if wanted:
+      chosen, top_ids, top = map(np.asarray, sampling.logprobs(logits, tokens, max(wanted)))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)
@@ -838,6 +848,11 @@ class Engine:
         continue  # replaying after a preemption: known already
       token = int(tokens[row])
       req.output.append(token)
+      if req.sampling.logprobs is not None:
+        req.logprobs.append(float(chosen[row]))
+        req.top_logprobs.append([(int(i), float(lp)) for i, lp in
+                                 zip(top_ids[row, :req.sampling.logprobs],
+                                     top[row, :req.sampling.logprobs])])
       self._new_tokens += 1
       req.metrics.token_times.append(now)
       if req.metrics.first_token is None:

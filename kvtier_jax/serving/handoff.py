@@ -60,6 +60,10 @@ class Handoff:
   # The sender's model identity (``ServingModel.model_id``): K/V computed by other
   # weights are not taken, the request replays instead (None: unknown).
   model_id: str | None = None
+  # With ``sampling.logprobs`` set: ``Request.logprobs`` and ``top_logprobs`` of
+  # the relayed outputs, one entry per output.
+  logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
 
   @property
   def kv_bytes(self) -> int:
@@ -70,7 +74,8 @@ class Handoff:
                   max_new_tokens=self.max_new_tokens,
                   sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
                   kv_start=self.kv_start, kv_end=self.kv_end, chunk_size=self.chunk_size,
-                  model_id=self.model_id,
+                  model_id=self.model_id, logprobs=self.logprobs,
+                  top_logprobs=self.top_logprobs,
                   kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
     blob = json.dumps(header).encode()
     parts = [struct.pack("<Q", len(blob)), blob]
@@ -206,6 +211,7 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
   bad = [t for t in handoff.output if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"relayed token ids {bad[:5]} are outside the vocabulary")
+  _check_logprobs(handoff, vocab_size)
   if handoff.kv_end:
     # Positions with K/V at the sender: the prompt and every output but the last
     # (not fed yet); without outputs the receiver computes the last prompt position,
@@ -218,6 +224,31 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
     if not handoff.kv or any(a.shape[0] != pages for a in handoff.kv):
       raise ValueError(f"positions [{handoff.kv_start}, {handoff.kv_end}) need {pages} "
                        f"pages; the handoff carries {[a.shape[0] for a in handoff.kv]}")
+
+
+def _check_logprobs(handoff: Handoff, vocab_size: int) -> None:
+  """A request that records log-probabilities carries one entry per relayed output
+  (a float, and ``min(N, vocab)`` (id, float) pairs); one that does not, none."""
+  top_n = handoff.sampling.logprobs
+  if top_n is None:
+    if handoff.logprobs or handoff.top_logprobs:
+      raise ValueError("the handoff carries logprobs its sampling does not ask for "
+                       "(logprobs=None)")
+    return
+  real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+  num = len(handoff.output)
+  values, tops = handoff.logprobs, handoff.top_logprobs
+  if not (isinstance(values, list) and len(values) == num and all(map(real, values))):
+    raise ValueError(f"the handoff's logprobs {values!r:.80} must be {num} numbers, "
+                     "one per relayed output")
+  width = min(top_n, vocab_size)
+  if not (isinstance(tops, list) and len(tops) == num and all(
+      isinstance(top, (list, tuple)) and len(top) == width and all(
+          isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0])
+          and 0 <= pair[0] < vocab_size and real(pair[1]) for pair in top)
+      for top in tops)):
+    raise ValueError(f"the handoff's top_logprobs {tops!r:.80} must be {num} lists of "
+                     f"{width} (token id, number) pairs, one per relayed output")
 
 
 def check_pages(handoff: Handoff, layout: list[np.ndarray]) -> None:

@@ -25,6 +25,9 @@ class State(enum.Enum):
     return self in (State.FINISHED, State.ABORTED, State.FAILED, State.HANDED_OFF)
 
 
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask for (OpenAI's top_logprobs)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Greedy when ``temperature == 0``; else softmax(logits / temperature) over the
@@ -33,19 +36,27 @@ class SamplingParams:
   (seed, p, logits), never on the rest of the batch. None (the default): the
   engine derives one from the request's id at submission (``resolved``), so
   requests with the same prompt draw differently and a rerun with the same ids
-  repeats; the request keeps the derived seed (snapshots, handoffs)."""
+  repeats; the request keeps the derived seed (snapshots, handoffs).
+
+  ``logprobs``: None (the default) records none; N records, for each sampled
+  token, its log-probability under the model's distribution (log-softmax of the
+  raw logits, before temperature, top-k and top-p: what an RL trainer's policy
+  ratio needs, vLLM's default) and the N most likely tokens with theirs
+  (``Request.logprobs``, ``Request.top_logprobs``; N <= ``MAX_LOGPROBS``)."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int | None = None
+  logprobs: int | None = None
 
   def __post_init__(self):
     # numpy scalars become Python numbers (they travel as JSON in handoffs and
     # snapshots); anything else is left for ``check`` to refuse.
     for name, numpy_types, kind in (("temperature", (np.integer, np.floating), float),
                                     ("top_p", (np.integer, np.floating), float),
-                                    ("top_k", np.integer, int), ("seed", np.integer, int)):
+                                    ("top_k", np.integer, int), ("seed", np.integer, int),
+                                    ("logprobs", np.integer, int)):
       if isinstance(getattr(self, name), numpy_types):
         object.__setattr__(self, name, kind(getattr(self, name)))
 
@@ -61,6 +72,10 @@ class SamplingParams:
       raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
     if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**31):
       raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31) or None")
+    if self.logprobs is not None and not (is_int(self.logprobs)
+                                          and 0 <= self.logprobs <= MAX_LOGPROBS):
+      raise ValueError(f"logprobs={self.logprobs!r} must be an int in [0, "
+                       f"{MAX_LOGPROBS}] or None")
 
   def resolved(self, request_id: str) -> "SamplingParams":
     """These parameters with a seed: the given one, else a stable hash of the id."""
@@ -106,6 +121,10 @@ class Request:
   on_token: Callable[["Request", int], None] | None = None
   state: State = State.WAITING
   output: list[int] = dataclasses.field(default_factory=list)
+  # With ``sampling.logprobs`` set, one entry per output token (relayed ones too):
+  # its log-probability, and the most likely tokens as (id, log-probability).
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   reason: str = ""
   # Engine bookkeeping (host side).
   slot: int | None = None

@@ -42,3 +42,14 @@ def sample(logits, temperature, top_k, top_p, seed, position):
   """tokens i32[S] and finite bool[S] from logits f32[S, V] and per-row
   parameters f32/i32[S] (``position``: where the sampled token will sit)."""
   return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, seed, position)
+
+
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def logprobs(logits, tokens, top_n: int):
+  """The log-probability of ``tokens`` i32[S] under softmax(logits f32[S, V]) (the
+  raw logits: no temperature, top-k or top-p), f32[S], and the ``top_n`` most
+  likely tokens' ids i32[S, N] and log-probabilities f32[S, N], best first."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(log_probs, tokens[:, None].astype(jnp.int32), -1)[:, 0]
+  top, ids = jax.lax.top_k(log_probs, top_n)
+  return chosen, ids.astype(jnp.int32), top

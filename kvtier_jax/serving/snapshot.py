@@ -174,6 +174,7 @@ def _books(engine: Engine, disk_ids: list[int]) -> dict:
         id=req.id, prompt=req.prompt, max_new_tokens=req.max_new_tokens,
         sampling=dataclasses.asdict(req.sampling), stop_ids=sorted(req.stop_ids),
         metrics=dataclasses.asdict(req.metrics), state=req.state.value, output=req.output,
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs,
         reason=req.reason, slot=req.slot, device_bytes=req.device_bytes, cached=req.cached,
         staged=req.staged, admit_order=req.admit_order, overtaken=req.overtaken,
         relayed=req.relayed,
@@ -234,6 +235,9 @@ def _load_books(engine: Engine, books: dict, groups: dict[str, list[np.ndarray]]
     req = Request(spec["id"], spec["prompt"], spec["max_new_tokens"],
                   SamplingParams(**spec["sampling"]), frozenset(spec["stop_ids"]), metrics,
                   state=State(spec["state"]), output=spec["output"], reason=spec["reason"],
+                  logprobs=spec.get("logprobs", []),
+                  top_logprobs=[[tuple(pair) for pair in top]
+                                for top in spec.get("top_logprobs", [])],
                   slot=spec["slot"], device_bytes=spec["device_bytes"],
                   cached=spec["cached"], staged=spec["staged"],
                   admit_order=spec["admit_order"], overtaken=spec.get("overtaken", 0),
