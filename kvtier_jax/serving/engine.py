@@ -834,7 +834,8 @@ class Engine:
     tokens, finite = np.asarray(tokens), np.asarray(finite)
     wanted = [r.sampling.logprobs for r in batch if r.sampling.logprobs is not None]
     if wanted:
-      chosen, top_ids, top = map(np.asarray, sampling.logprobs(logits, tokens, max(wanted)))
+      top_n = min(max(wanted), logits.shape[-1])  # (a vocabulary under 20 tokens)
+      chosen, top_ids, top = map(np.asarray, sampling.logprobs(logits, tokens, top_n))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)
