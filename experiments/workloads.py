@@ -251,12 +251,14 @@ def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, 
 
 
 def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
-  """Compile the prefill, the decode step and the sampler on a throwaway engine
+  """Compile the prefill, the decode step, the sampler and the log-probabilities on a
+  throwaway engine
   (the jitted functions are shared), so no measured request pays for compiling.
   Three tokens: the first decode step is not the request's last, so a look-ahead's
   draft pass compiles too. With a prefix cache a second request repeats the
   prompt, which compiles the prefix load too (its first chunk is then cached)."""
   prompt = spec.prompt[:chunk_size + 1]
-  drive(engine, [RequestSpec("warm-up", prompt, 3)])
+  # logprobs=0: the log-probabilities' call compiles too (one width for every N).
+  drive(engine, [RequestSpec("warm-up", prompt, 3, sampling=SamplingParams(logprobs=0))])
   if engine.config.prefix_cache:
     drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 3)])

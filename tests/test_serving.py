@@ -757,14 +757,53 @@ def test_logprobs_are_refused_out_of_range_and_in_a_handoff_that_disagrees():
   while len(req.output) < 2:
     sender.step()
   good = sender.export(req.id, kv="none")
+  (a, x), (b, y) = good.top_logprobs[1]
   for change in (dict(logprobs=good.logprobs[:1]), dict(logprobs=None),
                  dict(logprobs=[good.logprobs[0], "x"]),
+                 dict(logprobs=[good.logprobs[0], float("nan")]),
+                 dict(logprobs=[good.logprobs[0], 0.5]),
+                 dict(logprobs=[good.logprobs[0], -10**400]),  # no float holds it
                  dict(top_logprobs=[good.top_logprobs[0], good.top_logprobs[1][:1]]),
                  dict(top_logprobs=[good.top_logprobs[0], [(VOCAB, -1.0), (0, -2.0)]]),
-                 dict(sampling=SamplingParams(seed=1))):
+                 dict(top_logprobs=[good.top_logprobs[0], [(b, y), (a, x)]]),  # worst first
+                 dict(sampling=SamplingParams(seed=1)),
+                 dict(sampling=SamplingParams(logprobs="2"))):
+    receiver = Engine(FakeModel())
     with pytest.raises(ValueError, match="logprobs"):
-      Engine(FakeModel()).accept(dataclasses.replace(good, **change))
+      receiver.accept(dataclasses.replace(good, **change))
+    assert not receiver.requests and not receiver.waiting  # untouched
+  wire = dataclasses.replace(good, sampling=SamplingParams(logprobs="2")).to_bytes()
+  with pytest.raises(ValueError, match="logprobs"):  # a frame's JSON: not a TypeError
+    Engine(FakeModel()).accept(handoff_lib.Handoff.from_bytes(wire))
   Engine(FakeModel()).accept(good)
+  # Built by hand before any output: no lists needed.
+  Engine(FakeModel()).accept(handoff_lib.Handoff("h", [1, 2, 3], [], 8,
+                                                 SamplingParams(logprobs=2)))
+
+
+class TinyVocabModel(FakeModel):
+  """FakeModel's logits cut to 8 tokens: fewer than ``MAX_LOGPROBS``."""
+
+  vocab_size: int = 8
+
+  def prefill(self, state, slot, tokens, start, count):
+    state, logits = super().prefill(state, slot, tokens, start, count)
+    return state, logits[:8]
+
+  def decode(self, state, tokens, active):
+    state, logits = super().decode(state, tokens, active)
+    return state, logits[:, :8]
+
+
+def test_logprobs_of_a_vocabulary_smaller_than_asked_rank_all_of_it():
+  engine = Engine(TinyVocabModel())
+  req = engine.submit([1, 2, 3], 5, SamplingParams(temperature=1.0, logprobs=20))
+  engine.run()
+  assert req.state is State.FINISHED and len(req.top_logprobs) == 5
+  for token, chosen, top in zip(req.output, req.logprobs, req.top_logprobs):
+    assert sorted(t for t, _ in top) == list(range(8))
+    assert dict(top)[token] == chosen
+    np.testing.assert_allclose(np.exp([x for _, x in top]).sum(), 1.0, rtol=1e-5)
 
 
 DOOMED = VOCAB - 2  # RefusingModel refuses a step that feeds such a request far

@@ -57,16 +57,25 @@ def serve(model, ids, name, workload, host_pages=None, abort=None, probe=None,
   """Serves ``workload``; ``logits``: a dict that gets each request's logits (row
   bytes) at each position, in the order computed (decode steps, and the last
   position of each prefill chunk; a resumed request replays);
-  ``refuse(engine, active)``: the model refuses a decode step where it is true."""
+  ``refuse(engine, active)``: a slot whose host pages a decode step then loses (the
+  step itself refuses, for want of a page; the pages come back with the refused
+  state), or None."""
   engine = Engine(backend(model, name, host_pages, **(backend_args or {})),
                   EngineConfig(max_step_tokens=64, kv_budget_bytes=BUDGET, **config))
   if refuse is not None:
-    model_decode = engine.model.decode
+    model_decode, set_pages = engine.model.decode, engine.model.set_pages
 
     def refusing_decode(state, tokens, active):
-      if refuse(engine, active):
-        raise StepRefused("refused by the test", state)
-      return model_decode(state, tokens, active)
+      slot = refuse(engine, active)
+      if slot is None:
+        return model_decode(state, tokens, active)
+      holed = engine.pool.table.copy()
+      holed[slot] = -1
+      try:
+        model_decode(set_pages(state, holed), tokens, active)
+      except StepRefused as err:
+        raise StepRefused(str(err), set_pages(err.state, engine.pool.table)) from None
+      raise AssertionError("a step without a slot's pages did not refuse")
 
     engine.model.decode = refusing_decode
   if logits is not None:
@@ -494,21 +503,22 @@ def test_the_look_ahead_fetches_ahead_and_keeps_every_logit(model_and_ids, extra
 
 
 def test_a_refused_step_keeps_the_logits_of_the_requests_it_did_not_refuse(model_and_ids):
-  """A decode step refused once request 0 has 8 outputs is retried request by
-  request: request 0 fails (refused alone too), and every other request's decode
-  logits are the plain tiered engine's, bit for bit, those of the step retried
-  alone included."""
+  """A decode step the tiered backend refuses (request 0's host pages taken away
+  once it has 8 outputs) is retried request by request: request 0 fails (refused
+  alone too), and every other request's logits are the plain tiered engine's, bit
+  for bit, those of the step retried alone, after the refused step's returned
+  state, included."""
   model, ids = model_and_ids
   want_logits, got_logits, shared = {}, {}, []
 
   def refuse(engine, active):
     doomed = engine.requests.get("0")
     if doomed is None or doomed.slot is None or not active[doomed.slot]:
-      return False
+      return None
     if len(doomed.output) < 8:
-      return False
+      return None
     shared.append(int(active.sum()) > 1)
-    return True
+    return doomed.slot
 
   _, want = serve(model, ids, "tiered", WORKLOAD, host_pages=24, abort=ABORTED,
                   logits=want_logits)
@@ -516,6 +526,7 @@ def test_a_refused_step_keeps_the_logits_of_the_requests_it_did_not_refuse(model
                  logits=got_logits, refuse=refuse)
   assert any(shared), "no refused step held another request"
   assert got[0].state is State.FAILED and len(got[0].output) == 8, got[0].reason
+  assert "host page" in got[0].reason, got[0].reason  # the backend's own refusal
   assert got[0].output == want[0].output[:8]
   others = {key for key in want_logits if key[0] != "0"}
   assert {key for key in got_logits if key[0] != "0"} == others and len(others) > 30

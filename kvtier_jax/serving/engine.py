@@ -74,8 +74,8 @@ from kvtier_jax.serving.disk import DiskTier
 from kvtier_jax.serving.model import ServingModel
 from kvtier_jax.serving.pages import PagePool
 from kvtier_jax.serving.radix import RadixCache
-from kvtier_jax.serving.request import (Metrics, Request, SamplingParams, State,
-                                        check_prompt, is_int)
+from kvtier_jax.serving.request import (MAX_LOGPROBS, Metrics, Request, SamplingParams,
+                                        State, check_prompt, is_int)
 
 
 PREFILL_POLICIES = ("decode_first", "blocking")
@@ -379,15 +379,14 @@ class Engine:
       # chunk boundary (a frame that does not end on one) is recomputed.
       kv_end = kv_end // self.model.chunk_size * self.model.chunk_size
       keeps_kv = kv_end > handoff.kv_start
+    logprobs = [float(x) for x in handoff.logprobs or []]  # (checked: they convert)
+    top_logprobs = [[(int(i), float(x)) for i, x in top] for top in handoff.top_logprobs or []]
     req = self._new_request(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
                             handoff.stop_ids, request_id or handoff.request_id, on_token,
                             arrival, returning=True)
     req.output = [int(t) for t in handoff.output]
     req.relayed = len(handoff.output)
-    if req.sampling.logprobs is not None:
-      req.logprobs = [float(x) for x in handoff.logprobs]
-      req.top_logprobs = [[(int(i), float(x)) for i, x in top]
-                          for top in handoff.top_logprobs]
+    req.logprobs, req.top_logprobs = logprobs, top_logprobs
     if keeps_kv:
       size = self.model.page_size
       pages = -(-kv_end // size) - handoff.kv_start // size
@@ -832,9 +831,9 @@ class Engine:
                                      params[2].astype(np.float32),
                                      params[3].astype(np.int32), pos)
     tokens, finite = np.asarray(tokens), np.asarray(finite)
-    wanted = [r.sampling.logprobs for r in batch if r.sampling.logprobs is not None]
-    if wanted:
-      top_n = min(max(wanted), logits.shape[-1])  # (a vocabulary under 20 tokens)
+    if any(r.sampling.logprobs is not None for r in batch):
+      # One width for every N (one compile per logits shape); a vocabulary may be smaller.
+      top_n = min(MAX_LOGPROBS, logits.shape[-1])
       chosen, top_ids, top = map(np.asarray, sampling.logprobs(logits, tokens, top_n))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import socket
 import struct
 import time
@@ -228,27 +229,38 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
 
 def _check_logprobs(handoff: Handoff, vocab_size: int) -> None:
   """A request that records log-probabilities carries one entry per relayed output
-  (a float, and ``min(N, vocab)`` (id, float) pairs); one that does not, none."""
+  (a finite float <= 0, and its ``min(N, vocab)`` best as (id, float) pairs, best
+  first); one that does not, none."""
+  handoff.sampling.check()  # (its logprobs, before they size anything)
   top_n = handoff.sampling.logprobs
+  values, tops = handoff.logprobs or [], handoff.top_logprobs or []
   if top_n is None:
-    if handoff.logprobs or handoff.top_logprobs:
+    if values or tops:
       raise ValueError("the handoff carries logprobs its sampling does not ask for "
                        "(logprobs=None)")
     return
-  real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+  def log_prob(x):
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+      return False
+    try:
+      x = float(x)
+    except OverflowError:  # a JSON integer of 400 digits
+      return False
+    return math.isfinite(x) and x <= 0
   num = len(handoff.output)
-  values, tops = handoff.logprobs, handoff.top_logprobs
-  if not (isinstance(values, list) and len(values) == num and all(map(real, values))):
-    raise ValueError(f"the handoff's logprobs {values!r:.80} must be {num} numbers, "
-                     "one per relayed output")
+  if not (isinstance(values, list) and len(values) == num and all(map(log_prob, values))):
+    raise ValueError(f"the handoff's logprobs {values!r:.80} must be {num} finite "
+                     "numbers <= 0, one per relayed output")
   width = min(top_n, vocab_size)
-  if not (isinstance(tops, list) and len(tops) == num and all(
-      isinstance(top, (list, tuple)) and len(top) == width and all(
-          isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0])
-          and 0 <= pair[0] < vocab_size and real(pair[1]) for pair in top)
-      for top in tops)):
+  def best_first(top):
+    return (isinstance(top, (list, tuple)) and len(top) == width
+            and all(isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0])
+                    and 0 <= pair[0] < vocab_size and log_prob(pair[1]) for pair in top)
+            and all(a[1] >= b[1] for a, b in zip(top, top[1:])))
+  if not (isinstance(tops, list) and len(tops) == num and all(map(best_first, tops))):
     raise ValueError(f"the handoff's top_logprobs {tops!r:.80} must be {num} lists of "
-                     f"{width} (token id, number) pairs, one per relayed output")
+                     f"{width} (token id, log-probability) pairs, best first, one per "
+                     "relayed output")
 
 
 def check_pages(handoff: Handoff, layout: list[np.ndarray]) -> None:

@@ -17,7 +17,7 @@ class State(enum.Enum):
   DECODING = "decoding"  # in the decode batch
   FINISHED = "finished"  # reached max_new_tokens or a stop id
   ABORTED = "aborted"  # abort() was called
-  FAILED = "failed"  # non-finite logits, or a decode step refused it alone
+  FAILED = "failed"  # non-finite logits, a decode step refused it alone, on_token raised
   HANDED_OFF = "handed_off"  # exported to another engine (Engine.export)
 
   @property
