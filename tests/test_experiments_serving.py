@@ -25,7 +25,8 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   workload = tmp_path / "requests.jsonl"
   workload.write_text("\n".join(json.dumps(r) for r in [
       dict(id="text", prompt=" ".join(words[:90]), max_new_tokens=4),
-      dict(id="ids", prompt_ids=list(range(1000, 1150)), max_new_tokens=5, arrival_s=0.5),
+      dict(id="ids", prompt_ids=list(range(1000, 1150)), max_new_tokens=5, arrival_s=0.5,
+           logprobs=3),
       dict(id="short", prompt_ids=[42] * 20, max_new_tokens=3, arrival_s=1.0),
       dict(id="a1", session="a", append=" ".join(more[:110]), max_new_tokens=4),
       dict(id="a2", session="a", append=" ".join(more[110:125]), max_new_tokens=4),
@@ -51,7 +52,14 @@ def test_serve_smoke_requests_and_sessions_with_the_prefix_cache_are_exact(tmp_p
   # Session turns 2 and 3 reuse turn 1's whole chunks; the others share nothing.
   assert rows[0]["prefix_hit"] > 0.15 and rows[0]["hit_p90"] > 0.5
   assert rows[0]["prefill_tokens"] < rows[0]["prompt_tokens"]
-  assert len((run_dir / "requests.jsonl").read_text().splitlines()) == requests
+  served = {r["id"]: r for r in map(json.loads,
+                                     (run_dir / "requests.jsonl").read_text().splitlines())}
+  assert len(served) == requests
+  ids = served["ids"]  # its log-probabilities: one entry per output, the 3 best
+  assert len(ids["output_ids"]) == len(ids["logprobs"]) == len(ids["top_logprobs"]) == 5
+  for token, chosen, top in zip(ids["output_ids"], ids["logprobs"], ids["top_logprobs"]):
+    assert len(top) == 3 and top[0][0] == token and top[0][1] == chosen <= 0  # greedy
+  assert "logprobs" not in served["text"]
   assert json.loads((run_dir / "config.json").read_text())["flags"]["schedule"] == "lpm"
   assert "mesh={'data': 2, 'model': 2}" in out
   # XLA kept every layout. The prefill compiles once per mesh row (its own devices):
