@@ -33,7 +33,8 @@ Workload JSONL (experiments/workloads.py): one request per line, ``{"id", "promp
 text | "prompt_ids": [...], "max_new_tokens", "arrival_s", "temperature", "top_k",
 "top_p", "seed", "stop_ids", "logprobs"}`` (all but the prompt and
 ``max_new_tokens`` optional; with ``logprobs``: N, requests.jsonl also holds the
-request's ``output_ids``, ``logprobs`` and ``top_logprobs``), or session turns ``{"id", "session", "append", "max_new_tokens"}``;
+request's ``output_ids``, ``logprobs`` and ``top_logprobs``), or session turns
+``{"id", "session", "append", "max_new_tokens"}``;
 without ``--workload``, a synthetic one from the bundled corpus (Python's pydoc
 topics): independent requests, or agent sessions (``--sessions=skewed|narrow``).
 Results: results/serve/<time>/ (config.json, rows.jsonl (the summary),

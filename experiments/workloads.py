@@ -7,8 +7,8 @@ Workloads are lists of ``kvtier_jax.serving.bench.RequestSpec`` / ``Rollout``:
 * ``load_jsonl``: the ``experiments.serve`` format, one request per line:
   ``{"id", "prompt": text | "prompt_ids": [...], "max_new_tokens", "arrival_s",
   "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs"}`` (all but the
-  prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name, "append": text
-  | "append_ids": [...], "max_new_tokens"}`` is a turn whose prompt is the
+  prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name,
+  "append": text | "append_ids": [...], "max_new_tokens"}`` is a turn whose prompt is the
   session's history (earlier appends and the engine's own outputs) plus this
   append, sent when the session's previous turn finishes; sessions interleave in
   file order;
@@ -251,9 +251,9 @@ def admissible(backend, kv_budget_mib: float | None, length: int) -> tuple[int, 
 
 
 def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
-  """Compile the prefill, the decode step, the sampler and the log-probabilities on a
-  throwaway engine
-  (the jitted functions are shared), so no measured request pays for compiling.
+  """Compile the prefill, the decode step, the sampler and the log-probabilities on
+  a throwaway engine (the jitted functions are shared), so no measured request pays
+  for compiling.
   Three tokens: the first decode step is not the request's last, so a look-ahead's
   draft pass compiles too. With a prefix cache a second request repeats the
   prompt, which compiles the prefix load too (its first chunk is then cached)."""

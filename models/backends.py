@@ -349,7 +349,8 @@ class Runner:
       else:  # what the head knew as this step began: f_{p-1} and x_p
         heads = np.asarray(draft_tokens(cfg, self.weights, self.draft_head, feats_before,
                                         tokens)).tolist()
-        drafts = [lookup_or_head(lookup.match(), t) for lookup, t in zip(self.lookups, heads)]
+        drafts = [lookup_or_head(lookup.match(), t)
+                  for lookup, t in zip(self.lookups, heads)]
       self.last_draft = drafts
       self.carry = tiered_draft_pass(cfg, self.tier_cfg, self.selector, self.weights,
                                      jnp.asarray(drafts, jnp.int32), self.carry)

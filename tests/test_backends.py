@@ -401,11 +401,11 @@ def test_draft_lookahead_without_a_cap_fetches_every_miss():
 def test_draft_head_lookahead_drafts_lookup_else_head_from_causal_features():
   """``Runner(lookahead="draft", draft_head=...)``: each step's draft is
   ``lookup_or_head(ngram_match(history), head token)`` (without a head, prompt
-  lookup's), the head fed the features of the
-  position before the one decoded and that position's token (known as the step
-  begins), checked against features from a teacher-forced forward pass
-  (``apply_features``); logits stay those of the plain tiered run. Random weights
-  and a random head: this checks the plumbing, not the draft's quality."""
+  lookup's), the head fed the features of the position before the one decoded and
+  that position's token (known as the step begins), checked against features from
+  a teacher-forced forward pass (``apply_features``); logits stay those of the
+  plain tiered run. Random weights and a random head: this checks the plumbing,
+  not the draft's quality."""
   from flax import nnx
   from models import draft_head as draft_lib
   from models import transformer as tfm

@@ -570,17 +570,19 @@ def _gguf_copy(tmp_path, monkeypatch, seed=True):
     source = gguf_loader.gguf_path()
   except gguf_loader.ModelNotInstalledError as e:
     pytest.skip(str(e))
-  gguf_loader.load_gguf(source)  # cached after the first load on this machine
-  entry = gguf_loader._cache_entry(source)
+  if seed:
+    gguf_loader.load_gguf(source)  # cached after the first load on this machine
+    entry = gguf_loader._cache_entry(source)
   monkeypatch.setenv("KVTIER_JAX_CACHE", str(tmp_path / "cache"))
   path = tmp_path / source.name
   shutil.copy2(source, path)
-  seeded = gguf_loader._cache_entry(path)
-  assert seeded.name == entry.name
-  seeded.parent.mkdir(parents=True, exist_ok=True)
-  for suffix in (".npz", ".json"):
-    if seed and entry.with_suffix(suffix).exists():  # (not where it is read-only)
-      shutil.copy2(entry.with_suffix(suffix), seeded.with_suffix(suffix))
+  if seed:
+    seeded = gguf_loader._cache_entry(path)
+    assert seeded.name == entry.name
+    seeded.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in (".npz", ".json"):
+      if entry.with_suffix(suffix).exists():  # (not where the cache is read-only)
+        shutil.copy2(entry.with_suffix(suffix), seeded.with_suffix(suffix))
   tensors = {t.name: t for t in gguf_loader.open_reader(path).tensors}
   return path, tensors["output_norm.weight"]
 

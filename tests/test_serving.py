@@ -820,8 +820,8 @@ class RefusingModel(FakeModel):
     self.shared_refusals = 0  # refused steps that other requests were in
 
   def decode(self, state, tokens, active):
-    doomed = [s for s in np.flatnonzero(active)
-              if state["seq"][s][:1] == [DOOMED] and len(state["seq"][s]) + 1 >= self.doom_len]
+    doomed = [s for s in np.flatnonzero(active) if state["seq"][s][:1] == [DOOMED]
+              and len(state["seq"][s]) + 1 >= self.doom_len]
     if doomed:
       self.shared_refusals += int(active.sum()) > len(doomed)
       raise StepRefused(f"slots {doomed} refused", state)

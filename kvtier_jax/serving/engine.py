@@ -380,7 +380,8 @@ class Engine:
       kv_end = kv_end // self.model.chunk_size * self.model.chunk_size
       keeps_kv = kv_end > handoff.kv_start
     logprobs = [float(x) for x in handoff.logprobs or []]  # (checked: they convert)
-    top_logprobs = [[(int(i), float(x)) for i, x in top] for top in handoff.top_logprobs or []]
+    top_logprobs = [[(int(i), float(x)) for i, x in top]
+                    for top in handoff.top_logprobs or []]
     req = self._new_request(handoff.prompt, handoff.max_new_tokens, handoff.sampling,
                             handoff.stop_ids, request_id or handoff.request_id, on_token,
                             arrival, returning=True)
@@ -765,7 +766,8 @@ class Engine:
     for req in decoded:
       req.cached += 1
     if decoded:
-      self._sample(decoded, logits, [r.slot for r in decoded], [r.cached for r in decoded])
+      self._sample(decoded, logits, [r.slot for r in decoded],
+                   [r.cached for r in decoded])
     if decoded and getattr(self.model, "lookahead", "none") == "draft":
       self._draft(decoded)
     return len(batch)
