@@ -40,8 +40,8 @@ class SamplingParams:
 
   ``logprobs``: None (the default) records none; N records, for each sampled
   token, its log-probability under the model's distribution (log-softmax of the
-  raw logits, before temperature, top-k and top-p: what an RL trainer's policy
-  ratio needs, vLLM's default) and the N most likely tokens with theirs
+  raw logits, before temperature, top-k and top-p, as vLLM's default
+  ``raw_logprobs``) and the N most likely tokens with theirs
   (``Request.logprobs``, ``Request.top_logprobs``; N <= ``MAX_LOGPROBS``)."""
 
   temperature: float = 0.0
