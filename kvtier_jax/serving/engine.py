@@ -778,7 +778,7 @@ class Engine:
     Returns (the requests decoded, logits f32[S, V] with their rows). One step per
     request, on a refusal only; an inactive row's logits are garbage and each row's
     do not depend on the others', so every row is what the batch step gave it."""
-    decoded, rows = [], {}
+    decoded, merged = [], None
     for req in batch:
       alone = np.zeros((self.model.num_slots,), bool)
       alone[req.slot] = True
@@ -790,13 +790,11 @@ class Engine:
         self._end(req, State.FAILED, f"decode step refused: {err}")
         continue
       decoded.append(req)
-      rows[req.slot] = np.asarray(logits[req.slot])
-    if not decoded:
-      return decoded, None
-    logits = np.zeros((self.model.num_slots, rows[decoded[0].slot].shape[-1]), np.float32)
-    for slot, row in rows.items():
-      logits[slot] = row
-    return decoded, logits
+      row = np.asarray(logits[req.slot])
+      if merged is None:
+        merged = np.zeros((self.model.num_slots, row.shape[-1]), np.float32)
+      merged[req.slot] = row
+    return decoded, merged
 
   def _draft(self, batch: list[Request]) -> None:
     """The look-ahead: each request of ``batch`` that decodes on drafts its next

@@ -186,6 +186,7 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
   if not isinstance(handoff.sampling, SamplingParams):
     raise ValueError(f"the handoff's sampling {handoff.sampling!r:.80} is not "
                      "SamplingParams")
+  handoff.sampling.check()  # (its logprobs size the lists checked below)
   for name in ("prompt", "output", "stop_ids"):
     ids = getattr(handoff, name)
     if not isinstance(ids, (list, tuple)) or not all(map(is_int, ids)):
@@ -231,7 +232,6 @@ def _check_logprobs(handoff: Handoff, vocab_size: int) -> None:
   """A request that records log-probabilities carries one entry per relayed output
   (a finite float <= 0, and its ``min(N, vocab)`` best as (id, float) pairs, best
   first); one that does not, none."""
-  handoff.sampling.check()  # (its logprobs, before they size anything)
   top_n = handoff.sampling.logprobs
   values, tops = handoff.logprobs or [], handoff.top_logprobs or []
   if top_n is None:
