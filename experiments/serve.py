@@ -31,9 +31,10 @@ run per request, ~2 min):
       --prefix_cache --host_budget_mib=150 --disk_budget_mib=512 --check_exact
 Workload JSONL (experiments/workloads.py): one request per line, ``{"id", "prompt":
 text | "prompt_ids": [...], "max_new_tokens", "arrival_s", "temperature", "top_k",
-"top_p", "seed", "stop_ids", "logprobs"}`` (all but the prompt and
-``max_new_tokens`` optional; with ``logprobs``: N, requests.jsonl also holds the
-request's ``output_ids``, ``logprobs`` and ``top_logprobs``), or session turns
+"top_p", "seed", "stop_ids", "logprobs", "logprobs_mode"}`` (all but the prompt
+and ``max_new_tokens`` optional; with ``logprobs``: N, requests.jsonl also holds
+the request's ``output_ids``, ``logprobs`` and ``top_logprobs``, "raw" or
+"processed" as ``SamplingParams`` says), or session turns
 ``{"id", "session", "append", "max_new_tokens"}``;
 without ``--workload``, a synthetic one from the bundled corpus (Python's pydoc
 topics): independent requests, or agent sessions (``--sessions=skewed|narrow``).

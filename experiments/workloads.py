@@ -6,8 +6,8 @@ Workloads are lists of ``kvtier_jax.serving.bench.RequestSpec`` / ``Rollout``:
   corpus for SmolLM2; random ids for dummy weights), lengths uniform in a range;
 * ``load_jsonl``: the ``experiments.serve`` format, one request per line:
   ``{"id", "prompt": text | "prompt_ids": [...], "max_new_tokens", "arrival_s",
-  "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs"}`` (all but the
-  prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name,
+  "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs", "logprobs_mode"}``
+  (all but the prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name,
   "append": text | "append_ids": [...], "max_new_tokens"}`` is a turn whose prompt is the
   session's history (earlier appends and the engine's own outputs) plus this
   append, sent when the session's previous turn finishes; sessions interleave in
@@ -31,7 +31,7 @@ import numpy as np
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving.bench import Rollout, RequestSpec, drive
-from kvtier_jax.serving.request import is_int
+from kvtier_jax.serving.request import LOGPROBS_MODES, is_int
 from models import serving, sharded_serving
 
 
@@ -154,12 +154,18 @@ def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
 
 
 def _sampling(row: dict, where: str) -> SamplingParams:
-  return SamplingParams(temperature=float(row.get("temperature", 0.0)),
-                        top_k=_int(row, "top_k", where, 0),
-                        top_p=float(row.get("top_p", 1.0)),
-                        seed=_int(row, "seed", where) if "seed" in row else None,
-                        logprobs=(_int(row, "logprobs", where) if "logprobs" in row
-                                  else None))
+  sampling = SamplingParams(temperature=float(row.get("temperature", 0.0)),
+                            top_k=_int(row, "top_k", where, 0),
+                            top_p=float(row.get("top_p", 1.0)),
+                            seed=_int(row, "seed", where) if "seed" in row else None,
+                            logprobs=(_int(row, "logprobs", where) if "logprobs" in row
+                                      else None),
+                            logprobs_mode=row.get("logprobs_mode", "raw"))
+  try:
+    sampling.check()
+  except ValueError as err:
+    raise ValueError(f"{where}: {err}") from None
+  return sampling
 
 
 def sessions(stream: np.ndarray, rng: np.random.Generator, num: int, first_len: int,
@@ -255,10 +261,11 @@ def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
   a throwaway engine (the jitted functions are shared), so no measured request pays
   for compiling.
   Three tokens: the first decode step is not the request's last, so a look-ahead's
-  draft pass compiles too. With a prefix cache a second request repeats the
-  prompt, which compiles the prefix load too (its first chunk is then cached)."""
+  draft pass compiles too. Two requests, one per logprobs mode (the call compiles
+  for batches without and with processed rows; logprobs=0: one width serves every
+  N); the second repeats the prompt, so with a prefix cache it compiles the prefix
+  load too (the first's first chunk is then cached)."""
   prompt = spec.prompt[:chunk_size + 1]
-  # logprobs=0: the log-probabilities' call compiles too (one width for every N).
-  drive(engine, [RequestSpec("warm-up", prompt, 3, sampling=SamplingParams(logprobs=0))])
-  if engine.config.prefix_cache:
-    drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 3)])
+  for mode in LOGPROBS_MODES:
+    drive(engine, [RequestSpec(f"warm-up ({mode} logprobs)", prompt, 3,
+                               sampling=SamplingParams(logprobs=0, logprobs_mode=mode))])

@@ -386,10 +386,11 @@ def test_shared_prefix_workload_groups_share_exactly_their_system_prompt():
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_warm_up_loads_a_cached_prefix_when_the_engine_caches_prefixes(prefix_cache):
-  """The measured run then compiles nothing on its first prefix hit."""
+  """The measured run then compiles nothing on its first prefix hit, nor its
+  log-probabilities."""
   from experiments import workloads
-  from kvtier_jax.serving import Engine, EngineConfig
-  from kvtier_jax.serving.bench import RequestSpec
+  from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, sampling
+  from kvtier_jax.serving.bench import RequestSpec, drive
   from tests.test_serving import VOCAB, FakeModel
 
   loads = []
@@ -405,6 +406,12 @@ def test_warm_up_loads_a_cached_prefix_when_the_engine_caches_prefixes(prefix_ca
   workloads.warm_up(engine, RequestSpec("r", prompt, 4), model.chunk_size)
   assert loads == ([model.chunk_size] if prefix_cache else [])
   assert all(r.state.value == "finished" for r in engine.requests.values())
+  # Nor does it compile log-probabilities, raw or processed, at any N.
+  compiled = sampling.logprobs._cache_size()
+  for i, mode in enumerate(("raw", "processed", "raw")):
+    drive(Engine(CountingModel(hot_slots=0)), [RequestSpec(
+        f"m{i}", prompt, 3, sampling=SamplingParams(logprobs=3 * i, logprobs_mode=mode))])
+  assert sampling.logprobs._cache_size() == compiled
 
 
 def test_pdd_smoke(tmp_path):

@@ -192,26 +192,28 @@ def test_serve_stops_at_a_snapshot_and_another_process_goes_on_exactly(tmp_path)
 
 def test_workload_files_refuse_ids_and_counts_that_are_not_integers(tmp_path):
   """``load_jsonl`` keeps integer ids as given and refuses a float (int() would
-  truncate 1.9 into the id 1) or a session turn's stop ids (a Rollout has none),
-  naming the line."""
+  truncate 1.9 into the id 1), sampling ``SamplingParams.check`` refuses, or a
+  session turn's stop ids (a Rollout has none), naming the line."""
   from experiments import workloads  # noqa: PLC0415
   path = tmp_path / "w.jsonl"
   good = [dict(id="a", prompt_ids=[5, 6, 7], max_new_tokens=2, stop_ids=[9], top_k=3,
-               logprobs=4),
+               logprobs=4, logprobs_mode="processed"),
           dict(id="s1", session="s", append_ids=[1, 2], max_new_tokens=3),
           dict(id="s2", session="s", append_ids=[4], max_new_tokens=1)]
   path.write_text("\n".join(map(json.dumps, good)) + "\n")
   spec, session = workloads.load_jsonl(path, tokenizer=None)
   assert (spec.prompt, spec.max_new_tokens, spec.stop_ids) == ((5, 6, 7), 2, (9,))
   assert (spec.sampling.top_k, spec.sampling.logprobs) == (3, 4)
-  assert session.sampling.logprobs is None
+  assert spec.sampling.logprobs_mode == "processed"
+  assert (session.sampling.logprobs, session.sampling.logprobs_mode) == (None, "raw")
   assert (session.prompt, session.max_new_tokens, session.env_tokens) == (
       (1, 2), (3, 1), ((4,),))
   for change, match in ((dict(prompt_ids=[5, 6.9]), "prompt_ids"),
                         (dict(max_new_tokens=2.5), "max_new_tokens"),
                         (dict(stop_ids=[1.9]), "stop_ids"), (dict(stop_ids=3), "stop_ids"),
                         (dict(top_k=2.5), "top_k"), (dict(seed="1"), "seed"),
-                        (dict(logprobs=1.0), "logprobs")):
+                        (dict(logprobs=1.0), "logprobs"), (dict(logprobs=21), "logprobs"),
+                        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode")):
     path.write_text(json.dumps(dict(good[0], **change)) + "\n")
     with pytest.raises(ValueError, match=f"w.jsonl:1: {match}"):
       workloads.load_jsonl(path, tokenizer=None)

@@ -2,6 +2,7 @@
 record of what it sent where, and replicas in two processes (experiments.route)."""
 
 import collections
+import dataclasses
 import re
 
 import numpy as np
@@ -29,14 +30,14 @@ def brute_match(sent: list[list[int]], prompt: list[int]) -> int:
 
 
 def _ends(conn, count, timeout=30):
-  """{request id: (state, output, cached tokens)} of the next ``count`` requests
-  a replica reports ended (other messages skipped)."""
+  """{request id: its "done" message's dict} of the next ``count`` requests a
+  replica reports ended (other messages skipped)."""
   done = {}
   while len(done) < count:
     assert conn.poll(timeout), f"the replica stopped answering: {done}"
     kind, rid, *rest = conn.recv()
     if kind == "done":
-      done[rid] = rest
+      done[rid] = rest[0]
   return done
 
 
@@ -59,8 +60,9 @@ def test_a_replica_refuses_a_bad_request_and_serves_on():
   ours.send(("stop",))
   assert ours.recv()[0] == "stats"
   thread.join(10)
-  assert done["long"] == ["failed", [], None]
-  assert done["fine"][:2] == ["finished", solo(FakeModel, [3, 4, 5], 4)]
+  assert done["long"] == dict(state="failed", output=[], cached_tokens=None)
+  assert done["fine"] == dict(state="finished", output=solo(FakeModel, [3, 4, 5], 4),
+                              cached_tokens=0)
 
 
 def _replicas(count, factory):
@@ -103,7 +105,7 @@ def test_replica_stats_count_each_prompt_once_under_preemption():
   done = _ends(conn, len(prompts), timeout=60)
   conn.send(("stop",))
   kind, stats = conn.recv()
-  assert all(state == "finished" for state, *_ in done.values()), done
+  assert all(d["state"] == "finished" for d in done.values()), done
   assert stats["replicas"][0]["prompt_tokens"] == 90
   assert stats["replicas"][0]["cached_tokens"] == 0
   assert stats["replicas"][0]["prefill_tokens"] > 90  # the preemptions recomputed
@@ -155,28 +157,37 @@ def test_sessions_whose_turns_share_an_id_are_refused_before_anything_is_sent():
 
 def test_sessions_keep_their_sampling_through_the_replicas():
   """A sampled session's turns decode with its own ``SamplingParams`` on the
-  replica (they were sent without them and decoded greedily), and a submitted
-  request's stop ids are the replica's engine's."""
+  replica (they were sent without them and decoded greedily), its log-probabilities
+  come back with them, and a submitted request's stop ids are the replica's
+  engine's."""
   from kvtier_jax.serving import Engine, SamplingParams, bench, replica
   from tests.test_serving import FakeModel, solo
-  sampled = SamplingParams(temperature=1.0, seed=7)
+  sampled = SamplingParams(temperature=1.0, top_k=5, seed=7, logprobs=3,
+                           logprobs_mode="processed")
   prompt = tuple(i % 50 + 3 for i in range(20))
   conns = _replicas(2, lambda: Engine(FakeModel()))
-  session = bench.Rollout("s", prompt, (8,), (), sampling=sampled)
-  run = replica.drive_sessions(conns, [session], "prefix", 8, 0.0)
-  want = solo(FakeModel, list(prompt), 8, sampled)
-  assert want != solo(FakeModel, list(prompt), 8)  # the draw differs from greedy
-  assert run["records"]["s/t0"]["output"] == want
+  sessions = [bench.Rollout("s", prompt, (8,), (), sampling=sampled),
+              bench.Rollout("g", prompt[:12], (4,), ())]
+  run = replica.drive_sessions(conns, sessions, "prefix", 8, 0.0)
+  alone = Engine(FakeModel())
+  want = alone.submit(list(prompt), 8, sampled)
+  alone.run()
+  assert want.output != solo(FakeModel, list(prompt), 8)  # the draw differs from greedy
+  got = run["records"]["s/t0"]
+  assert (got["output"], got["logprobs"]) == (want.output, want.logprobs)
+  assert got["top_logprobs"] == [[list(pair) for pair in top] for top in want.top_logprobs]
+  assert "logprobs" not in run["records"]["g/t0"]  # not asked for
+  want = want.output
   stop = want[2]
   conns[0].send(("submit", dict(id="stops", prompt=list(prompt), max_new_tokens=8,
-                                sampling=dict(temperature=1.0, seed=7), stop_ids=[stop])))
+                                sampling=dataclasses.asdict(sampled), stop_ids=[stop])))
   while True:
     assert conns[0].poll(30)
     kind, rid, *rest = conns[0].recv()
     if kind == "done":
       break
   _stop(conns)
-  assert rid == "stops" and rest[1] == want[:want.index(stop) + 1]
+  assert rid == "stops" and rest[0]["output"] == want[:want.index(stop) + 1]
 
 
 def test_session_turns_continue_their_history_and_each_reports_one_first_token(
@@ -240,8 +251,8 @@ def test_a_replica_refuses_a_malformed_sampling_and_resets_its_counts():
 
   prompt = list(range(3, 23))
   done = serve([("bad", prompt, {"bogus": 1}), ("ok", prompt, {})])
-  assert done["bad"] == ["failed", [], None]
-  assert done["ok"][:2] == ["finished", solo(FakeModel, prompt, 3)]
+  assert done["bad"] == dict(state="failed", output=[], cached_tokens=None)
+  assert done["ok"]["output"] == solo(FakeModel, prompt, 3)
   stats = []
   for _ in range(2):
     conn.send(("reset",))
@@ -275,7 +286,8 @@ def test_a_replica_that_answers_slowly_but_steadily_is_not_timed_out():
     time.sleep(0.8)
     theirs.send(("first", spec["id"]))
     time.sleep(0.8)
-    theirs.send(("done", spec["id"], "finished", [7], None))
+    theirs.send(("done", spec["id"], dict(state="finished", output=[7],
+                                          cached_tokens=0)))
 
   threading.Thread(target=slow, daemon=True).start()
   run = replica.drive_sessions([ours], [bench.Rollout("s", (1, 2, 3), (1,), ())],

@@ -295,7 +295,7 @@ def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
   sp = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float64(0.9),
                       seed=np.int32(3), logprobs=np.int16(2))
   sp.check()
-  assert [type(v) for v in dataclasses.astuple(sp)] == [float, int, float, int, int]
+  assert [type(v) for v in dataclasses.astuple(sp)] == [float, int, float, int, int, str]
 
 
 def test_submit_rejects_bad_input_and_the_engine_carries_on():
@@ -683,24 +683,53 @@ def test_random_schedules_equal_solo_runs(seed):
                               req.max_new_tokens, req.sampling)
 
 
+def reference_log_probs(logits, sampling):
+  """float64 log-probabilities of every token under ``sampling``'s logprobs mode
+  (-inf for tokens the sampler cannot draw) and the kept mass's distance from
+  ``top_p`` at the nearest token (where f32 and float64 may keep different sets)."""
+  logits = logits.astype(np.float64)
+  if sampling.logprobs_mode == "raw":
+    return logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum())), np.inf
+  scaled = logits / (sampling.temperature if sampling.temperature > 0 else 1.0)
+  order = np.argsort(-logits, kind="stable")
+  top_k = sampling.top_k or len(logits)
+  ranked = scaled[order][:top_k]
+  probs = np.exp(ranked - ranked.max())
+  probs /= probs.sum()
+  before = np.cumsum(probs) - probs  # the mass ranked above each token
+  count = top_k if sampling.top_p >= 1 else max(1, int((before < sampling.top_p).sum()))
+  margin = np.inf if sampling.top_p >= 1 else np.abs(before - sampling.top_p).min()
+  kept = order[:count]
+  out = np.full(len(logits), -np.inf)
+  lse = scaled[kept].max() + np.log(np.exp(scaled[kept] - scaled[kept].max()).sum())
+  out[kept] = scaled[kept] - lse
+  return out, margin
+
+
 def check_logprobs(req):
-  """``req``'s log-probabilities against a float64 log-softmax of the logits
-  FakeModel gave each output's position (the raw logits: no temperature or
-  top-k/top-p), within f32 rounding; the N best in order."""
+  """``req``'s log-probabilities against a float64 computation from the logits
+  FakeModel gave each output's position (raw: a log-softmax; processed: over the
+  temperature, renormalised over what top-k and top-p keep), within f32
+  rounding; the N best in order (processed: the kept ones among them)."""
   top_n = req.sampling.logprobs
   if top_n is None:
     assert req.logprobs == [] and req.top_logprobs == [], req.id
     return
   assert len(req.logprobs) == len(req.top_logprobs) == len(req.output), req.id
+  scale = req.sampling.temperature if req.sampling.logprobs_mode == "processed" else 0
   for i, token in enumerate(req.output):
-    logits = FakeModel._logits(None, req.prompt + req.output[:i]).astype(np.float64)
-    lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
-    want = logits - lse
-    # f32 rounding of the logit, the log-sum-exp and their difference, per entry
-    # (one bound for all would be set by the -1e9 logit FakeModel gives POISON).
-    tol = 4 * np.finfo(np.float32).eps * (np.abs(logits) + abs(lse))
+    logits = FakeModel._logits(None, req.prompt + req.output[:i])
+    want, margin = reference_log_probs(logits, req.sampling)
+    if margin < 1e-5:  # f32's cumulative sum may draw the top-p line elsewhere
+      continue
+    # f32 rounding of the (scaled) logit, the log-sum-exp and their difference, per
+    # entry (one bound for all would be set by the -1e9 logit FakeModel gives POISON).
+    finite = np.isfinite(want)
+    assert finite[token], (req.id, i)  # the drawn token was one the sampler could draw
+    scaled = logits.astype(np.float64) / (scale or 1)
+    tol = 4 * np.finfo(np.float32).eps * (np.abs(scaled) + abs(scaled[token] - want[token]))
     assert abs(req.logprobs[i] - want[token]) <= tol[token], (req.id, i)
-    best = np.argsort(-want, kind="stable")[:top_n]
+    best = np.argsort(-want, kind="stable")[:min(top_n, finite.sum())]
     assert [t for t, _ in req.top_logprobs[i]] == best.tolist(), (req.id, i)
     got = np.array([x for _, x in req.top_logprobs[i]])
     assert (np.abs(got - want[best]) <= tol[best]).all(), (req.id, i)
@@ -708,8 +737,9 @@ def check_logprobs(req):
 
 def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
   """``SamplingParams(logprobs=N)``: each output token's log-probability and the N
-  most likely tokens', as a float64 log-softmax of its logits gives them (greedy
-  and sampled requests, with preemption); a snapshot restores them bit for bit
+  most likely tokens', as a float64 computation from its logits gives them (raw
+  and processed, greedy and sampled requests, with preemption); a snapshot
+  restores them bit for bit
   and the restored engine goes on as the original; a handoff, through its wire
   format, carries them to the receiver, which goes on recording."""
   rng = np.random.default_rng()
@@ -720,8 +750,11 @@ def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
     for _ in range(delay):
       engines[0].step()
     top_n = [None, 0, 3, 20][i % 4]
-    reqs.append(engines[0].submit(prompt, new + 4, dataclasses.replace(sp, logprobs=top_n),
-                                  request_id=f"r{i}"))
+    sp = dataclasses.replace(sp, logprobs=top_n)
+    if i % 8 >= 4:  # processed; greedy ones with a top-k the draw ignores
+      sp = dataclasses.replace(sp, logprobs_mode="processed",
+                               top_k=sp.top_k or (3 if sp.temperature == 0 else 0))
+    reqs.append(engines[0].submit(prompt, new + 4, sp, request_id=f"r{i}"))
   snapshot.save(engines[0], tmp_path / "snap")
   engines.append(snapshot.restore(tmp_path / "snap", factory(),
                                   EngineConfig(max_step_tokens=20)))
@@ -737,21 +770,23 @@ def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
         req.output, req.logprobs, req.top_logprobs), req.id
   # A handoff mid-decode, over the wire: the receiver keeps the relayed entries.
   sender, receiver = Engine(factory()), Engine(factory())
-  moving = sender.submit(reqs[3].prompt, reqs[3].max_new_tokens, reqs[3].sampling)
+  moving = sender.submit(reqs[7].prompt, reqs[7].max_new_tokens, reqs[7].sampling)
   while len(moving.output) < 3:
     sender.step()
   wire = handoff_lib.Handoff.from_bytes(sender.export(moving.id, kv="none").to_bytes())
   moved = receiver.accept(wire)
   receiver.run()
   assert moved.relayed == 3 and moved.logprobs[:3] == moving.logprobs
-  assert (moved.output, moved.logprobs) == (reqs[3].output, reqs[3].logprobs)
+  assert (moved.output, moved.logprobs) == (reqs[7].output, reqs[7].logprobs)
   check_logprobs(moved)
 
 
 def test_logprobs_are_refused_out_of_range_and_in_a_handoff_that_disagrees():
-  for bad in (-1, 21, 2.0, True):
+  for bad in (dict(logprobs=-1), dict(logprobs=21), dict(logprobs=2.0),
+              dict(logprobs=True), dict(logprobs_mode="processed_logprobs"),
+              dict(logprobs_mode=None)):
     with pytest.raises(ValueError, match="logprobs"):
-      Engine(FakeModel()).submit([1, 2], 3, SamplingParams(logprobs=bad))
+      Engine(FakeModel()).submit([1, 2], 3, SamplingParams(**bad))
   sender = Engine(FakeModel())
   req = sender.submit([1, 2, 3], 8, SamplingParams(logprobs=2))
   while len(req.output) < 2:
@@ -776,6 +811,19 @@ def test_logprobs_are_refused_out_of_range_and_in_a_handoff_that_disagrees():
   with pytest.raises(ValueError, match="logprobs"):  # a frame's JSON: not a TypeError
     Engine(FakeModel()).accept(handoff_lib.Handoff.from_bytes(wire))
   Engine(FakeModel()).accept(good)
+  # Processed, greedy with top-k 1: lists of one (fewer than N), but never none.
+  req = sender.submit([1, 2, 3], 8, SamplingParams(top_k=1, logprobs=2,
+                                                   logprobs_mode="processed"))
+  while len(req.output) < 2:
+    sender.step()
+  kept_one = sender.export(req.id, kv="none")
+  assert [len(top) for top in kept_one.top_logprobs] == [1, 1]
+  assert kept_one.logprobs == [0.0, 0.0]  # all the mass on the one kept token
+  for tops in ([[], kept_one.top_logprobs[1]], [kept_one.top_logprobs[0], good.top_logprobs[1]
+                                                + [(0, -30.0)]]):
+    with pytest.raises(ValueError, match="logprobs"):
+      Engine(FakeModel()).accept(dataclasses.replace(kept_one, top_logprobs=tops))
+  Engine(FakeModel()).accept(handoff_lib.Handoff.from_bytes(kept_one.to_bytes()))
   # Built by hand before any output: no lists needed.
   Engine(FakeModel()).accept(handoff_lib.Handoff("h", [1, 2, 3], [], 8,
                                                  SamplingParams(logprobs=2)))

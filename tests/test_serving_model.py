@@ -539,25 +539,35 @@ def test_a_refused_step_keeps_the_logits_of_the_requests_it_did_not_refuse(model
 
 
 def test_logprobs_on_smollm2_are_the_log_softmax_of_the_served_logits(model_and_ids):
-  """A sampled request with ``logprobs=5`` on the tiered engine: each output's
-  log-probability and the 5 best are a float64 log-softmax of the logits its
-  step returned (49,152 entries; within f32 rounding), the first output's from
-  the prefill's."""
+  """Two sampled requests with ``logprobs=5`` in one batch on the tiered engine,
+  one raw and one processed (top-k 40, top-p 0.8): each output's log-probability
+  and the 5 best are those a float64 computation gives from the logits its step
+  returned (49,152 entries; within f32 rounding), the first output's from the
+  prefill's."""
+  from tests.test_serving import reference_log_probs
   model, ids = model_and_ids
-  sp = SamplingParams(temperature=0.9, seed=3, logprobs=5)
+  raw = SamplingParams(temperature=0.9, seed=3, logprobs=5)
+  processed = dataclasses.replace(raw, top_k=40, top_p=0.8, logprobs_mode="processed")
   rows = {}
-  _, reqs = serve(model, ids, "tiered", [(100, 90, 6, sp, 0)], host_pages=24, logits=rows)
-  req = reqs[0]
-  assert len(req.logprobs) == len(req.top_logprobs) == len(req.output) == 6
-  for i, token in enumerate(req.output):
-    logits = np.frombuffer(rows[req.id, 89 + i][0], np.float32).astype(np.float64)
-    lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
-    want = logits - lse
-    tol = 4 * np.finfo(np.float32).eps * (np.abs(logits) + abs(lse))
-    assert abs(req.logprobs[i] - want[token]) <= tol[token], i
-    best = np.argsort(-want, kind="stable")[:5]
-    assert [t for t, _ in req.top_logprobs[i]] == best.tolist(), i
-    assert all(abs(x - want[t]) <= tol[t] for t, x in req.top_logprobs[i]), i
+  _, reqs = serve(model, ids, "tiered", [(100, 90, 6, raw, 0), (300, 90, 6, processed, 0)],
+                  host_pages=24, logits=rows)
+  short = 0
+  for req in reqs.values():
+    assert len(req.logprobs) == len(req.top_logprobs) == len(req.output) == 6
+    for i, token in enumerate(req.output):
+      logits = np.frombuffer(rows[req.id, 89 + i][0], np.float32)
+      want, margin = reference_log_probs(logits, req.sampling)
+      assert margin > 1e-5, "f32 and float64 may draw the top-p line apart"
+      scaled = logits.astype(np.float64)
+      if req.sampling.logprobs_mode == "processed":
+        scaled /= req.sampling.temperature
+      tol = 4 * np.finfo(np.float32).eps * (np.abs(scaled) + abs(scaled[token] - want[token]))
+      assert abs(req.logprobs[i] - want[token]) <= tol[token], (req.id, i)
+      best = np.argsort(-want, kind="stable")[:min(5, np.isfinite(want).sum())]
+      assert [t for t, _ in req.top_logprobs[i]] == best.tolist(), (req.id, i)
+      assert all(abs(x - want[t]) <= tol[t] for t, x in req.top_logprobs[i]), (req.id, i)
+      short += len(best) < 5
+  assert short, "top-p cut no processed list short"
 
 
 def test_the_look_ahead_is_refused_where_nothing_would_run_it(model_and_ids):

@@ -832,9 +832,17 @@ class Engine:
                                      params[3].astype(np.int32), pos)
     tokens, finite = np.asarray(tokens), np.asarray(finite)
     if any(r.sampling.logprobs is not None for r in batch):
-      # One width for every N (one compile per logits shape); a vocabulary may be smaller.
+      # One width for every N (one compile per logits shape and kind); a vocabulary
+      # may be smaller.
       top_n = min(MAX_LOGPROBS, logits.shape[-1])
-      chosen, top_ids, top = map(np.asarray, sampling.logprobs(logits, tokens, top_n))
+      processed_rows = np.zeros((num,), bool)
+      for row, req in zip(rows, batch):
+        processed_rows[row] = (req.sampling.logprobs is not None
+                               and req.sampling.logprobs_mode == "processed")
+      chosen, top_ids, top = map(np.asarray, sampling.logprobs(
+          logits, tokens, params[0].astype(np.float32), params[1].astype(np.int32),
+          params[2].astype(np.float32), processed_rows, top_n=top_n,
+          processed=bool(processed_rows.any())))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)
@@ -852,7 +860,8 @@ class Engine:
         req.logprobs.append(float(chosen[row]))
         req.top_logprobs.append([(int(i), float(lp)) for i, lp in
                                  zip(top_ids[row, :req.sampling.logprobs],
-                                     top[row, :req.sampling.logprobs])])
+                                     top[row, :req.sampling.logprobs])
+                                 if lp > -np.inf])  # (processed: kept tokens only)
       self._new_tokens += 1
       req.metrics.token_times.append(now)
       if req.metrics.first_token is None:

@@ -231,7 +231,8 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
 def _check_logprobs(handoff: Handoff, vocab_size: int) -> None:
   """A request that records log-probabilities carries one entry per relayed output
   (a finite float <= 0, and its ``min(N, vocab)`` best as (id, float) pairs, best
-  first); one that does not, none."""
+  first; processed ones: the kept tokens among those, at least one when N > 0);
+  one that does not, none."""
   top_n = handoff.sampling.logprobs
   values, tops = handoff.logprobs or [], handoff.top_logprobs or []
   if top_n is None:
@@ -252,15 +253,18 @@ def _check_logprobs(handoff: Handoff, vocab_size: int) -> None:
     raise ValueError(f"the handoff's logprobs {values!r:.80} must be {num} finite "
                      "numbers <= 0, one per relayed output")
   width = min(top_n, vocab_size)
+  widths = (range(min(width, 1), width + 1) if handoff.sampling.logprobs_mode == "processed"
+            else (width,))
   def best_first(top):
-    return (isinstance(top, (list, tuple)) and len(top) == width
+    return (isinstance(top, (list, tuple)) and len(top) in widths
             and all(isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0])
                     and 0 <= pair[0] < vocab_size and log_prob(pair[1]) for pair in top)
             and all(a[1] >= b[1] for a, b in zip(top, top[1:])))
   if not (isinstance(tops, list) and len(tops) == num and all(map(best_first, tops))):
     raise ValueError(f"the handoff's top_logprobs {tops!r:.80} must be {num} lists of "
-                     f"{width} (token id, log-probability) pairs, best first, one per "
-                     "relayed output")
+                     f"{widths[0] if len(widths) == 1 else f'{widths[0]} to {width}'} "
+                     "(token id, log-probability) pairs, best first, one per relayed "
+                     "output")
 
 
 def check_pages(handoff: Handoff, layout: list[np.ndarray]) -> None:

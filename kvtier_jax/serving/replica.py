@@ -6,8 +6,10 @@ Messages to the replica: ``("submit", request dict)`` (``id``, ``prompt``,
 ``stop_ids``), ``("reset",)`` (report and start a fresh engine: a new
 measurement on the same compiled model) and ``("stop",)``. From it: ``("ready",)``
 once its engine is built, ``("first", id)`` at a request's first token, ``("done",
-id, state, output, cached_tokens)`` when it ends (``"failed"`` with no output for a
-request its engine refused), and ``("stats", dict)`` on reset
+id, dict)`` when it ends: its ``state``, ``output`` and ``cached_tokens``
+(``"failed"``, ``[]`` and None for a request its engine refused), and with
+``sampling.logprobs`` its ``logprobs`` and ``top_logprobs`` (``Request``'s, the
+pairs as lists); and ``("stats", dict)`` on reset
 and stop: the engine's prompt tokens, those served by its prefix cache and the
 prompt tokens it computed. With ``gather`` (the multi-controller runtime's
 all-gather, e.g. ``jax.experimental.multihost_utils.process_allgather``) every
@@ -25,10 +27,20 @@ from typing import Callable
 import numpy as np
 
 from kvtier_jax.serving.bench import first_admission_tokens
-from kvtier_jax.serving.request import SamplingParams
+from kvtier_jax.serving.request import Request, SamplingParams
 from kvtier_jax.serving.router import Router
 
 _STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
+
+
+def ended(req: Request) -> dict:
+  """What a "done" message says of ``req``."""
+  out = dict(state=req.state.value, output=list(req.output),
+             cached_tokens=req.metrics.cached_tokens)
+  if req.sampling.logprobs is not None:
+    out.update(logprobs=list(req.logprobs),
+               top_logprobs=[[list(pair) for pair in top] for top in req.top_logprobs])
+  return out
 
 
 def serve(engine_factory: Callable[[], object], conn, *,
@@ -62,7 +74,8 @@ def serve(engine_factory: Callable[[], object], conn, *,
                         on_token=first_token)
         except (TypeError, ValueError):  # refused (too long, a taken id, bad sampling):
           # the replica goes on
-          conn.send(("done", spec["id"], "failed", [], None))
+          conn.send(("done", spec["id"], dict(state="failed", output=[],
+                                              cached_tokens=None)))
       elif kind in ("reset", "stop"):
         conn.send(("stats", stats()))
         if kind == "stop":
@@ -76,8 +89,7 @@ def serve(engine_factory: Callable[[], object], conn, *,
       for req in engine.requests.values():
         if req.state.done and req.id not in reported:
           reported.add(req.id)
-          conn.send(("done", req.id, req.state.value, list(req.output),
-                     req.metrics.cached_tokens))
+          conn.send(("done", req.id, ended(req)))
 
 
 def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, *,
@@ -86,7 +98,7 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, 
   ``Router`` to the replicas on ``conns``, session i starting at ``i * gap_s``; a
   turn's successor is sent ``env_seconds`` after it finished (a turn that failed
   ends its session, as ``bench.drive`` ends a rollout). Returns per-request
-  records (replica, prompt tokens, state, output, cached tokens, TTFT, E2E).
+  records (replica, prompt tokens, TTFT, E2E, and the "done" message's fields).
   Turn ids must be unique (``ValueError`` before anything is sent).
   ``reply_timeout_s``: raise ``TimeoutError`` when requests are outstanding and no
   replica has said anything for that long (a replica that hangs but lives; one
@@ -132,10 +144,11 @@ def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, 
       if kind == "first":
         rec["ttft_s"] = now() - sent[rid]
         continue
-      state, output, cached = rest
-      rec.update(state=state, output=output, cached_tokens=cached, e2e_s=now() - sent[rid])
+      (report,) = rest
+      rec.update(report, e2e_s=now() - sent[rid])
+      state, output = report["state"], report["output"]
       router.done(where[rid])
-      if state == "failed" and cached is None:  # refused at submit: nothing cached
+      if state == "failed" and report["cached_tokens"] is None:  # refused at submit
         router.forget(where[rid], rec["history"])
       outstanding -= 1
       session, turn = rec.pop("session"), rec["turn"]

@@ -26,6 +26,7 @@ class State(enum.Enum):
 
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for (OpenAI's top_logprobs)
+LOGPROBS_MODES = ("raw", "processed")  # SamplingParams.logprobs_mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,18 @@ class SamplingParams:
   token, its log-probability under the model's distribution (log-softmax of the
   raw logits, before temperature, top-k and top-p, as vLLM's default
   ``raw_logprobs``) and the N most likely tokens with theirs
-  (``Request.logprobs``, ``Request.top_logprobs``; N <= ``MAX_LOGPROBS``)."""
+  (``Request.logprobs``, ``Request.top_logprobs``; N <= ``MAX_LOGPROBS``).
+  ``logprobs_mode="processed"`` records them under the distribution the sampler
+  draws from instead (vLLM's ``processed_logprobs``): the logits over the
+  temperature (1 when greedy), renormalised over the tokens top-k and top-p keep;
+  the top lists then hold only kept tokens (fewer than N when fewer are kept)."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int | None = None
   logprobs: int | None = None
+  logprobs_mode: str = "raw"
 
   def __post_init__(self):
     # numpy scalars become Python numbers (they travel as JSON in handoffs and
@@ -76,6 +82,9 @@ class SamplingParams:
                                           and 0 <= self.logprobs <= MAX_LOGPROBS):
       raise ValueError(f"logprobs={self.logprobs!r} must be an int in [0, "
                        f"{MAX_LOGPROBS}] or None")
+    if not (isinstance(self.logprobs_mode, str) and self.logprobs_mode in LOGPROBS_MODES):
+      raise ValueError(f"logprobs_mode={self.logprobs_mode!r:.80} must be one of "
+                       f"{LOGPROBS_MODES}")
 
   def resolved(self, request_id: str) -> "SamplingParams":
     """These parameters with a seed: the given one, else a stable hash of the id."""

@@ -44,12 +44,32 @@ def sample(logits, temperature, top_k, top_p, seed, position):
   return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, seed, position)
 
 
-@functools.partial(jax.jit, static_argnames=("top_n",))
-def logprobs(logits, tokens, top_n: int):
-  """The log-probability of ``tokens`` i32[S] under softmax(logits f32[S, V]) (the
-  raw logits: no temperature, top-k or top-p), f32[S], and the ``top_n`` most
-  likely tokens' ids i32[S, N] and log-probabilities f32[S, N], best first."""
+def _processed_row(logits, temperature, top_k, top_p):
+  # logits: f32[V]; the rest are scalars. Returns f32[V]: the log-probabilities
+  # the sampler draws from (-inf where top-k or top-p drop the token), in id order.
+  order = jnp.argsort(-logits, stable=True)  # as _sample_row ranks them
+  scale = jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
+  ranked = logits[order] / scale
+  ranked_log_probs = jax.nn.log_softmax(
+      jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf))
+  return jnp.zeros_like(ranked_log_probs).at[order].set(ranked_log_probs)
+
+
+@functools.partial(jax.jit, static_argnames=("top_n", "processed"))
+def logprobs(logits, tokens, temperature, top_k, top_p, processed_rows, top_n: int,
+             processed: bool):
+  """The log-probability of ``tokens`` i32[S] under each row's distribution, f32[S],
+  and the ``top_n`` most likely tokens' ids i32[S, N] and log-probabilities f32[S,
+  N], best first. A row's distribution is softmax(logits f32[S, V]) (raw), or,
+  where ``processed_rows`` bool[S] (read only when ``processed``, a static flag so
+  raw-only batches skip the sort), the one ``sample`` draws from: the logits over
+  the temperature (1 when greedy), -inf outside top-k and top-p (per-row
+  parameters as ``sample``'s)."""
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  if processed:
+    drawn_from = jax.vmap(_processed_row)(logits.astype(jnp.float32), temperature,
+                                          top_k, top_p)
+    log_probs = jnp.where(processed_rows[:, None], drawn_from, log_probs)
   chosen = jnp.take_along_axis(log_probs, tokens[:, None].astype(jnp.int32), -1)[:, 0]
   top, ids = jax.lax.top_k(log_probs, top_n)
   return chosen, ids.astype(jnp.int32), top
