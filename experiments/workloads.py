@@ -31,7 +31,7 @@ import numpy as np
 from kvtier_jax.config import ImplConfig
 from kvtier_jax.serving import Engine, EngineConfig, SamplingParams
 from kvtier_jax.serving.bench import Rollout, RequestSpec, drive
-from kvtier_jax.serving.request import LOGPROBS_MODES, is_int
+from kvtier_jax.serving.request import is_int
 from models import serving, sharded_serving
 
 
@@ -261,11 +261,11 @@ def warm_up(engine: Engine, spec: RequestSpec, chunk_size: int) -> None:
   a throwaway engine (the jitted functions are shared), so no measured request pays
   for compiling.
   Three tokens: the first decode step is not the request's last, so a look-ahead's
-  draft pass compiles too. Two requests, one per logprobs mode (the call compiles
-  for batches without and with processed rows; logprobs=0: one width serves every
-  N); the second repeats the prompt, so with a prefix cache it compiles the prefix
-  load too (the first's first chunk is then cached)."""
+  draft pass compiles too. With a prefix cache a second request repeats the
+  prompt, which compiles the prefix load too (its first chunk is then cached)."""
   prompt = spec.prompt[:chunk_size + 1]
-  for mode in LOGPROBS_MODES:
-    drive(engine, [RequestSpec(f"warm-up ({mode} logprobs)", prompt, 3,
-                               sampling=SamplingParams(logprobs=0, logprobs_mode=mode))])
+  # logprobs=0: the log-probabilities' call compiles too (one program for every N
+  # and mode).
+  drive(engine, [RequestSpec("warm-up", prompt, 3, sampling=SamplingParams(logprobs=0))])
+  if engine.config.prefix_cache:
+    drive(engine, [RequestSpec("warm-up (prefix hit)", prompt, 3)])

@@ -7,6 +7,7 @@ the engine (a wrong token fed, a position skipped, one slot's state leaking into
 another, a replay that re-samples) changes the tokens. The real model checks the
 cache backends."""
 
+import collections
 import dataclasses
 import hashlib
 
@@ -210,11 +211,44 @@ def test_sampling_draws_depend_on_seed_and_position_not_on_the_batch():
   assert int(np.asarray(again)[1]) == tokens[1]
 
 
+def reference_candidates(logits, temperature, top_k, top_p):
+  """numpy: a sampled row's kind, candidate ids and scaled f32 logits (-inf where
+  dropped) as ``sampling``'s docstring defines them (kept sets in float64), and
+  the distance from top_p of the nearest mass the kind or the kept set hinges on."""
+  vocab = len(logits)
+  scaled = logits / max(np.float32(temperature), np.float32(1e-6))
+  order = np.argsort(-logits, kind="stable")
+  if top_k == 0 and top_p >= 1:
+    return "whole", np.arange(vocab), scaled, np.inf
+  window = min(sampling.TOP_K_WINDOW, vocab)
+  wide = scaled.astype(np.float64)
+  if 0 < top_k <= window:
+    kind, ids, normal = "window", order[:window], order[:top_k]
+  else:
+    kind, ids, normal = "ranked", order, order[:top_k or vocab]
+  lse = wide[normal].max() + np.log(np.exp(wide[normal] - wide[normal].max()).sum())
+  mass = np.exp(wide[order] - lse)
+  mass[len(normal):] = 0
+  reached = np.cumsum(mass)
+  margin = np.abs(reached - top_p).min() if top_p < 1 else np.inf
+  if top_k == 0 and top_p < 1:
+    nucleus = min(sampling.NUCLEUS_WINDOW, vocab)
+    if reached[nucleus - 1] >= top_p:
+      kind, ids = "nucleus", order[:nucleus]
+  kept = np.zeros(vocab, bool)
+  kept[:len(normal)] = True if top_p >= 1 else (reached - mass)[:len(normal)] < top_p
+  return kind, ids, np.where(kept[:len(ids)], scaled[ids], -np.inf), margin
+
+
 def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key():
   """One NaN or inf among finite logits marks the row (a whole-row poison is not
   the only failure); a row's draw is ``categorical(fold_in(fold_in(key(0), seed),
-  position))`` over its kept logits, the documented key (snapshots and handoffs
-  rely on it: a reordered fold would change every sampled stream)."""
+  position))`` over its kind's candidates (whole vocabulary in id order, or the
+  top-k window, the nucleus window, or the whole ranking best first), the
+  documented key and candidates (snapshots and handoffs rely on them: a reordered
+  fold would change every sampled stream). Checked against ``reference_candidates``
+  on a vocabulary past both windows, every kind present; a window's draw is the
+  one over the whole ranking (partitionable noise)."""
   rng = np.random.default_rng()
   vocab = 200
   logits = rng.standard_normal((4, vocab)).astype(np.float32)
@@ -224,18 +258,37 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
   _, finite = sampling.sample(jnp.asarray(logits), zeros, np.zeros(4, np.int32),
                               zeros + 1, np.zeros(4, np.int32), np.zeros(4, np.int32))
   np.testing.assert_array_equal(np.asarray(finite), [False, False, False, True])
-  logits = rng.standard_normal((6, vocab)).astype(np.float32)
-  seed = rng.integers(0, 2**31, 6).astype(np.int32)
-  position = rng.integers(0, 2**20, 6).astype(np.int32)
-  temperature = np.float32(0.7)
-  tokens, _ = sampling.sample(jnp.asarray(logits), np.full(6, temperature, np.float32),
-                              np.zeros(6, np.int32), np.ones(6, np.float32), seed, position)
-  for row in range(6):
+  rows, vocab = 128, 700
+  nucleus = rng.uniform(0.3, 0.95, rows)
+  # (top_k, top_p, logit scale) per row in turn: whole, three windows, a peaked
+  # nucleus (inside its window), a flat one (past it: ranked), two larger top-ks.
+  cases = np.array([(0, 1.0, 1.0), (1, 1.0, 1.0), (7, -1, 1.0),
+                    (sampling.TOP_K_WINDOW, 1.0, 1.0), (0, -1, 6.0), (0, -1, 0.05),
+                    (65, -1, 1.0), (300, 1.0, 1.0)])[np.arange(rows) % 8]
+  top_k = cases[:, 0].astype(np.int32)
+  top_p = np.where(cases[:, 1] < 0, nucleus, cases[:, 1]).astype(np.float32)
+  logits = (rng.standard_normal((rows, vocab)) * cases[:, 2:]).astype(np.float32)
+  temperature = rng.uniform(0.2, 1.5, rows).astype(np.float32)
+  seed = rng.integers(0, 2**31, rows).astype(np.int32)
+  position = rng.integers(0, 2**20, rows).astype(np.int32)
+  tokens = np.asarray(sampling.sample(jnp.asarray(logits), temperature, top_k, top_p, seed,
+                                      position)[0])
+  kinds = collections.Counter()
+  for row in range(rows):
+    kind, ids, masked, margin = reference_candidates(logits[row], temperature[row],
+                                                     top_k[row], top_p[row])
+    if margin < 1e-5:  # f32 and float64 may cut at another token
+      continue
+    kinds[kind] += 1
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), int(seed[row])),
                              int(position[row]))
-    order = np.argsort(-logits[row], kind="stable")
-    pick = int(jax.random.categorical(key, jnp.asarray(logits[row][order] / temperature)))
-    assert int(np.asarray(tokens)[row]) == order[pick]
+    pick = int(jax.random.categorical(key, jnp.asarray(masked.astype(np.float32))))
+    assert int(tokens[row]) == ids[pick], (row, kind)
+    if kind in ("window", "nucleus"):  # the token a draw over the whole ranking gives
+      ranking = np.full(vocab, -np.inf, np.float32)
+      ranking[:len(masked)] = masked
+      assert ids[int(jax.random.categorical(key, jnp.asarray(ranking)))] == ids[pick]
+  assert set(kinds) == set(sampling.CANDIDATES), kinds
 
 
 def test_sampling_frequencies_follow_the_truncated_softmax():

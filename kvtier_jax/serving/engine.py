@@ -832,8 +832,8 @@ class Engine:
                                      params[3].astype(np.int32), pos)
     tokens, finite = np.asarray(tokens), np.asarray(finite)
     if any(r.sampling.logprobs is not None for r in batch):
-      # One width for every N (one compile per logits shape and kind); a vocabulary
-      # may be smaller.
+      # One width for every N (one compile per logits shape); a vocabulary may be
+      # smaller.
       top_n = min(MAX_LOGPROBS, logits.shape[-1])
       processed_rows = np.zeros((num,), bool)
       for row, req in zip(rows, batch):
@@ -841,8 +841,7 @@ class Engine:
                                and req.sampling.logprobs_mode == "processed")
       chosen, top_ids, top = map(np.asarray, sampling.logprobs(
           logits, tokens, params[0].astype(np.float32), params[1].astype(np.int32),
-          params[2].astype(np.float32), processed_rows, top_n=top_n,
-          processed=bool(processed_rows.any())))
+          params[2].astype(np.float32), processed_rows, top_n=top_n))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)

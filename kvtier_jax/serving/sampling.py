@@ -2,6 +2,27 @@
 
 Every row draws with its own key, ``fold_in(fold_in(key(0), seed), position)``, and
 its own parameters, so a request's tokens depend on nothing else in the batch.
+
+A sampled row draws ``categorical(key, masked)`` (``masked``: its scaled logits,
+-inf where top-k or top-p drop a token) over candidates of one of four kinds
+(``CANDIDATES``), chosen by the row's own parameters and logits, so that no row
+pays for a sort it does not need (a full argsort of SmolLM2's 49,152 logits per
+row, greedy rows too, took 95 ms at 8 rows on the CPU, beside a 57 ms model step):
+
+* ``whole`` (top_k = 0, top_p = 1): every token, in id order, nothing sorted;
+* ``window`` (0 < top_k <= ``TOP_K_WINDOW``): ``lax.top_k``'s best, best first;
+* ``nucleus`` (top_k = 0, top_p < 1, and the smallest prefix reaching top_p lies
+  within the best ``NUCLEUS_WINDOW``): those, best first, their mass under the
+  whole vocabulary's softmax;
+* ``ranked`` (the rest: a larger top-k, or a nucleus past its window): every
+  token, best first (a stable argsort).
+
+Each kind runs under a ``lax.cond`` on whether any row of the batch is of it, so a
+greedy batch runs an argmax only. Threefry is partitionable (jax's default), so a
+window's noise is the first entries of the full ranking's: the windows draw the
+token the ranking would, and only ``whole`` (id order) draws otherwise. The
+processed log-probabilities use the same candidates, so they describe exactly the
+distribution a row draws from.
 """
 
 from __future__ import annotations
@@ -10,6 +31,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+TOP_K_WINDOW = 64  # rows with 0 < top_k <= this draw from a lax.top_k window
+NUCLEUS_WINDOW = 256  # top-p rows whose nucleus fits in this many draw from a window
 
 
 def kept(ranked, top_k, top_p):
@@ -23,53 +47,119 @@ def kept(ranked, top_k, top_p):
   return keep & ((top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
 
 
-def _sample_row(logits, temperature, top_k, top_p, seed, position):
-  # logits: f32[V]; the rest are scalars. Returns (token i32[], finite bool[]).
-  logits = logits.astype(jnp.float32)
-  finite = jnp.isfinite(logits).all()
-  greedy = jnp.argmax(logits).astype(jnp.int32)
+# Candidates per row: (logits f32[V], scale, top_k, top_p) -> (ids i32[C], masked
+# f32[C]): the token ids a row may draw among and their scaled logits, -inf where
+# top-k or top-p drop them.
+def _whole(logits, scale, top_k, top_p):
+  del top_k, top_p  # (0 and 1: nothing dropped)
+  return jnp.arange(logits.shape[0], dtype=jnp.int32), logits / scale
+
+
+def _window(logits, scale, top_k, top_p):
+  values, ids = jax.lax.top_k(logits, min(TOP_K_WINDOW, logits.shape[0]))
+  ranked = values / scale
+  return ids.astype(jnp.int32), jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf)
+
+
+def _nucleus_window(logits, scale, top_p):
+  """The best ``NUCLEUS_WINDOW`` ids, their scaled logits, -inf past the smallest
+  prefix whose mass (under the whole vocabulary) reaches ``top_p``, and whether
+  that prefix ends inside the window."""
+  values, ids = jax.lax.top_k(logits, min(NUCLEUS_WINDOW, logits.shape[0]))
+  ranked = values / scale
+  probs = jnp.exp(ranked - jax.nn.logsumexp(logits / scale))
+  reached = jnp.cumsum(probs)
+  masked = jnp.where((reached - probs) < top_p, ranked, -jnp.inf)
+  return ids.astype(jnp.int32), masked, reached[-1] >= top_p
+
+
+def _nucleus(logits, scale, top_k, top_p):
+  del top_k  # (0)
+  ids, masked, _ = _nucleus_window(logits, scale, top_p)
+  return ids, masked
+
+
+def _ranked(logits, scale, top_k, top_p):
   order = jnp.argsort(-logits, stable=True)  # best first, ties to the lower id
-  ranked = logits[order] / jnp.maximum(temperature, 1e-6)
-  keep = kept(ranked, top_k, top_p)
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), position)
-  pick = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf))
-  sampled = order[pick].astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy), finite
+  ranked = logits[order] / scale
+  return order.astype(jnp.int32), jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf)
+
+
+CANDIDATES = {"whole": _whole, "window": _window, "nucleus": _nucleus, "ranked": _ranked}
+
+
+def candidate_kind(rows, logits, scale, top_k, top_p):
+  """i32[S]: the index into ``CANDIDATES`` of each row (read where ``rows``
+  bool[S]), by its own parameters and, for a top-p row, its logits."""
+  whole = (top_k == 0) & (top_p >= 1.0)
+  window = (top_k > 0) & (top_k <= min(TOP_K_WINDOW, logits.shape[-1]))
+  nucleus = rows & (top_k == 0) & (top_p < 1.0)
+  fits = jax.lax.cond(
+      nucleus.any(),
+      lambda: jax.vmap(lambda x, s, p: _nucleus_window(x, s, p)[2])(logits, scale, top_p),
+      lambda: nucleus)
+  kind = jnp.where(whole, 0, jnp.where(window, 1, jnp.where(nucleus & fits, 2, 3)))
+  return kind.astype(jnp.int32)
+
+
+def _scale(temperature):
+  """What a row's logits are divided by: its temperature (1 when greedy)."""
+  return jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
+
+
+def _per_kind(rows, kind, per_row, default, *args):
+  """``default`` f[S, ...] with each row in ``rows`` bool[S] replaced by
+  ``per_row(candidates, *its args)``, each kind computed only when some such row
+  is of it."""
+  out = default
+  for index, candidates in enumerate(CANDIDATES.values()):
+    these = rows & (kind == index)
+    computed = jax.lax.cond(
+        these.any(), lambda c=candidates: jax.vmap(functools.partial(per_row, c))(*args),
+        lambda: default)
+    out = jnp.where(these.reshape(these.shape + (1,) * (out.ndim - 1)), computed, out)
+  return out
+
+
+def _draw(candidates, key, logits, scale, top_k, top_p):
+  ids, masked = candidates(logits, scale, top_k, top_p)
+  return ids[jax.random.categorical(key, masked)]
 
 
 @functools.partial(jax.jit)
 def sample(logits, temperature, top_k, top_p, seed, position):
   """tokens i32[S] and finite bool[S] from logits f32[S, V] and per-row
   parameters f32/i32[S] (``position``: where the sampled token will sit)."""
-  return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, seed, position)
+  logits = logits.astype(jnp.float32)
+  finite = jnp.isfinite(logits).all(axis=-1)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(
+      jax.random.key(0), s), p))(seed, position)
+  sampled, scale = temperature > 0, _scale(temperature)
+  kind = candidate_kind(sampled, logits, scale, top_k, top_p)
+  tokens = _per_kind(sampled, kind, _draw, greedy, keys, logits, scale, top_k, top_p)
+  return tokens, finite
 
 
-def _processed_row(logits, temperature, top_k, top_p):
-  # logits: f32[V]; the rest are scalars. Returns f32[V]: the log-probabilities
-  # the sampler draws from (-inf where top-k or top-p drop the token), in id order.
-  order = jnp.argsort(-logits, stable=True)  # as _sample_row ranks them
-  scale = jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
-  ranked = logits[order] / scale
-  ranked_log_probs = jax.nn.log_softmax(
-      jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf))
-  return jnp.zeros_like(ranked_log_probs).at[order].set(ranked_log_probs)
+def _processed(candidates, logits, scale, top_k, top_p):
+  ids, masked = candidates(logits, scale, top_k, top_p)
+  return jnp.full(logits.shape, -jnp.inf).at[ids].set(jax.nn.log_softmax(masked))
 
 
-@functools.partial(jax.jit, static_argnames=("top_n", "processed"))
-def logprobs(logits, tokens, temperature, top_k, top_p, processed_rows, top_n: int,
-             processed: bool):
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def logprobs(logits, tokens, temperature, top_k, top_p, processed_rows, top_n: int):
   """The log-probability of ``tokens`` i32[S] under each row's distribution, f32[S],
   and the ``top_n`` most likely tokens' ids i32[S, N] and log-probabilities f32[S,
   N], best first. A row's distribution is softmax(logits f32[S, V]) (raw), or,
-  where ``processed_rows`` bool[S] (read only when ``processed``, a static flag so
-  raw-only batches skip the sort), the one ``sample`` draws from: the logits over
-  the temperature (1 when greedy), -inf outside top-k and top-p (per-row
-  parameters as ``sample``'s)."""
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  if processed:
-    drawn_from = jax.vmap(_processed_row)(logits.astype(jnp.float32), temperature,
-                                          top_k, top_p)
-    log_probs = jnp.where(processed_rows[:, None], drawn_from, log_probs)
+  where ``processed_rows`` bool[S], the one ``sample`` draws from: the logits over
+  the temperature (1 when greedy), -inf outside top-k and top-p, from the same
+  candidates (per-row parameters as ``sample``'s)."""
+  logits = logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  scale = _scale(temperature)
+  kind = candidate_kind(processed_rows, logits, scale, top_k, top_p)
+  log_probs = _per_kind(processed_rows, kind, _processed, log_probs, logits, scale,
+                        top_k, top_p)
   chosen = jnp.take_along_axis(log_probs, tokens[:, None].astype(jnp.int32), -1)[:, 0]
   top, ids = jax.lax.top_k(log_probs, top_n)
   return chosen, ids.astype(jnp.int32), top
