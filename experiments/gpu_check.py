@@ -6,7 +6,7 @@ cache vs full-KV sparse attention, and throughput at a fixed device budget.
 Command (from the repo root on the GPU machine; at most --deadline_s = 560 s of wall
 time, every subprocess inside it; rows are appended to $OUT/gpu_check.jsonl as they
 come):
-  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs \
+  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs,sampler \
       --serve_budget_s=150 --budget_s=440 --iters=20 --warmup=3
 (``triton`` needs jax-triton: carry its wheel and ``pip install --no-deps --target``
 it first; WORKSPACE_NOTES.md, twenty-fourth session, has the whole device call.)
@@ -28,7 +28,8 @@ of the IO-hiding options), ``throughput`` (requests that fit a device KV budget,
 vs tiered, and tokens/s), ``kernels`` (kernel vs XLA per op), ``decode`` (the default
 step per shape, and the keyed policies), ``triton`` (a kernel in the Triton language
 through jax-triton against its Pallas twin, compiled and timed: needs the jax-triton
-wheel carried). Timings: experiments/timing.py (median
+wheel carried), ``sampler`` (the serving sampler per row kind against the full
+ranking it replaced, seconds). Timings: experiments/timing.py (median
 after warm-up); variants are compared as ratios measured in the same run.
 """
 
@@ -43,6 +44,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 # this one: none may take 75% of HBM up front and leave the others a quarter.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import functools
 import json
 import pathlib
 import shlex
@@ -80,8 +82,8 @@ flags.DEFINE_float("deadline_s", 560.0, "The whole command's wall time: every "
 flags.DEFINE_float("churn", 0.134, "Per-step selection churn of the synthetic stream.")
 flags.DEFINE_list("sections", ["fused", "graphs", "serve", "numerics", "kernels",
                                 "decode"],
-                  "What to run, in this order: fused, graphs, serve, triton, numerics, "
-                  "lookups, lookup_decode, io, throughput, kernels, decode.")
+                  "What to run, in this order: fused, graphs, serve, triton, sampler, "
+                  "numerics, lookups, lookup_decode, io, throughput, kernels, decode.")
 flags.DEFINE_string("tag", "", "Added to every row (the graphs section's subprocess).")
 flags.DEFINE_bool("fused_tests", True, "fused: run the fused kernels' tests first.")
 flags.DEFINE_list("decode_shapes", ["32768:8", "131072:8", "32768:32"],
@@ -498,6 +500,40 @@ TRITON_ARGS = "--rows=32 --top_k=2048 --positions=32768 --head_dim=128"
 TRITON_SMOKE_ARGS = "--rows=3 --top_k=16 --positions=64 --head_dim=8"
 
 
+def run_sampler():
+  """The serving sampler per row kind against drawing every row from the full
+  ranking (the sampler before the thirty-sixth session), same tokens checked."""
+  from kvtier_jax.serving import sampling  # noqa: PLC0415
+  rng = np.random.default_rng(6)
+  vocab = 4096 if FLAGS.smoke else 151936  # Qwen3's vocabulary
+  cases = {"greedy": (0.0, 0, 1.0, 1.0), "whole": (1.0, 0, 1.0, 1.0),
+           "top_k_50": (0.8, 50, 0.9, 1.0), "nucleus": (0.8, 0, 0.9, 4.0),
+           "ranked": (0.8, 0, 0.9, 0.05)}  # (temperature, top_k, top_p, logit scale)
+
+  @jax.jit
+  def ranking(logits, temperature, top_k, top_p, seed, position):
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(
+        jax.random.key(0), s), p))(seed, position)
+    return jax.vmap(functools.partial(sampling._draw, sampling._ranked))(
+        keys, logits, sampling._scale(temperature), top_k, top_p)
+
+  for rows in (8, 64):
+    for name, (temperature, top_k, top_p, scale) in cases.items():
+      logits = jnp.asarray(rng.standard_normal((rows, vocab)) * scale, jnp.float32)
+      args = (logits, jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k,
+              jnp.int32), jnp.full(rows, top_p, jnp.float32),
+              jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32))
+      got = np.asarray(sampling.sample(*args)[0])
+      row = dict(rows=rows, vocab=vocab, kind=name,
+                 sample_ms=round(timing.median_ms(lambda: sampling.sample(*args), 3,
+                                                  FLAGS.iters), 4),
+                 ranking_ms=round(timing.median_ms(lambda: ranking(*args), 3,
+                                                   FLAGS.iters), 4))
+      if name != "greedy" and name != "whole":  # (those draw otherwise by design)
+        row["same_tokens"] = bool((got == np.asarray(ranking(*args))).all())
+      log("sampler", **row)
+
+
 def run_triton():
   """Issue 16 part 4: the probe kernel written in the Triton language (through
   jax-triton) against the same algorithm in Pallas Triton, both compiled on this
@@ -553,7 +589,7 @@ def main(argv):
               "numerics": run_numerics, "lookups": bench_lookups,
               "lookup_decode": run_lookup_decode, "io": run_io,
               "throughput": run_throughput, "kernels": bench_kernels, "decode": run_decode,
-              "serve": run_serve, "triton": run_triton}
+              "serve": run_serve, "triton": run_triton, "sampler": run_sampler}
   unknown = set(FLAGS.sections) - set(sections)
   if unknown:
     raise app.UsageError(f"unknown --sections {sorted(unknown)}; known: {list(sections)}")

@@ -264,7 +264,7 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
   The fused section's smoke times one variant per kernel path and only builds the
   configs of the others (the suite tests their steps)."""
   run("experiments.gpu_check", "--smoke", f"--out_dir={tmp_path}", "--budget_s=600",
-      "--sections=fused,numerics,lookups,triton", "--numerics_filter=zero_copy",
+      "--sections=fused,numerics,lookups,triton,sampler", "--numerics_filter=zero_copy",
       "--nofused_tests", "--warmup=1", "--iters=2")
   rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert not [r for r in rows if "error" in r]
@@ -280,6 +280,9 @@ def test_gpu_check_smoke_runs_clean(tmp_path):
           "tiered_overlap", "tiered_sliced_inputs", "tiered_fused_sliced_inputs"} <= built
   lookups = next(r for r in rows if r.get("op") == "resolve_lookups")
   assert all(v for k, v in lookups.items() if k.endswith("_exact"))
+  sampler = [r for r in rows if r["section"] == "sampler"]
+  assert len(sampler) == 10 and all(r.get("same_tokens", True) for r in sampler)
+  assert sum("same_tokens" in r for r in sampler) == 6  # the window and ranked kinds
   # Off GPU the triton section says why it did not time (no jax-triton, or no GPU).
   assert [r for r in rows if r["section"] == "triton" and "skipped" in r], rows
   # Past --deadline_s the subprocess sections are skipped, not started (the device
