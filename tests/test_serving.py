@@ -268,11 +268,17 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
   top_k = cases[:, 0].astype(np.int32)
   top_p = np.where(cases[:, 1] < 0, nucleus, cases[:, 1]).astype(np.float32)
   logits = (rng.standard_normal((rows, vocab)) * cases[:, 2:]).astype(np.float32)
+  # Every other row in halves of a unit, ties everywhere, zeros of both signs.
+  logits[1::2] = np.round(logits[1::2] * 2) / 2 * rng.choice([-1, 1], (rows // 2, vocab))
   temperature = rng.uniform(0.2, 1.5, rows).astype(np.float32)
   seed = rng.integers(0, 2**31, rows).astype(np.int32)
   position = rng.integers(0, 2**20, rows).astype(np.int32)
-  tokens = np.asarray(sampling.sample(jnp.asarray(logits), temperature, top_k, top_p, seed,
-                                      position)[0])
+  params = (temperature, top_k, top_p, seed, position)
+  tokens = np.asarray(sampling.sample(jnp.asarray(logits), *params)[0])
+  # Five rows with other neighbours, fewer of them: the same draws.
+  some = rng.choice(rows, 5, replace=False)
+  again = sampling.sample(jnp.asarray(logits[some]), *(p[some] for p in params))[0]
+  np.testing.assert_array_equal(np.asarray(again), tokens[some])
   kinds = collections.Counter()
   for row in range(rows):
     kind, ids, masked, margin = reference_candidates(logits[row], temperature[row],
@@ -289,6 +295,34 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
       ranking[:len(masked)] = masked
       assert ids[int(jax.random.categorical(key, jnp.asarray(ranking)))] == ids[pick]
   assert set(kinds) == set(sampling.CANDIDATES), kinds
+
+
+def test_tied_logits_rank_and_cut_as_the_full_ranking_does():
+  """The windows rank ties as the stable argsort does (the lower id first, -0.0
+  tied with 0.0: ``lax.top_k`` alone put 0.0 first, so a greedy request's processed
+  log-probability was -inf), and a nucleus of equal logits stops where its mass
+  reaches top_p exactly (its mass rounded low and kept one token more)."""
+  for vocab, top_p in ((2, 0.5), (10, 0.1), (10, 0.5), (1000, 0.1)):
+    flat = jnp.full((vocab,), 3.7, jnp.float32)
+    kept = [int(np.isfinite(np.asarray(sampling.CANDIDATES[kind](
+        flat, 1.0, 0, np.float32(top_p))[1])).sum()) for kind in ("nucleus", "ranked")]
+    assert kept == [round(vocab * top_p)] * 2, (vocab, top_p, kept)
+  zeros = np.full(VOCAB, -3.0, np.float32)
+  zeros[5], zeros[9] = -0.0, 0.0
+  for kind in ("window", "nucleus", "ranked"):
+    ids, _ = sampling.CANDIDATES[kind](jnp.asarray(zeros), 1.0, 2, np.float32(0.9))
+    assert np.asarray(ids)[:2].tolist() == [5, 9], kind
+
+  class SignedZeros(FakeModel):
+    def _logits(self, seq):
+      return zeros.copy()
+
+  engine = Engine(SignedZeros())
+  req = engine.submit([1, 2, 3], 3, SamplingParams(top_k=1, logprobs=1,
+                                                   logprobs_mode="processed"))
+  engine.run()
+  assert req.output == [5] * 3 and req.logprobs == [0.0] * 3
+  assert req.top_logprobs == [[(5, 0.0)]] * 3
 
 
 def test_sampling_frequencies_follow_the_truncated_softmax():
@@ -804,9 +838,11 @@ def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
       engines[0].step()
     top_n = [None, 0, 3, 20][i % 4]
     sp = dataclasses.replace(sp, logprobs=top_n)
-    if i % 8 >= 4:  # processed; greedy ones with a top-k the draw ignores
-      sp = dataclasses.replace(sp, logprobs_mode="processed",
-                               top_k=sp.top_k or (3 if sp.temperature == 0 else 0))
+    if i % 8 >= 4:  # processed: untruncated (whole), top-k past 64 (ranked), else
+      # as drawn (window or nucleus; greedy ones with a top-k the draw ignores)
+      sp = dataclasses.replace(sp, logprobs_mode="processed", **(
+          dict(top_k=0, top_p=1.0) if i % 8 == 5 else dict(top_k=100) if i % 8 == 6
+          else dict(top_k=sp.top_k or (3 if sp.temperature == 0 else 0))))
     reqs.append(engines[0].submit(prompt, new + 4, sp, request_id=f"r{i}"))
   snapshot.save(engines[0], tmp_path / "snap")
   engines.append(snapshot.restore(tmp_path / "snap", factory(),

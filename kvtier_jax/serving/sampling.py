@@ -55,8 +55,14 @@ def _whole(logits, scale, top_k, top_p):
   return jnp.arange(logits.shape[0], dtype=jnp.int32), logits / scale
 
 
+def _best(logits, width: int):
+  """``lax.top_k`` ranked as the stable argsort ranks: ties to the lower id, -0.0
+  tied with 0.0 (top_k alone puts 0.0 first, argsort and argmax do not)."""
+  return jax.lax.top_k(jnp.where(logits == 0, 0.0, logits), min(width, logits.shape[0]))
+
+
 def _window(logits, scale, top_k, top_p):
-  values, ids = jax.lax.top_k(logits, min(TOP_K_WINDOW, logits.shape[0]))
+  values, ids = _best(logits, TOP_K_WINDOW)
   ranked = values / scale
   return ids.astype(jnp.int32), jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf)
 
@@ -65,9 +71,11 @@ def _nucleus_window(logits, scale, top_p):
   """The best ``NUCLEUS_WINDOW`` ids, their scaled logits, -inf past the smallest
   prefix whose mass (under the whole vocabulary) reaches ``top_p``, and whether
   that prefix ends inside the window."""
-  values, ids = jax.lax.top_k(logits, min(NUCLEUS_WINDOW, logits.shape[0]))
+  values, ids = _best(logits, NUCLEUS_WINDOW)
   ranked = values / scale
-  probs = jnp.exp(ranked - jax.nn.logsumexp(logits / scale))
+  # As jax.nn.softmax computes it (what ``kept`` uses): exp(x - max) / sum; the
+  # log-sum-exp form rounds below it and kept a token past an exact top_p.
+  probs = jnp.exp(ranked - ranked[0]) / jnp.exp(logits / scale - ranked[0]).sum()
   reached = jnp.cumsum(probs)
   masked = jnp.where((reached - probs) < top_p, ranked, -jnp.inf)
   return ids.astype(jnp.int32), masked, reached[-1] >= top_p
@@ -143,7 +151,8 @@ def sample(logits, temperature, top_k, top_p, seed, position):
 
 def _processed(candidates, logits, scale, top_k, top_p):
   ids, masked = candidates(logits, scale, top_k, top_p)
-  return jnp.full(logits.shape, -jnp.inf).at[ids].set(jax.nn.log_softmax(masked))
+  undrawable = jnp.full(logits.shape, -jnp.inf, logits.dtype)
+  return undrawable.at[ids].set(jax.nn.log_softmax(masked))
 
 
 @functools.partial(jax.jit, static_argnames=("top_n",))
