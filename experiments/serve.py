@@ -78,6 +78,9 @@ flags.DEFINE_list("output_range", ["8", "24"], "Synthetic: new tokens min,max.")
 flags.DEFINE_float("request_rate", 0.0, "Synthetic: Poisson arrivals per second "
                    "(0: all at once).")
 flags.DEFINE_integer("seed", 0, "Synthetic workload seed.")
+flags.DEFINE_list("sampling", [], "Synthetic: every request's SamplingParams as "
+                  "key=value pairs, e.g. temperature=1,top_p=0.95 (default greedy; "
+                  "seeded per request by its id). A --workload file sets its own.")
 flags.DEFINE_enum("sessions", None, ["skewed", "narrow"], "Synthetic agent sessions "
                   "(--num_requests sessions of --session_turns turns, first prompt of "
                   "the largest --prompt_range; --max_len grows to fit) instead of "
@@ -204,6 +207,12 @@ def main(argv):
     model_setup.refuse_given(["lookahead_cap"], "it caps --lookahead=draft's prefetch")
   if FLAGS.restore and FLAGS.sessions:
     raise app.UsageError("--restore continues independent requests, not --sessions")
+  if FLAGS.workload and FLAGS.sampling:
+    raise app.UsageError("--sampling: not used with --workload (each line sets its own)")
+  try:
+    sampling = workloads.parse_sampling(FLAGS.sampling)
+  except ValueError as err:
+    raise app.UsageError(str(err)) from None
   data = sharding.parse_mesh(FLAGS.mesh)["data"]
   if FLAGS.smoke:
     FLAGS.max_batch = -(-FLAGS.max_batch // data) * data
@@ -238,6 +247,8 @@ def main(argv):
     else:
       workload = workloads.synthetic(stream, rng, FLAGS.num_requests,
                                      list(map(int, FLAGS.prompt_range)), outputs, arrivals)
+  if not FLAGS.workload:
+    workload = workloads.sampled(workload, sampling)
   if shape["model"] > 1 and FLAGS.selector == "quest":
     FLAGS.selector = "quest_kv"  # tensor parallel splits the cache by KV head
   # After the flags the run changes (max_len for sessions, the selector for a mesh).

@@ -78,6 +78,9 @@ flags.DEFINE_integer("max_step_tokens", 512, "Tokens per engine step.")
 flags.DEFINE_float("slo_ttft_s", None, "Goodput: TTFT SLO (seconds).")
 flags.DEFINE_float("slo_tpot_ms", None, "Goodput: TPOT SLO (ms).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_list("sampling", [], "synthetic / rollout: every request's SamplingParams "
+                  "as key=value pairs, e.g. temperature=1,top_p=0.95 (default greedy; "
+                  "seeded per request by its id).")
 flags.DEFINE_float("budget_s", None, "Start no new point after this many seconds.")
 flags.DEFINE_float("deadline_s", None, "Stop the running point this many seconds after "
                    "the process started (its row says cut: requests in flight are left "
@@ -130,18 +133,21 @@ def make_workload(context: int, stream, tokenizer, rng) -> list:
   # or --burstiness serve the same prompts (paired).
   arrivals = bench.arrival_times(FLAGS.num_requests, FLAGS.request_rate, FLAGS.burstiness,
                                  np.random.default_rng((FLAGS.seed, 1)))
+  sampling = workloads.parse_sampling(FLAGS.sampling)  # (checked in main)
   if FLAGS.workload == "synthetic":
     hi = context - FLAGS.output_len
     lo = max(1, int((1 - FLAGS.prompt_spread) * hi))
-    return workloads.synthetic(stream, rng, FLAGS.num_requests, (lo, hi),
-                               (FLAGS.output_len, FLAGS.output_len), arrivals)
+    return workloads.sampled(workloads.synthetic(
+        stream, rng, FLAGS.num_requests, (lo, hi), (FLAGS.output_len, FLAGS.output_len),
+        arrivals), sampling)
   if FLAGS.workload == "rollout":
     turns, env = FLAGS.rollout_turns, FLAGS.rollout_env_tokens
     prompt = context - turns * FLAGS.output_len - (turns - 1) * env
     if prompt <= 0:
       raise ValueError(f"context {context} is too short for {turns} turns")
-    return workloads.rollouts(stream, rng, FLAGS.num_requests, prompt, turns,
-                              FLAGS.output_len, env, FLAGS.rollout_env_seconds, arrivals)
+    return workloads.sampled(workloads.rollouts(
+        stream, rng, FLAGS.num_requests, prompt, turns, FLAGS.output_len, env,
+        FLAGS.rollout_env_seconds, arrivals), sampling)
   return workloads.load_jsonl(FLAGS.workload, tokenizer)
 
 
@@ -291,7 +297,7 @@ def main(argv):
              if FLAGS[name].present]
   if FLAGS.workload not in ("synthetic", "rollout"):  # a JSONL file says these itself
     ignored += [f"--{name}" for name in ("request_rate", "burstiness", "num_requests",
-                                         "contexts") if FLAGS[name].present]
+                                         "contexts", "sampling") if FLAGS[name].present]
   if ignored:
     raise app.UsageError(f"{', '.join(ignored)}: not used by this workload (prompts "
                          "come from the bundled corpus, or from the JSONL file with "
@@ -307,6 +313,10 @@ def main(argv):
     FLAGS.rollout_turns, FLAGS.rollout_env_tokens, FLAGS.rollout_env_seconds = 2, 16, 0.0
   if FLAGS["top_k"].using_default_value:
     FLAGS.top_k = FLAGS.hot_slots // 2  # B = 2k, the paper's default
+  try:
+    workloads.parse_sampling(FLAGS.sampling)
+  except ValueError as err:
+    raise app.UsageError(str(err)) from None
   out = common.start_run("serve_sweep", FLAGS.flag_values_dict(), FLAGS.out_root)
   model, stream, tokenizer, weights = load_model()
   selector, params = setup.build_selector(FLAGS.selector, model.cfg, FLAGS.top_k,

@@ -22,6 +22,7 @@ Workloads are lists of ``kvtier_jax.serving.bench.RequestSpec`` / ``Rollout``:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Sequence
@@ -94,6 +95,32 @@ def rollouts(stream: np.ndarray, rng: np.random.Generator, num: int, prompt_len:
     out.append(Rollout(f"traj{i}", tuple(piece[:prompt_len]), (gen_tokens,) * turns, envs,
                        0.0 if arrivals is None else float(arrivals[i]), env_seconds))
   return out
+
+
+def parse_sampling(pairs: Sequence[str]) -> SamplingParams:
+  """``SamplingParams`` from ``key=value`` strings (a runner's ``--sampling``),
+  checked: ``["temperature=1", "top_p=0.95"]``."""
+  names = [f.name for f in dataclasses.fields(SamplingParams)]
+  fields = {}
+  for pair in pairs:
+    key, eq, value = pair.partition("=")
+    if not eq or key not in names:
+      raise ValueError(f"--sampling {pair!r}: want key=value, key one of {names}")
+    kind = dict(temperature=float, top_p=float, logprobs_mode=str).get(key, int)
+    try:
+      fields[key] = kind(value)
+    except ValueError:
+      raise ValueError(f"--sampling {pair!r}: {value!r} is not of type {kind.__name__}"
+                       ) from None
+  sampling = SamplingParams(**fields)
+  sampling.check()
+  return sampling
+
+
+def sampled(workload: list, sampling: SamplingParams) -> list:
+  """``workload`` with every request (or trajectory) drawing by ``sampling`` (each
+  keeps the seed its id gives it, unless ``sampling`` has one)."""
+  return [dataclasses.replace(item, sampling=sampling) for item in workload]
 
 
 def load_jsonl(path: str | pathlib.Path, tokenizer) -> list[RequestSpec | Rollout]:

@@ -2,6 +2,7 @@
 cache): real SmolLM2 weights, exactness checked through the CLI. A file of its own
 so the test workers split the experiment smokes (each is a subprocess of ~1 min)."""
 
+import dataclasses
 import json
 import re
 
@@ -81,7 +82,7 @@ def test_the_serving_runners_serve_a_row_tiled_model(tmp_path):
   _, rows = only_run(tmp_path, "serve")
   assert rows[0]["decode_row_tile"] == 8 and rows[0]["misses"] > 0
   run("experiments.serve_sweep", "--smoke", "--model=smollm2_135m", "--model_layers=2",
-      "--decode_row_tile=8", f"--out_root={tmp_path}")
+      "--decode_row_tile=8", "--sampling=temperature=1,top_k=20", f"--out_root={tmp_path}")
   _, rows = only_run(tmp_path, "serve_sweep")
   assert {(r["cache"], r["decode_row_tile"], r["weights"]) for r in rows} == {
       ("sparse", 8, "dummy"), ("tiered", 8, "dummy")}
@@ -90,11 +91,12 @@ def test_the_serving_runners_serve_a_row_tiled_model(tmp_path):
 
 @pytest.mark.slow  # end to end in a subprocess: CI runs it (--runslow)
 def test_serve_with_the_look_ahead_is_exact_and_fetches_ahead(tmp_path):
-  """``serve --lookahead=draft``: every request checked against the sparse backend
-  alone (which runs no look-ahead), and the summary counts the rows fetched ahead
-  apart from the misses left on the steps."""
+  """``serve --lookahead=draft``: every request (sampled: ``--sampling``) checked
+  against the sparse backend alone (which runs no look-ahead), and the summary
+  counts the rows fetched ahead apart from the misses left on the steps."""
   out = run("experiments.serve", "--smoke", f"--model_layers={SMOKE_LAYERS}",
-            "--lookahead=draft", "--check_exact", f"--out_root={tmp_path}")
+            "--lookahead=draft", "--sampling=temperature=0.8,top_p=0.9", "--check_exact",
+            f"--out_root={tmp_path}")
   assert out.strip().splitlines()[-1].endswith("exact=4/4 prefix_hit=0"), out[-500:]
   _, rows = only_run(tmp_path, "serve")
   assert rows[0]["lookahead"] == "draft"
@@ -220,6 +222,30 @@ def test_workload_files_refuse_ids_and_counts_that_are_not_integers(tmp_path):
   path.write_text(json.dumps(dict(good[1], stop_ids=[9])) + "\n")
   with pytest.raises(ValueError, match="w.jsonl:1: a session turn takes no stop_ids"):
     workloads.load_jsonl(path, tokenizer=None)
+
+
+def test_sampling_flags_parse_into_checked_params_and_sample_every_request():
+  """``--sampling`` pairs become ``SamplingParams`` of the right types (checked:
+  out-of-range values, unknown keys and values of another type are refused), and
+  ``sampled`` gives every request and trajectory those params, keeping the rest."""
+  from experiments import workloads  # noqa: PLC0415
+  from kvtier_jax.serving import SamplingParams, bench  # noqa: PLC0415
+  got = workloads.parse_sampling(["temperature=1", "top_k=40", "top_p=0.95", "seed=7",
+                                  "logprobs=2", "logprobs_mode=processed"])
+  assert got == SamplingParams(1.0, 40, 0.95, 7, 2, "processed")
+  assert [type(v) for v in dataclasses.astuple(got)] == [float, int, float, int, int, str]
+  assert workloads.parse_sampling([]) == SamplingParams()
+  for bad, match in ((["top_p=0"], "top_p"), (["temp=1"], "key one of"),
+                     (["top_k=2.5"], "not of type int"), (["temperature"], "key=value"),
+                     (["logprobs_mode=best"], "logprobs_mode")):
+    with pytest.raises(ValueError, match=match):
+      workloads.parse_sampling(bad)
+  work = [bench.RequestSpec("r", (1, 2), 3, 0.5, stop_ids=(9,)),
+          bench.Rollout("t", (1, 2), (3, 4), ((5,),))]
+  out = workloads.sampled(work, got)
+  assert [w.sampling for w in out] == [got, got]
+  assert out[0] == dataclasses.replace(work[0], sampling=got)
+  assert out[1] == dataclasses.replace(work[1], sampling=got)
 
 
 @pytest.mark.slow  # end to end in a subprocess: CI runs it (--runslow)
