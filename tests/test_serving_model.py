@@ -22,12 +22,12 @@ from tests.util import SMOKE_LAYERS, smollm2_or_skip
 pytest.importorskip("models.transformer")
 
 # (offset in the text, prompt tokens, max_new_tokens, sampling, engine steps before
-# it arrives)
+# it arrives); one sampled request truncates by top-p, one by top-k.
 WORKLOAD = [(0, 150, 24, SamplingParams(), 0),
             (400, 20, 6, SamplingParams(), 0),  # fits the hot cache: no host pages
             (900, 200, 10, SamplingParams(temperature=0.8, top_p=0.9, seed=7), 2),
             (1500, 140, 12, SamplingParams(), 3),
-            (2100, 90, 20, SamplingParams(), 5)]
+            (2100, 90, 20, SamplingParams(temperature=1.0, top_k=40, seed=11), 5)]
 ABORTED = 3  # aborted two steps after it arrives
 
 
