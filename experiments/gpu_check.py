@@ -529,7 +529,7 @@ def run_sampler():
                                                   FLAGS.iters), 4),
                  ranking_ms=round(timing.median_ms(lambda: ranking(*args), 3,
                                                    FLAGS.iters), 4))
-      if name != "greedy" and name != "whole":  # (those draw otherwise by design)
+      if name not in ("greedy", "whole"):  # (those draw otherwise by design)
         row["same_tokens"] = bool((got == np.asarray(ranking(*args))).all())
       log("sampler", **row)
 

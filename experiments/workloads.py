@@ -7,11 +7,11 @@ Workloads are lists of ``kvtier_jax.serving.bench.RequestSpec`` / ``Rollout``:
 * ``load_jsonl``: the ``experiments.serve`` format, one request per line:
   ``{"id", "prompt": text | "prompt_ids": [...], "max_new_tokens", "arrival_s",
   "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs", "logprobs_mode"}``
-  (all but the prompt and ``max_new_tokens`` optional). Sessions: ``{"id", "session": name,
-  "append": text | "append_ids": [...], "max_new_tokens"}`` is a turn whose prompt is the
-  session's history (earlier appends and the engine's own outputs) plus this
-  append, sent when the session's previous turn finishes; sessions interleave in
-  file order;
+  (all but the prompt and ``max_new_tokens`` optional). Sessions: ``{"id",
+  "session": name, "append": text | "append_ids": [...], "max_new_tokens"}`` is a
+  turn whose prompt is the session's history (earlier appends and the engine's
+  own outputs) plus this append, sent when the session's previous turn finishes;
+  sessions interleave in file order;
 * ``sessions``: agent sessions whose turns append to a long history, with a
   ``skewed`` append-size distribution (most turns add a little, a tail adds a lot:
   most requests are >= 95% prefix hits) or a ``narrow`` one;

@@ -826,9 +826,9 @@ def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
   """``SamplingParams(logprobs=N)``: each output token's log-probability and the N
   most likely tokens', as a float64 computation from its logits gives them (raw
   and processed, greedy and sampled requests, with preemption); a snapshot
-  restores them bit for bit
-  and the restored engine goes on as the original; a handoff, through its wire
-  format, carries them to the receiver, which goes on recording."""
+  restores them bit for bit and the restored engine goes on as the original; a
+  handoff, through its wire format, carries them to the receiver, which goes on
+  recording."""
   rng = np.random.default_rng()
   factory = lambda: FakeModel(num_host_pages=24)
   engines = [Engine(factory(), EngineConfig(max_step_tokens=20))]
@@ -908,8 +908,8 @@ def test_logprobs_are_refused_out_of_range_and_in_a_handoff_that_disagrees():
   kept_one = sender.export(req.id, kv="none")
   assert [len(top) for top in kept_one.top_logprobs] == [1, 1]
   assert kept_one.logprobs == [0.0, 0.0]  # all the mass on the one kept token
-  for tops in ([[], kept_one.top_logprobs[1]], [kept_one.top_logprobs[0], good.top_logprobs[1]
-                                                + [(0, -30.0)]]):
+  too_long = good.top_logprobs[1] + [(0, -30.0)]  # 3 pairs for N = 2
+  for tops in ([[], kept_one.top_logprobs[1]], [kept_one.top_logprobs[0], too_long]):
     with pytest.raises(ValueError, match="logprobs"):
       Engine(FakeModel()).accept(dataclasses.replace(kept_one, top_logprobs=tops))
   Engine(FakeModel()).accept(handoff_lib.Handoff.from_bytes(kept_one.to_bytes()))
