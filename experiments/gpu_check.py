@@ -44,7 +44,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 # this one: none may take 75% of HBM up front and leave the others a quarter.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import functools
 import json
 import pathlib
 import shlex
@@ -514,8 +513,9 @@ def run_sampler():
   def ranking(logits, temperature, top_k, top_p, seed, position):
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(
         jax.random.key(0), s), p))(seed, position)
-    return jax.vmap(functools.partial(sampling._draw, sampling._ranked))(
-        keys, logits, sampling._scale(temperature), top_k, top_p)
+    ids, masked = jax.vmap(sampling.CANDIDATES["ranked"])(
+        logits, sampling._scale(temperature), top_k, top_p)
+    return jax.vmap(lambda i, m, k: i[jax.random.categorical(k, m)])(ids, masked, keys)
 
   for rows in (8, 64):
     for name, (temperature, top_k, top_p, scale) in cases.items():

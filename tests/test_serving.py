@@ -232,9 +232,10 @@ def reference_candidates(logits, temperature, top_k, top_p):
   reached = np.cumsum(mass)
   margin = np.abs(reached - top_p).min() if top_p < 1 else np.inf
   if top_k == 0 and top_p < 1:
-    nucleus = min(sampling.NUCLEUS_WINDOW, vocab)
-    if reached[nucleus - 1] >= top_p:
-      kind, ids = "nucleus", order[:nucleus]
+    for width in sampling.NUCLEUS_WINDOWS:  # the first window the nucleus fits
+      if reached[min(width, vocab) - 1] >= top_p:
+        kind, ids = f"nucleus_{width}", order[:min(width, vocab)]
+        break
   kept = np.zeros(vocab, bool)
   kept[:len(normal)] = True if top_p >= 1 else (reached - mass)[:len(normal)] < top_p
   return kind, ids, np.where(kept[:len(ids)], scaled[ids], -np.inf), margin
@@ -244,7 +245,7 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
   """One NaN or inf among finite logits marks the row (a whole-row poison is not
   the only failure); a row's draw is ``categorical(fold_in(fold_in(key(0), seed),
   position))`` over its kind's candidates (whole vocabulary in id order, or the
-  top-k window, the nucleus window, or the whole ranking best first), the
+  top-k window, a nucleus window, or the whole ranking best first), the
   documented key and candidates (snapshots and handoffs rely on them: a reordered
   fold would change every sampled stream). Checked against ``reference_candidates``
   on a vocabulary past both windows, every kind present; a window's draw is the
@@ -258,10 +259,11 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
   _, finite = sampling.sample(jnp.asarray(logits), zeros, np.zeros(4, np.int32),
                               zeros + 1, np.zeros(4, np.int32), np.zeros(4, np.int32))
   np.testing.assert_array_equal(np.asarray(finite), [False, False, False, True])
-  rows, vocab = 128, 700
+  rows, vocab = 128, 5000
   nucleus = rng.uniform(0.3, 0.95, rows)
   # (top_k, top_p, logit scale) per row in turn: whole, three windows, a peaked
-  # nucleus (inside its window), a flat one (past it: ranked), two larger top-ks.
+  # nucleus (inside 256), a flat one (inside 4096 below top-p 0.82, else ranked),
+  # two larger top-ks.
   cases = np.array([(0, 1.0, 1.0), (1, 1.0, 1.0), (7, -1, 1.0),
                     (sampling.TOP_K_WINDOW, 1.0, 1.0), (0, -1, 6.0), (0, -1, 0.05),
                     (65, -1, 1.0), (300, 1.0, 1.0)])[np.arange(rows) % 8]
@@ -290,7 +292,7 @@ def test_sampling_flags_any_non_finite_logit_and_draws_with_the_documented_key()
                              int(position[row]))
     pick = int(jax.random.categorical(key, jnp.asarray(masked.astype(np.float32))))
     assert int(tokens[row]) == ids[pick], (row, kind)
-    if kind in ("window", "nucleus"):  # the token a draw over the whole ranking gives
+    if kind != "whole":  # the token a draw over the whole ranking gives
       ranking = np.full(vocab, -np.inf, np.float32)
       ranking[:len(masked)] = masked
       assert ids[int(jax.random.categorical(key, jnp.asarray(ranking)))] == ids[pick]
@@ -305,11 +307,12 @@ def test_tied_logits_rank_and_cut_as_the_full_ranking_does():
   for vocab, top_p in ((2, 0.5), (10, 0.1), (10, 0.5), (1000, 0.1)):
     flat = jnp.full((vocab,), 3.7, jnp.float32)
     kept = [int(np.isfinite(np.asarray(sampling.CANDIDATES[kind](
-        flat, 1.0, 0, np.float32(top_p))[1])).sum()) for kind in ("nucleus", "ranked")]
-    assert kept == [round(vocab * top_p)] * 2, (vocab, top_p, kept)
+        flat, 1.0, 0, np.float32(top_p))[1])).sum()) for kind in sampling.CANDIDATES
+        if kind.startswith("nucleus") or kind == "ranked"]
+    assert kept == [round(vocab * top_p)] * 3, (vocab, top_p, kept)
   zeros = np.full(VOCAB, -3.0, np.float32)
   zeros[5], zeros[9] = -0.0, 0.0
-  for kind in ("window", "nucleus", "ranked"):
+  for kind in set(sampling.CANDIDATES) - {"whole"}:
     ids, _ = sampling.CANDIDATES[kind](jnp.asarray(zeros), 1.0, 2, np.float32(0.9))
     assert np.asarray(ids)[:2].tolist() == [5, 9], kind
 
@@ -839,7 +842,7 @@ def test_logprobs_are_each_sampled_tokens_and_travel_with_the_request(tmp_path):
     top_n = [None, 0, 3, 20][i % 4]
     sp = dataclasses.replace(sp, logprobs=top_n)
     if i % 8 >= 4:  # processed: untruncated (whole), top-k past 64 (ranked), else
-      # as drawn (window or nucleus; greedy ones with a top-k the draw ignores)
+      # as drawn (window or nucleus_256; greedy ones with a top-k the draw ignores)
       sp = dataclasses.replace(sp, logprobs_mode="processed", **(
           dict(top_k=0, top_p=1.0) if i % 8 == 5 else dict(top_k=100) if i % 8 == 6
           else dict(top_k=sp.top_k or (3 if sp.temperature == 0 else 0))))

@@ -11,9 +11,11 @@ row, greedy rows too, took 95 ms at 8 rows on the CPU, beside a 57 ms model step
 
 * ``whole`` (top_k = 0, top_p = 1): every token, in id order, nothing sorted;
 * ``window`` (0 < top_k <= ``TOP_K_WINDOW``): ``lax.top_k``'s best, best first;
-* ``nucleus`` (top_k = 0, top_p < 1, and the smallest prefix reaching top_p lies
-  within the best ``NUCLEUS_WINDOW``): those, best first, their mass under the
-  whole vocabulary's softmax;
+* ``nucleus_256``, ``nucleus_4096`` (top_k = 0, top_p < 1, and the smallest
+  prefix reaching top_p lies within the best 256, else 4096, ``NUCLEUS_WINDOWS``):
+  those, best first, their mass under the whole vocabulary's softmax (SmolLM2's
+  nucleus at temperature 1, top-p 0.95 fits 256 at 74% of positions, 4096 at
+  99.7%: each row of a batch must fit for the batch to skip the next kind);
 * ``ranked`` (the rest: a larger top-k, or a nucleus past its window): every
   token, best first (a stable argsort).
 
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 TOP_K_WINDOW = 64  # rows with 0 < top_k <= this draw from a lax.top_k window
-NUCLEUS_WINDOW = 256  # top-p rows whose nucleus fits in this many draw from a window
+NUCLEUS_WINDOWS = (256, 4096)  # top-p rows whose nucleus fits draw from a window
 
 
 def kept(ranked, top_k, top_p):
@@ -67,11 +69,11 @@ def _window(logits, scale, top_k, top_p):
   return ids.astype(jnp.int32), jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf)
 
 
-def _nucleus_window(logits, scale, top_p):
-  """The best ``NUCLEUS_WINDOW`` ids, their scaled logits, -inf past the smallest
-  prefix whose mass (under the whole vocabulary) reaches ``top_p``, and whether
-  that prefix ends inside the window."""
-  values, ids = _best(logits, NUCLEUS_WINDOW)
+def _nucleus_window(logits, scale, top_p, width: int):
+  """The best ``width`` ids, their scaled logits, -inf past the smallest prefix
+  whose mass (under the whole vocabulary) reaches ``top_p``, and whether that
+  prefix ends inside the window."""
+  values, ids = _best(logits, width)
   ranked = values / scale
   # As jax.nn.softmax computes it (what ``kept`` uses): exp(x - max) / sum; the
   # log-sum-exp form rounds below it and kept a token past an exact top_p.
@@ -81,10 +83,12 @@ def _nucleus_window(logits, scale, top_p):
   return ids.astype(jnp.int32), masked, reached[-1] >= top_p
 
 
-def _nucleus(logits, scale, top_k, top_p):
-  del top_k  # (0)
-  ids, masked, _ = _nucleus_window(logits, scale, top_p)
-  return ids, masked
+def _nucleus(width: int):
+  def candidates(logits, scale, top_k, top_p):
+    del top_k  # (0)
+    ids, masked, _ = _nucleus_window(logits, scale, top_p, width)
+    return ids, masked
+  return candidates
 
 
 def _ranked(logits, scale, top_k, top_p):
@@ -93,21 +97,34 @@ def _ranked(logits, scale, top_k, top_p):
   return order.astype(jnp.int32), jnp.where(kept(ranked, top_k, top_p), ranked, -jnp.inf)
 
 
-CANDIDATES = {"whole": _whole, "window": _window, "nucleus": _nucleus, "ranked": _ranked}
+CANDIDATES = {"whole": _whole, "window": _window,
+              **{f"nucleus_{width}": _nucleus(width) for width in NUCLEUS_WINDOWS},
+              "ranked": _ranked}
 
 
 def candidate_kind(rows, logits, scale, top_k, top_p):
-  """i32[S]: the index into ``CANDIDATES`` of each row (read where ``rows``
-  bool[S]), by its own parameters and, for a top-p row, its logits."""
+  """Each row's index into ``CANDIDATES`` i32[S] (read where ``rows`` bool[S]), by
+  its own parameters and, for a top-p row, its logits; and the nucleus windows'
+  candidates, {kind: (ids i32[S, W], masked f32[S, W])}, computed to learn which
+  rows fit (each window only where some row fits no smaller one)."""
+  num, vocab = logits.shape
   whole = (top_k == 0) & (top_p >= 1.0)
-  window = (top_k > 0) & (top_k <= min(TOP_K_WINDOW, logits.shape[-1]))
-  nucleus = rows & (top_k == 0) & (top_p < 1.0)
-  fits = jax.lax.cond(
-      nucleus.any(),
-      lambda: jax.vmap(lambda x, s, p: _nucleus_window(x, s, p)[2])(logits, scale, top_p),
-      lambda: nucleus)
-  kind = jnp.where(whole, 0, jnp.where(window, 1, jnp.where(nucleus & fits, 2, 3)))
-  return kind.astype(jnp.int32)
+  window = (top_k > 0) & (top_k <= min(TOP_K_WINDOW, vocab))
+  kind = jnp.where(whole, 0, jnp.where(window, 1, len(CANDIDATES) - 1))
+  unplaced = rows & (top_k == 0) & (top_p < 1.0)
+  nucleus = {}
+  for index, width in enumerate(NUCLEUS_WINDOWS, start=2):
+    empty = (jnp.zeros((num, min(width, vocab)), jnp.int32),
+             jnp.full((num, min(width, vocab)), -jnp.inf, logits.dtype), unplaced)
+    ids, masked, fits = jax.lax.cond(
+        unplaced.any(),
+        lambda w=width: jax.vmap(functools.partial(_nucleus_window, width=w))(
+            logits, scale, top_p),
+        lambda e=empty: e)
+    nucleus[f"nucleus_{width}"] = (ids, masked)
+    kind = jnp.where(unplaced & fits, index, kind)
+    unplaced &= ~fits
+  return kind.astype(jnp.int32), nucleus
 
 
 def _scale(temperature):
@@ -115,23 +132,23 @@ def _scale(temperature):
   return jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
 
 
-def _per_kind(rows, kind, per_row, default, *args):
+def _per_kind(rows, use, default, logits, scale, top_k, top_p, *extra):
   """``default`` f[S, ...] with each row in ``rows`` bool[S] replaced by
-  ``per_row(candidates, *its args)``, each kind computed only when some such row
-  is of it."""
+  ``use(ids, masked, *its extra)`` over its kind's candidates, each kind computed
+  only when some such row is of it."""
+  kind, nucleus = candidate_kind(rows, logits, scale, top_k, top_p)
   out = default
-  for index, candidates in enumerate(CANDIDATES.values()):
+  for index, (name, candidates) in enumerate(CANDIDATES.items()):
     these = rows & (kind == index)
-    computed = jax.lax.cond(
-        these.any(), lambda c=candidates: jax.vmap(functools.partial(per_row, c))(*args),
-        lambda: default)
-    out = jnp.where(these.reshape(these.shape + (1,) * (out.ndim - 1)), computed, out)
+
+    def computed(name=name, candidates=candidates):
+      ids, masked = nucleus[name] if name in nucleus else jax.vmap(candidates)(
+          logits, scale, top_k, top_p)
+      return jax.vmap(use)(ids, masked, *extra)
+
+    chosen = jax.lax.cond(these.any(), computed, lambda: default)
+    out = jnp.where(these.reshape(these.shape + (1,) * (out.ndim - 1)), chosen, out)
   return out
-
-
-def _draw(candidates, key, logits, scale, top_k, top_p):
-  ids, masked = candidates(logits, scale, top_k, top_p)
-  return ids[jax.random.categorical(key, masked)]
 
 
 @functools.partial(jax.jit)
@@ -143,16 +160,10 @@ def sample(logits, temperature, top_k, top_p, seed, position):
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(
       jax.random.key(0), s), p))(seed, position)
-  sampled, scale = temperature > 0, _scale(temperature)
-  kind = candidate_kind(sampled, logits, scale, top_k, top_p)
-  tokens = _per_kind(sampled, kind, _draw, greedy, keys, logits, scale, top_k, top_p)
+  draw = lambda ids, masked, key: ids[jax.random.categorical(key, masked)]
+  tokens = _per_kind(temperature > 0, draw, greedy, logits, _scale(temperature), top_k,
+                     top_p, keys)
   return tokens, finite
-
-
-def _processed(candidates, logits, scale, top_k, top_p):
-  ids, masked = candidates(logits, scale, top_k, top_p)
-  undrawable = jnp.full(logits.shape, -jnp.inf, logits.dtype)
-  return undrawable.at[ids].set(jax.nn.log_softmax(masked))
 
 
 @functools.partial(jax.jit, static_argnames=("top_n",))
@@ -165,10 +176,13 @@ def logprobs(logits, tokens, temperature, top_k, top_p, processed_rows, top_n: i
   candidates (per-row parameters as ``sample``'s)."""
   logits = logits.astype(jnp.float32)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
-  scale = _scale(temperature)
-  kind = candidate_kind(processed_rows, logits, scale, top_k, top_p)
-  log_probs = _per_kind(processed_rows, kind, _processed, log_probs, logits, scale,
-                        top_k, top_p)
+
+  def processed(ids, masked):  # -inf where the sampler cannot draw
+    return jnp.full(logits.shape[-1:], -jnp.inf, logits.dtype).at[ids].set(
+        jax.nn.log_softmax(masked))
+
+  log_probs = _per_kind(processed_rows, processed, log_probs, logits,
+                        _scale(temperature), top_k, top_p)
   chosen = jnp.take_along_axis(log_probs, tokens[:, None].astype(jnp.int32), -1)[:, 0]
   top, ids = jax.lax.top_k(log_probs, top_n)
   return chosen, ids.astype(jnp.int32), top
