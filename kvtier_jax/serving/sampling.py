@@ -4,7 +4,7 @@ Every row draws with its own key, ``fold_in(fold_in(key(0), seed), position)``, 
 its own parameters, so a request's tokens depend on nothing else in the batch.
 
 A sampled row draws ``categorical(key, masked)`` (``masked``: its scaled logits,
--inf where top-k or top-p drop a token) over candidates of one of four kinds
+-inf where top-k or top-p drop a token) over candidates of one of five kinds
 (``CANDIDATES``), chosen by the row's own parameters and logits, so that no row
 pays for a sort it does not need (a full argsort of SmolLM2's 49,152 logits per
 row, greedy rows too, took 95 ms at 8 rows on the CPU, beside a 57 ms model step):
@@ -15,7 +15,8 @@ row, greedy rows too, took 95 ms at 8 rows on the CPU, beside a 57 ms model step
   prefix reaching top_p lies within the best 256, else 4096, ``NUCLEUS_WINDOWS``):
   those, best first, their mass under the whole vocabulary's softmax (SmolLM2's
   nucleus at temperature 1, top-p 0.95 fits 256 at 74% of positions, 4096 at
-  99.7%: each row of a batch must fit for the batch to skip the next kind);
+  99.7%: each row of a batch must fit for the batch to skip the next kind; a
+  window computed to learn which rows fit is the one they draw from);
 * ``ranked`` (the rest: a larger top-k, or a nucleus past its window): every
   token, best first (a stable argsort).
 
