@@ -128,12 +128,11 @@ def load_model():
   return model, rng.integers(0, model.cfg.vocab_size, 1 << 20), None, "dummy"
 
 
-def make_workload(context: int, stream, tokenizer, rng) -> list:
+def make_workload(context: int, stream, tokenizer, rng, sampling) -> list:
   # Arrivals draw from their own generator: runs that differ only in --request_rate
   # or --burstiness serve the same prompts (paired).
   arrivals = bench.arrival_times(FLAGS.num_requests, FLAGS.request_rate, FLAGS.burstiness,
                                  np.random.default_rng((FLAGS.seed, 1)))
-  sampling = workloads.parse_sampling(FLAGS.sampling)  # (checked in main)
   if FLAGS.workload == "synthetic":
     hi = context - FLAGS.output_len
     lo = max(1, int((1 - FLAGS.prompt_spread) * hi))
@@ -314,7 +313,7 @@ def main(argv):
   if FLAGS["top_k"].using_default_value:
     FLAGS.top_k = FLAGS.hot_slots // 2  # B = 2k, the paper's default
   try:
-    workloads.parse_sampling(FLAGS.sampling)
+    sampling = workloads.parse_sampling(FLAGS.sampling)
   except ValueError as err:
     raise app.UsageError(str(err)) from None
   out = common.start_run("serve_sweep", FLAGS.flag_values_dict(), FLAGS.out_root)
@@ -326,7 +325,7 @@ def main(argv):
   rows, outputs, t0 = [], [], time.perf_counter()
   for context in map(int, FLAGS.contexts):
     rng = np.random.default_rng(FLAGS.seed)
-    workload = make_workload(context, stream, tokenizer, rng)
+    workload = make_workload(context, stream, tokenizer, rng, sampling)
     if FLAGS.workload not in ("synthetic", "rollout"):
       context = max(lengths(workload))  # the file's longest request labels the rows
     max_len = -(-max(context, *lengths(workload)) // FLAGS.chunk_size) * FLAGS.chunk_size

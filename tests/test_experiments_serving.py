@@ -143,7 +143,7 @@ def workload(*args):
   F.unparse_flags()
   F(["serve_sweep", *args])
   w = serve_sweep.make_workload(1024, np.arange(100000) % 5000, None,
-                                np.random.default_rng(F.seed))
+                                np.random.default_rng(F.seed), None)
   return [r.prompt for r in w], [r.arrival_s for r in w]
 (a, ta), (b, tb), (c, tc) = (workload(), workload("--request_rate=4"),
                              workload("--request_rate=4", "--burstiness=0.5"))

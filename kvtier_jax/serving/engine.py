@@ -820,28 +820,23 @@ class Engine:
     ``logits``; outputs already known (a resumed request replaying) are kept, not
     re-sampled."""
     num = logits.shape[0]
-    params = np.zeros((4, num), np.float64)
-    pos = np.zeros((num,), np.int32)
+    temperature, top_p = np.zeros((num,), np.float32), np.zeros((num,), np.float32)
+    top_k, seed, pos = (np.zeros((num,), np.int32) for _ in range(3))
+    processed_rows = np.zeros((num,), bool)
     for row, req, p in zip(rows, batch, positions):
       sp = req.sampling
-      params[:, row] = (sp.temperature, sp.top_k, sp.top_p, sp.seed)
+      temperature[row], top_k[row], top_p[row], seed[row] = (
+          sp.temperature, sp.top_k, sp.top_p, sp.seed)
       pos[row] = p
-    tokens, finite = sampling.sample(logits, params[0].astype(np.float32),
-                                     params[1].astype(np.int32),
-                                     params[2].astype(np.float32),
-                                     params[3].astype(np.int32), pos)
-    tokens, finite = np.asarray(tokens), np.asarray(finite)
+      processed_rows[row] = sp.logprobs is not None and sp.logprobs_mode == "processed"
+    tokens, finite = map(np.asarray, sampling.sample(logits, temperature, top_k, top_p,
+                                                     seed, pos))
     if any(r.sampling.logprobs is not None for r in batch):
       # One width for every N (one compile per logits shape); a vocabulary may be
       # smaller.
       top_n = min(MAX_LOGPROBS, logits.shape[-1])
-      processed_rows = np.zeros((num,), bool)
-      for row, req in zip(rows, batch):
-        processed_rows[row] = (req.sampling.logprobs is not None
-                               and req.sampling.logprobs_mode == "processed")
       chosen, top_ids, top = map(np.asarray, sampling.logprobs(
-          logits, tokens, params[0].astype(np.float32), params[1].astype(np.int32),
-          params[2].astype(np.float32), processed_rows, top_n=top_n))
+          logits, tokens, temperature, top_k, top_p, processed_rows, top_n=top_n))
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)
