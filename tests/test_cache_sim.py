@@ -901,6 +901,84 @@ def test_learned_collects_the_candidates_and_their_next_request():
       np.testing.assert_array_equal(f, f2)
 
 
+def test_collected_samples_are_grouped_by_eviction():
+  """``learned_policy.collect``'s groups are each one stream's candidates at one
+  step, numbered in (step, stream) order: with room for every candidate, each
+  group holds exactly what the replay offered there (features and reuse)."""
+  from experiments.analysis import learned_policy as lp
+  seed = int(np.random.default_rng().integers(1 << 30))
+  sel = make_trace(seed, batch=(3,), k=8, num_pos=40)
+  ranks = make_ranks(sel, 3, num_pos=40)
+  key_fn, offered = linear_key(seed % 97), []
+
+  def record(t, feats, cand, reuse_in):
+    for s in range(cand.shape[0]):
+      if cand[s].any():
+        offered.append(sorted((int(reuse_in[s, b]), feats[s, b].astype(np.float32).tobytes())
+                              for b in np.flatnonzero(cand[s])))
+
+  replay(sel, 12, LEARNED, ranks=ranks, key_fn=key_fn, collect=record)
+  got = lp.collect(sel, ranks, 12, key_fn, per_step=12, seed=seed)
+  assert got.group[0] == 0 and (np.diff(got.group) >= 0).all(), seed
+  assert (np.unique(got.group) == np.arange(len(offered))).all(), seed
+  for g, want in enumerate(offered):
+    these = got.group == g
+    assert sorted(zip(got.reuse_in[these].tolist(),
+                      (f.tobytes() for f in got.features[these]))) == want, (seed, g)
+    assert len(set(got.steps_left[these].tolist())) == 1, (seed, g)
+  both = lp.Samples.concatenate([got, got])
+  np.testing.assert_array_equal(both.group, np.r_[got.group, got.group + len(offered)])
+  np.testing.assert_array_equal(both.reuse_in, np.r_[got.reuse_in, got.reuse_in])
+
+
+def test_pairwise_key_orders_each_eviction_as_belady_would(tmp_path):
+  """train(loss="pairwise") on ragged groups whose reuse distances two features
+  decide (censored at the trace's end): within each group it keys the sooner reuse
+  higher, on the pairs the discount weighs; the group layout and the pair weights
+  match brute force; the loss is saved with the model."""
+  from experiments.analysis import learned_policy as lp
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  num_groups, most = 300, 16
+  sizes = rng.integers(1, most + 1, num_groups)
+  group = np.repeat(np.arange(num_groups), sizes)
+  feats = rng.random((group.size, len(LEARNED_FEATURES)))
+  rank, since = (feats[:, LEARNED_FEATURES.index(n)] for n in ("rank_now", "since_request"))
+  left = np.repeat(rng.integers(10, 60, num_groups), sizes)
+  reuse = np.minimum(1 + np.floor(40 * (rank + 0.5 * since)), left).astype(np.int32)
+
+  rows = lp.padded_groups(group)
+  want = np.full((num_groups, most), -1)
+  for g in range(num_groups):
+    members = np.flatnonzero(group == g)
+    want[g, :members.size] = members
+  np.testing.assert_array_equal(rows, want[:, :rows.shape[1]])
+  assert (want[:, rows.shape[1]:] == -1).all() and rows.shape[1] == sizes.max()
+
+  valid = rows >= 0
+  d = np.where(valid, reuse[rows], 0)
+  weights = np.asarray(lp.pair_weights(d, valid, 8))
+  brute = np.zeros(weights.shape)
+  for g, i, j in np.ndindex(*weights.shape):
+    if valid[g, i] and valid[g, j] and d[g, i] < d[g, j]:
+      brute[g, i, j] = np.exp(-d[g, i] / 8) - np.exp(-d[g, j] / 8)
+  np.testing.assert_allclose(weights, brute, rtol=1e-5, atol=1e-7)
+  assert ((weights > 0) == (brute > 0)).all(), seed
+
+  model = lp.train(lp.Samples(feats, reuse, left, group), 8, steps=300, seed=seed % 7)
+  key = model(feats)
+  keys = np.where(valid, key[rows], 0.0)
+  right = (keys[:, :, None] > keys[:, None, :]) & (brute > 0)
+  accuracy = (brute * right).sum() / brute.sum()
+  assert accuracy > 0.97, (seed, accuracy)
+  model.save(tmp_path / "pairwise.npz")
+  again = lp.KeyModel.load(tmp_path / "pairwise.npz")
+  assert (again.loss, again.horizon) == ("pairwise", 8)
+  np.testing.assert_array_equal(again(feats), key)
+  with pytest.raises(ValueError, match="too few"):  # one candidate per group
+    lp.train(lp.Samples(feats, reuse, left, np.arange(group.size)), 8, steps=1)
+
+
 def test_learned_is_causal_and_needs_a_key():
   sel = make_trace(200, batch=(3,), k=12)
   ranks = make_ranks(sel, 2)
@@ -918,15 +996,20 @@ def test_learned_is_causal_and_needs_a_key():
 
 
 def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
-  """train() on labels that a threshold of two features decides: its logit ranks
-  them (AUC ~1), the saved model gives the same keys, a model trained on other
-  features is refused, and so are one-class labels."""
+  """train(loss="binary") on labels that a threshold of two features decides: its
+  logit ranks them (AUC ~1), the saved model gives the same keys, a model trained
+  on other features is refused, and so are one-class labels."""
   from experiments.analysis import learned_policy as lp
   rng = np.random.default_rng(0)
   feats = rng.random((6000, len(LEARNED_FEATURES)))
   rank, since = (feats[:, LEARNED_FEATURES.index(n)] for n in ("rank_now", "since_request"))
   reuse_in = np.where(rank + 0.5 * since < 0.7, 2, 40)  # reused soon iff low rank, recent
-  model = lp.train(feats, reuse_in, np.full(6000, 100), horizon=4, steps=300)
+
+  def samples(features, reuse, left):
+    return lp.Samples(features, reuse, left, np.arange(len(reuse)) // 32)
+
+  model = lp.train(samples(feats, reuse_in, np.full(6000, 100)), 4, loss="binary",
+                   steps=300)
   key = model(feats)
   soon = reuse_in <= 4
   auc = (key[soon][:, None] > key[~soon][None, :]).mean()
@@ -934,24 +1017,26 @@ def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
   model.save(tmp_path / "key.npz")
   again = lp.KeyModel.load(tmp_path / "key.npz")
   np.testing.assert_array_equal(again(feats), key)
-  assert again.history is None
+  assert again.history is None and again.loss == "binary"
   dataclasses.replace(model, history=7).save(tmp_path / "bounded.npz")
   assert lp.KeyModel.load(tmp_path / "bounded.npz").history == 7
-  slot = lp.train(feats, reuse_in, np.full(6000, 100), horizon=4, steps=50,
-                  uses=lp.SLOT_FEATURES)
+  slot = lp.train(samples(feats, reuse_in, np.full(6000, 100)), 4, loss="binary",
+                  steps=50, uses=lp.SLOT_FEATURES)
   assert slot.uses == lp.SLOT_FEATURES and slot(feats).shape == (6000,)
   np.savez(tmp_path / "other.npz", **{**dict(np.load(tmp_path / "key.npz")),
                                       "features": np.array(["a", "b"])})
   with pytest.raises(ValueError, match="trained on features"):
     lp.KeyModel.load(tmp_path / "other.npz")
   with pytest.raises(ValueError, match="one class"):
-    lp.train(feats, np.full(6000, 2), np.full(6000, 100), horizon=4)
+    lp.train(samples(feats, np.full(6000, 2), np.full(6000, 100)), 4, loss="binary")
   # Unknown label (trace ends before the horizon, not reused): dropped, not negative.
   with pytest.raises(ValueError, match="too few"):
-    lp.train(feats[:300], reuse_in[:300], np.full(300, 3), horizon=4)
+    lp.train(samples(feats[:300], reuse_in[:300], np.full(300, 3)), 4, loss="binary")
   # Never reused near the end: reuse_in == steps_left (T - t) is no reuse, even
   # within the horizon. Those samples are unknown, so only the earlier ones, all
   # negative, are left: one class.
   left = np.where(np.arange(6000) < 3000, 3, 100)
   with pytest.raises(ValueError, match="one class"):
-    lp.train(feats, left, left, horizon=4)
+    lp.train(samples(feats, left, left), 4, loss="binary")
+  with pytest.raises(ValueError, match="loss="):
+    lp.train(samples(feats, reuse_in, np.full(6000, 100)), 4, loss="hinge")

@@ -468,6 +468,7 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   assert report["belady"]["miss_rate"] <= report["learned"]["miss_rate"]
   model = learned_policy.KeyModel.load(run_dir / "learned_toy.npz")
   assert model.horizon in (4, 16) and model.uses == learned_policy.FEATURES
+  assert model.loss == "pairwise"  # the default
   slot = learned_policy.KeyModel.load(run_dir / "learned_slot_features_toy.npz")
   assert slot.uses == learned_policy.SLOT_FEATURES and slot.horizon == model.horizon
   assert [r["table"] for r in rows if "slot_features_only" in r] == ["learned_slot_features"]

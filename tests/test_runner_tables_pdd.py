@@ -334,7 +334,7 @@ def test_policies_summary_and_table_are_the_rows(tmp_path):
   heldout = _toy_trace(tmp_path / "heldout.npz", int(seeds[1]))
   out = run("experiments.policies", f"--trace={heldout}", f"--train_trace={train}",
             "--slots_per_k=2,1.5", "--horizons=2,4,16", "--learned_steps=60",
-            "--noper_capacity", "--ghosts=", "--foresight=1,2,4,8",
+            "--learned_loss=binary", "--noper_capacity", "--ghosts=", "--foresight=1,2,4,8",
             f"--out_root={tmp_path}")
   run_dir, rows = only_run(tmp_path, "policies")
   training = [r for r in rows if r.get("table") == "learned_training"]
@@ -342,7 +342,7 @@ def test_policies_summary_and_table_are_the_rows(tmp_path):
   best_gap = max(r["train_gap_closed"] for r in training)
   kept = next(r["horizon"] for r in training if r["train_gap_closed"] == best_gap)
   model = learned_policy.KeyModel.load(run_dir / "learned_toy.npz")
-  assert model.horizon == kept, (seeds, training)
+  assert (model.horizon, model.loss) == (kept, "binary"), (seeds, training)
 
   two_k = [r for r in rows if "policy" in r and r["B_over_k"] == 2]
   online = [p for p in dict.fromkeys(r["policy"] for r in two_k) if p not in
@@ -383,10 +383,16 @@ def test_a_sample_whose_trace_ends_at_the_horizon_has_no_label():
   features = rng.random((2 * n, len(learned_policy.FEATURES))).astype(np.float32)
   reuse = np.concatenate([rng.integers(1, horizon + 1, n), np.full(n, horizon)])
   left = np.concatenate([np.full(n, horizon + 10), np.full(n, horizon)])
+  group = np.arange(2 * n) // 16
+
+  def train():
+    return learned_policy.train(learned_policy.Samples(features, reuse, left, group),
+                                horizon, loss="binary", steps=1)
+
   with pytest.raises(ValueError, match="one class only"):
-    learned_policy.train(features, reuse, left, horizon, steps=1)
+    train()
   reuse[n:], left[n:] = horizon + 1, horizon + 1  # never reused, horizon + 1 left
-  model = learned_policy.train(features, reuse, left, horizon, steps=1)
+  model = train()
   assert model.horizon == horizon, seed
 
 
