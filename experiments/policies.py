@@ -13,8 +13,8 @@ next use does, ``--learned_loss``) is trained, and its horizon chosen, on
 twelfth sessions, WORKSPACE_NOTES.md) by their gap on the held-out docstrings'
 trace: on that trace its figure is a validation figure. ``--trace=test`` reports
 on the test docstrings (``models.text.load_test_text``), on which nothing was
-chosen: the clean figure (32% at B=2k on 2026-12-05 with the binary loss, as on
-the held-out trace).
+chosen: the clean figure (33% at B=2k on 2026-12-07, 32.6% on the held-out trace;
+the binary loss read 32.2% and 32.0% on the same traces).
 At 2k, keys with less history say what a jitted step could carry: per-slot
 features only, and the history kept for a bounded ghost table of the last G
 evictions (``--ghosts``).
@@ -27,8 +27,8 @@ so there they rank by row order only: an evictable row is never ranked, and
 (``rank`` that knows the next h steps exactly), says how far ahead an eviction
 must see to close half of the gap: a draft's lookahead sees one step.
 
-Command (~50 min on a 2-core CPU, most of it training the learned keys; needs
-both traces, ~10 min each):
+Command (~46 min on a 2-core CPU, 29 of them training the learned keys; needs
+both traces, ~5 min each):
   python -m experiments.trace && python -m experiments.trace --prompt_file=heldout
   python -m experiments.policies
   python -m experiments.trace --prompt_file=test

@@ -52,7 +52,7 @@ class KeyModel:
   mean: np.ndarray  # f32[F]
   std: np.ndarray  # f32[F]
   layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (w f32[in, out], b f32[out])
-  horizon: int
+  horizon: int  # steps: the binary label's window, the pairwise discount's time constant
   uses: tuple[str, ...] = FEATURES  # the input columns, in FEATURES order
   history: int | None = None  # replay's ``history`` it was trained (and runs) with
   loss: str = "binary"  # what it was trained with (LOSSES)
