@@ -142,7 +142,7 @@ def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
 
 
 def _binary_labels(samples: Samples, horizon: int):
-  """(kept bool[N], reused within ``horizon`` f32[N]): samples whose remaining trace
+  """(known bool[N], reused within ``horizon`` f32[N]): samples whose remaining trace
   is shorter than the horizon and which are not reused in it are dropped (their
   label is unknown). A never-reused candidate has ``reuse_in == steps_left``:
   not a reuse, even when that is within the horizon."""
