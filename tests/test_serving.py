@@ -376,12 +376,70 @@ def test_the_kept_tokens_are_the_smallest_prefix_reaching_top_p_in_float64():
     np.testing.assert_array_equal(sampling.kept(pair, 0, np.float32(top_p)), want)
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+  """top_p > 0 may round to 0 in f32 (the engine's cast): the most likely token is
+  still kept, on every candidate kind that truncates (a nucleus window, top-k's
+  window, the full ranking), so the draw is the argmax and its processed
+  log-probability 0, not NaN over an empty set."""
+  rng = np.random.default_rng()
+  vocab = 300  # > the first nucleus window (256)
+  # kinds: nucleus, window, ranked; 8 rows each (whether the unfixed sampler's f32
+  # cumsum kept the first token was a coin flip per row)
+  cases = [(0, 1e-50), (0, 1e-40), (5, 1e-50), (100, 1e-50)] * 8
+  logits = rng.standard_normal((len(cases), vocab)).astype(np.float32)
+  top_k = np.int32([k for k, _ in cases])
+  top_p = np.float32([p for _, p in cases])
+  temperature = np.full(len(cases), 0.7, np.float32)
+  tokens, finite = sampling.sample(logits, temperature, top_k, top_p,
+                                   rng.integers(0, 2**31, len(cases)).astype(np.int32),
+                                   np.zeros(len(cases), np.int32))
+  assert np.asarray(finite).all()
+  np.testing.assert_array_equal(tokens, logits.argmax(-1))
+  chosen, ids, top = sampling.logprobs(logits, tokens, temperature, top_k, top_p,
+                                       np.ones(len(cases), bool), top_n=3)
+  np.testing.assert_array_equal(chosen, 0.0)
+  np.testing.assert_array_equal(np.asarray(ids)[:, 0], logits.argmax(-1))
+  np.testing.assert_array_equal(np.asarray(top)[:, 1:], -np.inf)
+  ranked = jnp.sort(jnp.asarray(logits[0]))[::-1]
+  np.testing.assert_array_equal(sampling.kept(ranked, 0, np.float32(0.0)),
+                                np.arange(vocab) == 0)
+
+
+def test_a_temperature_below_the_greedy_bound_takes_the_argmax():
+  """Below ``GREEDY_BELOW`` (1e-5, vLLM's) a row is greedy: two logits 1e-6
+  apart are not a choice to sample (at temperature 1e-6 the lower one would be
+  drawn about a quarter of the time); its processed log-probabilities are the raw
+  softmax's (no temperature). Above it, the same logits are sampled."""
+  n, vocab = 64, 16
+  rng = np.random.default_rng()
+  row = rng.uniform(-2.0, 0.5, vocab).astype(np.float32)
+  row[3], row[9] = np.float32(1.0), np.float32(1.000001)
+  logits = np.tile(row, (n, 1))
+  seeds = rng.integers(0, 2**31, n).astype(np.int32)
+  for temperature, greedy in ((1e-6, True), (1e-30, True), (1e-4, False)):
+    args = (np.full(n, temperature, np.float32), np.zeros(n, np.int32),
+            np.ones(n, np.float32))
+    tokens = np.asarray(sampling.sample(logits, *args, seeds, np.arange(n, dtype=np.int32))[0])
+    if greedy:
+      np.testing.assert_array_equal(tokens, 9)
+      chosen = sampling.logprobs(logits, tokens, *args, np.ones(n, bool), top_n=2)[0]
+      want = row.astype(np.float64)[9] - np.log(np.exp(row.astype(np.float64)).sum())
+      np.testing.assert_allclose(chosen, want, rtol=0, atol=1e-6)
+    else:
+      assert set(tokens.tolist()) == {3, 9}, tokens
+
+
 def test_sampling_params_refuse_bools_and_strings_and_take_numpy_scalars():
   for sp in (SamplingParams(top_k=True), SamplingParams(seed=False),
              SamplingParams(temperature=True), SamplingParams(temperature="0.7"),
-             SamplingParams(top_p=None), SamplingParams(top_k=5.0)):
+             SamplingParams(top_p=None), SamplingParams(top_k=5.0),
+             # past what the engine's f32 / i32 arrays hold: inf, or an OverflowError
+             # mid-step (after the batch's positions advanced)
+             SamplingParams(temperature=1e39), SamplingParams(temperature=float("inf")),
+             SamplingParams(temperature=float("nan")), SamplingParams(top_k=2**31)):
     with pytest.raises(ValueError, match="must be"):
       sp.check()
+  SamplingParams(temperature=float(np.finfo(np.float32).max), top_k=2**31 - 1).check()
   sp = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float64(0.9),
                       seed=np.int32(3), logprobs=np.int16(2))
   sp.check()
@@ -408,7 +466,7 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
   for sp, match in [(SamplingParams(temperature=-1), "temperature"),
                     (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(top_k=-2), "top_k"),
                     # vLLM's "no limit" (-1) is 0 here: refused, not read as a limit
-                    (SamplingParams(top_k=-1), r"top_k=-1 must be an int >= 0 \(0: no limit\)"),
+                    (SamplingParams(top_k=-1), r"top_k=-1 must be an int in \[0, 2\*\*31\) \(0: no limit\)"),
                     (SamplingParams(seed=2**40), "seed")]:
     with pytest.raises(ValueError, match=match):
       engine.submit([1, 2, 3], 4, sp)

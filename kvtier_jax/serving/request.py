@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import zlib
 from typing import Callable, Sequence
 
@@ -27,13 +26,15 @@ class State(enum.Enum):
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for (OpenAI's top_logprobs)
 LOGPROBS_MODES = ("raw", "processed")  # SamplingParams.logprobs_mode
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Greedy when ``temperature == 0``; else softmax(logits / temperature) over the
-  ``top_k`` most likely tokens (0: all) whose cumulative probability first reaches
-  ``top_p``. ``seed`` fixes the draws: the token at position p depends only on
+  """Greedy when ``temperature`` is 0 (or below ``sampling.GREEDY_BELOW``, 1e-5, as
+  in vLLM); else softmax(logits / temperature) over the ``top_k`` most likely
+  tokens (0: all) whose cumulative probability first reaches ``top_p`` (the most
+  likely token always). ``seed`` fixes the draws: the token at position p depends only on
   (seed, p, logits), never on the rest of the batch. None (the default): the
   engine derives one from the request's id at submission (``resolved``), so
   requests with the same prompt draw differently and a rerun with the same ids
@@ -69,11 +70,13 @@ class SamplingParams:
   def check(self) -> None:
     def real(x):
       return isinstance(x, (int, float)) and not isinstance(x, bool)
-    if not (real(self.temperature) and math.isfinite(self.temperature)
-            and self.temperature >= 0):
-      raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-    if not is_int(self.top_k) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no limit)")
+    # The engine samples in f32 / i32: a temperature past f32's range would become
+    # inf, a top_k past i32's would not fit.
+    if not (real(self.temperature) and 0 <= self.temperature <= F32_MAX):
+      raise ValueError(f"temperature={self.temperature!r} must be a number in [0, "
+                       f"{F32_MAX:.4g}] (f32)")
+    if not is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+      raise ValueError(f"top_k={self.top_k!r} must be an int in [0, 2**31) (0: no limit)")
     if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
     if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**31):

@@ -35,6 +35,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits over a smaller
+# one would tell apart logits that differ in their last f32 bits, not a choice.
+GREEDY_BELOW = 1e-5
 TOP_K_WINDOW = 64  # rows with 0 < top_k <= this draw from a lax.top_k window
 NUCLEUS_WINDOWS = (256, 4096)  # top-p rows whose nucleus fits draw from a window
 
@@ -42,12 +45,13 @@ NUCLEUS_WINDOWS = (256, 4096)  # top-p rows whose nucleus fits draw from a windo
 def kept(ranked, top_k, top_p):
   """bool[V]: which of the best-first scaled logits ``ranked`` f32[V] may be drawn:
   the ``top_k`` first (0: all), then the smallest prefix whose mass reaches
-  ``top_p`` (the first token always; top_p = 1 keeps them all, though the f32
-  cumsum can reach 1 before the tail)."""
+  ``top_p`` (the first token always, even where top_p rounds to 0 in f32; top_p =
+  1 keeps them all, though the f32 cumsum can reach 1 before the tail)."""
   vocab = ranked.shape[0]
-  keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
+  first = jnp.arange(vocab)
+  keep = first < jnp.where(top_k > 0, top_k, vocab)
   probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-  return keep & ((top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
+  return keep & ((first == 0) | (top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
 
 
 # Candidates per row: (logits f32[V], scale, top_k, top_p) -> (ids i32[C], masked
@@ -72,15 +76,16 @@ def _window(logits, scale, top_k, top_p):
 
 def _nucleus_window(logits, scale, top_p, width: int):
   """The best ``width`` ids, their scaled logits, -inf past the smallest prefix
-  whose mass (under the whole vocabulary) reaches ``top_p``, and whether that
-  prefix ends inside the window."""
+  whose mass (under the whole vocabulary) reaches ``top_p`` (the first one
+  always), and whether that prefix ends inside the window."""
   values, ids = _best(logits, width)
   ranked = values / scale
   # As jax.nn.softmax computes it (what ``kept`` uses): exp(x - max) / sum; the
   # log-sum-exp form rounds below it and kept a token past an exact top_p.
   probs = jnp.exp(ranked - ranked[0]) / jnp.exp(logits / scale - ranked[0]).sum()
   reached = jnp.cumsum(probs)
-  masked = jnp.where((reached - probs) < top_p, ranked, -jnp.inf)
+  first = jnp.arange(ranked.shape[0]) == 0
+  masked = jnp.where(first | ((reached - probs) < top_p), ranked, -jnp.inf)
   return ids.astype(jnp.int32), masked, reached[-1] >= top_p
 
 
@@ -128,9 +133,14 @@ def candidate_kind(rows, logits, scale, top_k, top_p):
   return kind.astype(jnp.int32), nucleus
 
 
+def _sampled(temperature):
+  """bool[S]: the rows that draw (the rest take the argmax)."""
+  return temperature >= GREEDY_BELOW
+
+
 def _scale(temperature):
   """What a row's logits are divided by: its temperature (1 when greedy)."""
-  return jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
+  return jnp.where(_sampled(temperature), temperature, 1.0)
 
 
 def _per_kind(rows, use, default, logits, scale, top_k, top_p, *extra):
@@ -155,15 +165,16 @@ def _per_kind(rows, use, default, logits, scale, top_k, top_p, *extra):
 @functools.partial(jax.jit)
 def sample(logits, temperature, top_k, top_p, seed, position):
   """tokens i32[S] and finite bool[S] from logits f32[S, V] and per-row
-  parameters f32/i32[S] (``position``: where the sampled token will sit)."""
+  parameters f32/i32[S] (``position``: where the sampled token will sit; a
+  temperature below ``GREEDY_BELOW`` takes the argmax)."""
   logits = logits.astype(jnp.float32)
   finite = jnp.isfinite(logits).all(axis=-1)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(
       jax.random.key(0), s), p))(seed, position)
   draw = lambda ids, masked, key: ids[jax.random.categorical(key, masked)]
-  tokens = _per_kind(temperature > 0, draw, greedy, logits, _scale(temperature), top_k,
-                     top_p, keys)
+  tokens = _per_kind(_sampled(temperature), draw, greedy, logits, _scale(temperature),
+                     top_k, top_p, keys)
   return tokens, finite
 
 
