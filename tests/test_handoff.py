@@ -467,6 +467,31 @@ def test_a_receiver_with_other_chunks_replays_on_its_own_chunk_grid():
     receiver.accept(dataclasses.replace(handoff, chunk_size=0), request_id="bad")
 
 
+def test_a_receiver_with_other_pages_replays_the_request():
+  """K/V in pages of 4 positions are not a receiver's pages of 8: it replays the
+  request (the frame's page count is checked in the sender's size, so it is not
+  refused as short); one with pages of 4 takes them. A frame that names no page
+  size (None) is counted in the receiver's. Tokens are the uninterrupted run's."""
+  prompt, new = list(range(1, 30)), 8
+  sender = Engine(FakeModel(page_size=4, num_host_pages=40))
+  req = sender.submit(prompt, new)
+  while len(req.output) < 3:
+    sender.step()
+  handoff = handoff_lib.Handoff.from_bytes(sender.export(req.id, kv="all").to_bytes())
+  assert handoff.page_size == 4 and handoff.kv_end == 31
+  other, same = (Engine(FakeModel(page_size=size, num_host_pages=40)) for size in (8, 4))
+  replayed, kept = other.accept(handoff), same.accept(handoff)
+  assert replayed.imported is None and kept.imported is not None
+  for engine, got in ((other, replayed), (same, kept)):
+    engine.run()
+    assert got.output == solo(FakeModel, prompt, new)
+  assert (other.imported_tokens, same.imported_tokens) == (0, 31)
+  with pytest.raises(ValueError, match="need 4 pages"):  # 8 pages of 4 read as 8s
+    other.accept(dataclasses.replace(handoff, page_size=None), request_id="old")
+  with pytest.raises(ValueError, match="page_size=0"):
+    other.accept(dataclasses.replace(handoff, page_size=0), request_id="bad")
+
+
 def test_send_and_recv_frames_at_a_capped_rate():
   a, b = socket.socketpair()
   payload = np.random.default_rng().bytes(300_000)

@@ -1016,6 +1016,7 @@ class RefusingModel(FakeModel):
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
     self.shared_refusals = 0  # refused steps that other requests were in
+    self.decoded_rows = 0  # rows of the steps it took
 
   def decode(self, state, tokens, active):
     doomed = [s for s in np.flatnonzero(active) if state["seq"][s][:1] == [DOOMED]
@@ -1023,6 +1024,7 @@ class RefusingModel(FakeModel):
     if doomed:
       self.shared_refusals += int(active.sum()) > len(doomed)
       raise StepRefused(f"slots {doomed} refused", state)
+    self.decoded_rows += int(active.sum())
     return super().decode(state, tokens, active)
 
 
@@ -1030,12 +1032,14 @@ def test_a_refused_step_fails_only_the_requests_refused_alone():
   """A decode step the model refuses is retried request by request: each request
   ends as its solo run does (a doomed one fails at the same token, the others
   finish with the same tokens), although the refused steps held other requests;
-  nothing leaks. Three workloads: one alone (in one of seven runs by hand) retried
-  no request outside slot 0, where a mixed-up row goes unseen."""
+  nothing leaks; the step rows count only the requests that decoded. Three
+  workloads: one alone (in one of seven runs by hand) retried no request outside
+  slot 0, where a mixed-up row goes unseen."""
   rng = np.random.default_rng()
   factory = lambda: RefusingModel(num_host_pages=24)
   for _ in range(3):
-    engine = Engine(factory(), EngineConfig(max_step_tokens=20))
+    rows = []
+    engine = Engine(factory(), EngineConfig(max_step_tokens=20), on_step=rows.append)
     reqs = []
     for prompt, new, sp, delay in random_workload(rng, 30):
       for _ in range(delay):
@@ -1044,6 +1048,7 @@ def test_a_refused_step_fails_only_the_requests_refused_alone():
       reqs.append(engine.submit(prompt, new, sp))
     engine.run()
     assert engine.model.shared_refusals > 0, "no refused step held another request"
+    assert sum(row["decode_batch"] for row in rows) == engine.model.decoded_rows
     assert engine.pool.in_use == 0 and engine._device_in_use == 0
     assert engine.slots == [None] * len(engine.slots)
     states = [r.state for r in reqs]

@@ -209,7 +209,9 @@ class Engine:
     self.cached_tokens = 0  # of those, served from the prefix cache (host or disk)
     self.disk_loaded_tokens = 0  # of those, read back from the disk tier
     self.disk_recomputed_tokens = 0  # found on disk but recomputed (disk_policy)
-    self.imported_tokens = 0  # positions whose K/V came with a handoff
+    # Positions whose K/V came with a handoff, at every admission (a resume after a
+    # preemption imports them again), as prompt_tokens and cached_tokens count.
+    self.imported_tokens = 0
     self._prefill_seconds = self._prefill_timed_tokens = 0.0
     self._prefill_shapes: set[int] = set()  # chunk lengths prefilled (compiled) once
     self._load_sizes: set[int] = set()  # page counts loaded from disk so far
@@ -320,7 +322,8 @@ class Engine:
       raise ValueError(f"request {request_id!r} produced its stop id {req.output[-1]}")
     out = handoff_lib.Handoff(request_id, list(req.prompt), list(req.output),
                               req.max_new_tokens, req.sampling, sorted(req.stop_ids),
-                              chunk_size=self.model.chunk_size)
+                              chunk_size=self.model.chunk_size,
+                              page_size=self.model.page_size)
     if req.sampling.logprobs is not None:
       out.logprobs = list(req.logprobs)
       out.top_logprobs = [list(top) for top in req.top_logprobs]
@@ -368,8 +371,10 @@ class Engine:
     can_load = has_host and getattr(self.model, "supports_prefix_cache", False)
     # K/V prefilled on other chunk boundaries differ from this engine's in the last
     # bits: the request replays, and the prefix cache keeps only numbers computed here.
+    # Pages of another size would need splitting or merging: the request replays.
     keeps_kv = (bool(handoff.kv_end) and can_load
                 and handoff.chunk_size == self.model.chunk_size
+                and handoff.page_size in (None, self.model.page_size)
                 and handoff.model_id == getattr(self.model, "model_id", None))
     if keeps_kv:  # pages of another layout (a mesh's padded heads) are replayed unread
       handoff_lib.check_pages(handoff, self.model.read_pages(self.state, [0]))
@@ -770,7 +775,7 @@ class Engine:
                    [r.cached for r in decoded])
     if decoded and getattr(self.model, "lookahead", "none") == "draft":
       self._draft(decoded)
-    return len(batch)
+    return len(decoded)  # (a request that failed a refused step decoded nothing)
 
   def _decode_apart(self, batch: list[Request], tokens: np.ndarray):
     """After a refused step (nothing committed, so a retry is exact): step each

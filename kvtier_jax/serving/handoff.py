@@ -12,7 +12,8 @@ engine, which continues it with exactly the tokens an uninterrupted run yields:
   boundaries in the last bits (the matmuls are blocked by chunk), so a receiver
   whose prefill chunk differs from the sender's, or whose model identity
   (``model_id``: the weights) differs, does not take them: it replays, as for
-  **extend**, and caches only numbers it computed;
+  **extend**, and caches only numbers it computed (so does one whose pages are of
+  another size);
 * **extend**: only token ids (plus, optionally, the prompt's whole chunks beyond the
   receiver's cached prefix): the receiver prefills what is missing of the prompt and
   replays the relayed outputs through its decode steps (no sampling), rebuilding
@@ -58,6 +59,9 @@ class Handoff:
   # The sender's prefill chunk. A prompt's K/V depend on its chunk boundaries in
   # the last bits, so only a receiver with the same chunks uses them (None: unknown).
   chunk_size: int | None = None
+  # The sender's page size (positions per page): ``kv``'s pages and ``kv_start``'s
+  # alignment are in it. A receiver with other pages replays (None: the receiver's).
+  page_size: int | None = None
   # The sender's model identity (``ServingModel.model_id``): K/V computed by other
   # weights are not taken, the request replays instead (None: unknown).
   model_id: str | None = None
@@ -75,7 +79,7 @@ class Handoff:
                   max_new_tokens=self.max_new_tokens,
                   sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
                   kv_start=self.kv_start, kv_end=self.kv_end, chunk_size=self.chunk_size,
-                  model_id=self.model_id, logprobs=self.logprobs,
+                  page_size=self.page_size, model_id=self.model_id, logprobs=self.logprobs,
                   top_logprobs=self.top_logprobs,
                   kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
     blob = json.dumps(header).encode()
@@ -179,8 +183,9 @@ def _read(sock: socket.socket, size: int) -> bytes:
 
 
 def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> None:
-  """Clear errors for a handoff an engine cannot continue; ``stop_ids``: the
-  receiver's own (its eos ids), which end a request as the handoff's do."""
+  """Clear errors for a handoff an engine cannot continue; ``page_size`` and
+  ``stop_ids``: the receiver's own (its eos ids end a request as the handoff's
+  do; the pages are counted in the handoff's own size where it names one)."""
   if not isinstance(handoff.request_id, str):  # a frame from the wire: any JSON
     raise ValueError(f"the handoff's request_id {handoff.request_id!r:.80} is not a str")
   if not isinstance(handoff.sampling, SamplingParams):
@@ -196,9 +201,10 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
   for name in ("max_new_tokens", "kv_start", "kv_end"):
     if not is_int(getattr(handoff, name)):
       raise ValueError(f"{name}={getattr(handoff, name)!r} must be an int")
-  if handoff.chunk_size is not None and not (is_int(handoff.chunk_size)
-                                             and handoff.chunk_size >= 1):
-    raise ValueError(f"chunk_size={handoff.chunk_size!r} must be a positive int or None")
+  for name in ("chunk_size", "page_size"):
+    value = getattr(handoff, name)
+    if value is not None and not (is_int(value) and value >= 1):
+      raise ValueError(f"{name}={value!r} must be a positive int or None")
   if handoff.model_id is not None and not isinstance(handoff.model_id, str):
     raise ValueError(f"model_id={handoff.model_id!r:.80} must be a str or None")
   if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in handoff.kv):
@@ -219,6 +225,7 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
     # (not fed yet); without outputs the receiver computes the last prompt position,
     # whose logits give the first token.
     last = len(handoff.prompt) + len(handoff.output) - 1
+    page_size = handoff.page_size or page_size  # (the sender's pages, where known)
     if handoff.kv_start % page_size or not 0 <= handoff.kv_start < handoff.kv_end <= last:
       raise ValueError(f"KV of positions [{handoff.kv_start}, {handoff.kv_end}) is not a "
                        f"page-aligned range of the {last} positions computed")
