@@ -10,8 +10,9 @@ causal per-slot features, trained to order each eviction's candidates as Belady'
 next use does, ``--learned_loss``) is trained, and its horizon chosen, on
 ``--train_trace`` only, one model per selector (and per B/k with
 ``--per_capacity``). Its feature set and width, though, were picked (tenth to
-twelfth sessions, WORKSPACE_NOTES.md) by their gap on the held-out docstrings'
-trace: on that trace its figure is a validation figure. ``--trace=test`` reports
+twelfth sessions, WORKSPACE_NOTES.md), and the pairwise loss's pair weighting
+(thirty-seventh), by their gap on the held-out docstrings' trace: on that trace
+its figure is a validation figure. ``--trace=test`` reports
 on the test docstrings (``models.text.load_test_text``), on which nothing was
 chosen: the clean figure (33% at B=2k on 2026-12-07, 32.6% on the held-out trace;
 the binary loss read 32.2% and 32.0% on the same traces).

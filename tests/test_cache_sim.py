@@ -980,15 +980,35 @@ def test_pairwise_key_orders_each_eviction_as_belady_would(tmp_path):
 
 
 def test_learned_is_causal_and_needs_a_key():
+  """A trace that changes from step 25 on changes nothing before it: not the
+  misses, and not what each eviction sees (the features and candidates ``collect``
+  gets, with and without a bounded history); only the labels (steps to the next
+  request) may differ there."""
   sel = make_trace(200, batch=(3,), k=12)
   ranks = make_ranks(sel, 2)
   other, other_ranks = sel.copy(), ranks.copy()
   other[:, 25:] = make_trace(201, batch=(3,), steps=15, k=12)
   other_ranks[:, 25:] = ranks[:, 25:, ::-1]
   key_fn = linear_key(1)
-  np.testing.assert_array_equal(
-      replay(sel, 16, LEARNED, ranks=ranks, key_fn=key_fn)[:, :25],
-      replay(other, 16, LEARNED, ranks=other_ranks, key_fn=key_fn)[:, :25])
+  for history in (None, 5):
+    seen = []
+    for trace, trace_ranks in ((sel, ranks), (other, other_ranks)):
+      steps = {}
+      misses = replay(trace, 16, LEARNED, ranks=trace_ranks, key_fn=key_fn,
+                      history=history,
+                      collect=lambda t, f, c, r, steps=steps: steps.setdefault(
+                          t, (f.copy(), c.copy(), r.copy())))
+      seen.append((misses[:, :25], steps))
+    np.testing.assert_array_equal(seen[0][0], seen[1][0])
+    before = sorted(t for t in seen[0][1] if t < 25)
+    assert len(before) > 5 and before == sorted(t for t in seen[1][1] if t < 25)
+    relabeled = 0
+    for t in before:
+      (f0, c0, r0), (f1, c1, r1) = seen[0][1][t], seen[1][1][t]
+      np.testing.assert_array_equal(f0, f1, err_msg=f"features at step {t}")
+      np.testing.assert_array_equal(c0, c1, err_msg=f"candidates at step {t}")
+      relabeled += int((r0 != r1)[c0].any())
+    assert relabeled > 0  # the future did change: the labels see it
   with pytest.raises(ValueError, match="key_fn"):
     replay(sel, 16, LEARNED)
   with pytest.raises(ValueError, match="finite keys"):
