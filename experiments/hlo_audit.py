@@ -18,7 +18,9 @@ cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
 * the step sharded over an 8xH200 node (``shard_map``: requests over mesh axis
   ``data`` = 8, or 4 x KV heads over ``model`` = 2; each device's host tier in its
   own pinned host memory): whole-host copies and every collective
-  (kvtier_jax/sharding.py: one per layer).
+  (kvtier_jax/sharding.py: one per layer);
+* the serving sampler's draw: its ``lax.cond``s that stay conditionals the host
+  waits on (outside CUDA graphs), a predicate copied to the host each.
 
 Command (~2 min on 2 CPU cores; needs ``pip install -e .[audit]``):
   python -m experiments.hlo_audit
@@ -49,6 +51,7 @@ from kvtier_jax import state as kv_state
 from kvtier_jax.config import ImplConfig, TierConfig
 from kvtier_jax.policies import PolicyConfig
 from kvtier_jax.selectors.base import prefill_state
+from kvtier_jax.serving import sampling
 from models import backends
 from models import cache as cache_lib
 from models.config import ModelConfig
@@ -336,6 +339,27 @@ def layer_loop_graph_launches(thunks: str) -> tuple[int, int]:
     elif in_graph and indent > depth and kind != "kCommandBuffer":
       captured += 1
   return launches, captured
+
+
+def host_waited_conditionals(thunks: str) -> int:
+  """Conditional thunks at the top level of a thunk sequence (outside any command
+  buffer): on a GPU each copies its predicate to the host and waits for it before
+  it launches a branch."""
+  return sum(1 for line in thunks.splitlines() if re.match(r"^\d+: kConditional\b", line))
+
+
+def audit_sampler(smoke: bool) -> tuple[int, int, int]:
+  """The serving sampler (``sampling.sample``, one engine step's draw) compiled for
+  an H200: (its lax.conds, the conditionals the host waits on with XLA's default
+  command buffers, the same with conditionals allowed into them)."""
+  rows, vocab = (2, 1024) if smoke else (8, 49152)  # SmolLM2's vocabulary
+  args = [jax.ShapeDtypeStruct((rows, vocab), jnp.float32)] + [
+      jax.ShapeDtypeStruct((rows,), dtype) for dtype in
+      (jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)]
+  lowered = deviceless.lower_for_cuda(sampling.sample, *args)
+  conds = len(sampling.CANDIDATES) + len(sampling.NUCLEUS_WINDOWS)
+  return conds, *(host_waited_conditionals(deviceless.thunk_sequence(lowered, options))
+                  for options in (deviceless.GPU_OPTIONS, GRAPH_OPTIONS))
 
 
 # XLA options that let command buffers capture loops and conditionals too (the
@@ -758,6 +782,10 @@ def main(argv):
     print(f"command buffers, {name}: launches per layer (kernels captured in CUDA "
           "graphs) " + ", ".join(f"{flags_} flags {n} ({c})"
                                  for flags_, (n, c) in graphs.items()))
+  conds, waited, waited_graphs = audit_sampler(FLAGS.smoke)
+  print(f"serving sampler (one step's draw): {conds} lax.conds; conditionals the host "
+        f"waits on (a predicate copied to it): {waited} with default command buffers, "
+        f"{waited_graphs} with conditionals allowed into them")
   dp_copies = 0
   for data, model in ((8, 1), (4, 2)):
     copies_, in_loop, total, launches_ = audit_sharded(configs[0][1], data, model)

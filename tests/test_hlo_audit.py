@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import deviceless, hlo_audit
+from kvtier_jax.serving import sampling
 from kvtier_jax.state import TieredKVState
 from pallas_kernels import common
 
@@ -274,6 +275,27 @@ def test_graph_launches_count_a_command_buffer_once():
   # No loop: the top level (a command buffer of 2, one kernel).
   flat = TOY_THUNKS.split("003:")[0] + "003: kCustomKernel [source | sink] x\n"
   assert hlo_audit.layer_loop_graph_launches(flat) == (2, 2)
+
+
+def test_host_waited_conditionals_are_the_top_level_ones():
+  thunks = ("000: kCommandBuffer [source | next=001 (1)]\n"
+            "    001: kCustomKernel [source | sink] a\n"
+            "001: kConditional   [prev=000 (1) | next=002 (1)]\n"
+            "  false_branch:\n"
+            "    000: kCommandBuffer [source | sink]\n"
+            "        002: kConditional [source | sink]\n"
+            "003: kConditional   [prev=001 (1) | sink]\n")
+  assert hlo_audit.host_waited_conditionals(thunks) == 2
+
+
+def test_the_samplers_conds_stay_conditionals_the_host_waits_on():
+  """Each of the sampler's lax.conds (one per candidate kind, one per nucleus
+  window) compiles to a conditional outside any CUDA graph, even with conditionals
+  allowed into command buffers: on a GPU, a predicate copied to the host and
+  waited on per cond and step (the cost the device's ``sampler`` section times)."""
+  conds, waited, waited_graphs = hlo_audit.audit_sampler(smoke=True)
+  assert conds == len(sampling.CANDIDATES) + len(sampling.NUCLEUS_WINDOWS)
+  assert waited == waited_graphs == conds
 
 
 @pytest.mark.parametrize("step", [
