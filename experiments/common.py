@@ -161,8 +161,10 @@ def run_text(run: pathlib.Path) -> tuple[bool, str | None]:
 
 
 def trace_names(data) -> list[str]:
-  """Selector traces in a traces.npz (i16[T, L, U, k]; not their ``_ranks``)."""
-  return [n for n in data.files if data[n].ndim == 4 and not n.endswith("_ranks")]
+  """Selector traces in a traces.npz (i16[T, L, U, k]; not their ``_ranks`` or
+  ``_drafted``)."""
+  return [n for n in data.files if data[n].ndim == 4
+          and not n.endswith(("_ranks", "_drafted"))]
 
 
 def trace_streams(trace: np.ndarray) -> np.ndarray:

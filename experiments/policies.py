@@ -18,7 +18,10 @@ chosen: the clean figure (33% at B=2k on 2026-12-07, 32.6% on the held-out trace
 the binary loss read 32.2% and 32.0% on the same traces).
 At 2k, keys with less history say what a jitted step could carry: per-slot
 features only, and the history kept for a bounded ghost table of the last G
-evictions (``--ghosts``).
+evictions (``--ghosts``); and one key with more (``--draft_key``, where both traces
+were recorded with ``--draft``): the prompt-lookup draft's picks for the next step,
+which a two-token step (the draft token fed beside the real one) knows at eviction
+time.
 
 Gap closed = (LRU - policy) / (LRU - Belady), pooled over layers, units and steps of
 every selector's trace (cold start included). The rank-aware policies read each
@@ -28,8 +31,8 @@ so there they rank by row order only: an evictable row is never ranked, and
 (``rank`` that knows the next h steps exactly), says how far ahead an eviction
 must see to close half of the gap: a draft's lookahead sees one step.
 
-Command (~46 min on a 2-core CPU, 29 of them training the learned keys; needs
-both traces, ~5 min each):
+Command (~50 min on a 2-core CPU, 33 of them training the learned keys; needs
+both traces, ~7-14 min each with their drafts):
   python -m experiments.trace && python -m experiments.trace --prompt_file=heldout
   python -m experiments.policies
   python -m experiments.trace --prompt_file=test
@@ -72,6 +75,11 @@ flags.DEFINE_bool("per_capacity", True, "Also train the learned key at every oth
 flags.DEFINE_list("ghosts", ["1"], "At B=2k, also train keys whose per-position "
                   "history is kept only while resident or among the last G evictions "
                   "(G = each value x B): a bounded table a jitted step could hold.")
+flags.DEFINE_bool("draft_key", True, "At B=2k, also train a key that reads the "
+                  "prompt-lookup draft's picks for the next step (the traces' "
+                  "<name>_drafted, python -m experiments.trace --draft), which a "
+                  "two-token step (the draft fed beside the token) would know at "
+                  "eviction time; skipped where either trace has none.")
 flags.DEFINE_list("foresight", ["1", "2", "4", "8"], "Steps of exact future knowledge "
                   "for the offline 'foresight' reference at B=2k ('rank' plus Belady "
                   "within the horizon): how far ahead an eviction must see.")
@@ -89,16 +97,23 @@ def _streams(data, name):
   return common.trace_streams(data[name]), None, ranks
 
 
+def _drafted(data, name):
+  """[L*U, T, d] streams of the draft's next-step picks, or None (not traced)."""
+  key = f"{name}_drafted"
+  return common.trace_streams(data[key]) if key in data.files else None
+
+
 def _bounds(trace, slots):
   """Misses of LRU and Belady: the ends of the gap."""
   sel, _, ranks = trace
   return {p: cache_sim.replay(sel, slots, p, ranks=ranks).sum() for p in ("lru", "belady")}
 
 
-def _gap(trace, slots, key_fn, bounds):
+def _gap(trace, slots, key_fn, bounds, drafted=None):
   sel, _, ranks = trace
   got = cache_sim.replay(sel, slots, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn,
-                         history=key_fn.history).sum()
+                         history=key_fn.history,
+                         drafted=drafted if "drafted" in key_fn.uses else None).sum()
   return (bounds["lru"] - got) / max(bounds["lru"] - bounds["belady"], 1)
 
 
@@ -120,14 +135,14 @@ def foresight_rows(data, names, horizons, out):
   return rows
 
 
-def train_keys(train_data, names, out):
+def train_keys(train_data, names, out, with_draft=False):
   """Learned keys per selector, trained on ``train_data``: {B/k: model}. The horizon
   is picked at 2k by the gap it closes on that same trace (never on the reported
   one); with ``--per_capacity`` a key is trained at each other B/k with it. Also,
   at 2k, keys with less history: on the per-slot features alone
   (``SLOT_FEATURES``), and with the history kept for the last G evictions only
   (``--ghosts``): what the per-position history adds, and what a bounded table
-  keeps of it."""
+  keeps of it; and, ``with_draft``, one with more: the draft's next-step picks."""
   models, less_history, rows = {}, {}, []
   for name in tqdm(names, desc="learned keys"):
     trace = _streams(train_data, name)
@@ -162,6 +177,13 @@ def train_keys(train_data, names, out):
                                  loss=FLAGS.learned_loss)
       less_history[name][f"ghosts_{mult:g}B"] = model
       model.save(out / f"learned_{name}_ghosts{mult:g}B.npz")
+    if with_draft:
+      model = learned_policy.fit(trace[0], trace[2], slots, best[1].horizon,
+                                 uses=learned_policy.FEATURES,
+                                 drafted=_drafted(train_data, name),
+                                 steps=FLAGS.learned_steps, loss=FLAGS.learned_loss)
+      less_history[name]["with_draft"] = model
+      model.save(out / f"learned_{name}_with_draft.npz")
   return models, less_history, rows
 
 
@@ -192,7 +214,9 @@ def main(argv):
     missing = set(names) - set(common.trace_names(train_data))
     if missing:
       raise ValueError(f"{train_path} has no trace of {sorted(missing)}")
-    models, less_history, training = train_keys(train_data, names, out)
+    with_draft = FLAGS.draft_key and all(
+        _drafted(d, n) is not None for d in (data, train_data) for n in names)
+    models, less_history, training = train_keys(train_data, names, out, with_draft)
   online = ONLINE + ([cache_sim.LEARNED] if models else [])
   rows = []
   for name in tqdm(names, desc="selectors"):
@@ -212,7 +236,8 @@ def main(argv):
                 and r["B_over_k"] == TRAIN_B and r["policy"] == cache_sim.LEARNED)
     ablation.append(dict(selector=name, horizon=models[name][TRAIN_B].horizon,
                          all_features=full))
-    ablation[-1].update({label: float(_gap(trace, slots, model, bounds))
+    ablation[-1].update({label: float(_gap(trace, slots, model, bounds,
+                                           _drafted(data, name)))
                          for label, model in variants.items()})
     common.append_row(out, dict(table="learned_slot_features", **ablation[-1]))
   horizons = [int(h) for h in FLAGS.foresight]
@@ -229,6 +254,9 @@ def main(argv):
              + "; exact foresight that reaches 50%: "
              + (f"{reach[0]} steps" if reach else
                 f"more than {max(horizons, default=0)} steps"))
+  if ablation and "with_draft" in ablation[0]:
+    summary += ("; learned with the draft's next-step picks (a two-token step): "
+                f"{np.mean([r['with_draft'] for r in ablation]):.0%}")
   wide = []
   for name in names:
     for mult in map(float, FLAGS.slots_per_k):
@@ -253,7 +281,8 @@ def main(argv):
                                                   "train_gap_closed"]) + "\n"
                + "\nlearned key with less per-position history (gap closed on the "
                "reported trace, B=2k): none (per-slot features only), or kept for the "
-               "last G evictions only (ghosts_xB: G = x B)\n\n"
+               "last G evictions only (ghosts_xB: G = x B); with_draft: all "
+               "features and the prompt-lookup draft's picks for the next step\n\n"
                + common.markdown_table(ablation, ["selector", "horizon", "all_features",
                                                   *next(iter(less_history.values()))])
                + "\n")

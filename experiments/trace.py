@@ -9,8 +9,17 @@ and layer each selector's choice is recorded (selections are
 recorded, not fed back). The newest position is dropped from the rows (-1): the
 tiered cache serves it from its reserved slot.
 
-Command (~8-10 min on a 2-core CPU; needs results/indexer/smollm2 for DSA, from
-experiments/distill_indexer.py):
+With ``--draft`` (the default) each step also runs a look-ahead pass of the
+prompt-lookup draft of the next token (``kvtier_jax.draft.PromptLookup`` over the
+tokens fed so far) one position ahead, committing nothing, and records what every
+selector picks for it: ``<name>_drafted`` i16[T, L, U, k], the next step's
+selection as a two-token step (the draft fed beside the token) would know it
+during this step (the ``"drafted"`` feature of ``cache_sim``'s learned key), the
+drafts ``draft_tokens`` i32[T] and ``tokens`` i32[prompt + T] (the prompt and the
+tokens fed). It doubles the decode time.
+
+Command (~12-16 min on a 2-core CPU with --draft, ~8-10 without; needs
+results/indexer/smollm2 for DSA, from experiments/distill_indexer.py):
   python -m experiments.trace
 Output: results/trace/<time>/traces.npz with one i16[T, L, U, k] array per
 selector (positions, -1 padding; row order = the selector's preference order), for
@@ -33,7 +42,8 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import common, model_setup
-from experiments.analysis.tracing import TraceCarry, trace_step
+from experiments.analysis.tracing import TraceCarry, lookahead_picks, trace_step
+from kvtier_jax.draft import PromptLookup
 from kvtier_jax.selectors.base import prefill_state
 from models import cache as cache_lib
 from models import setup
@@ -47,6 +57,8 @@ flags.DEFINE_list("selectors", ["quest", "quest_kv", "dsa", "nsa", "oracle"],
 flags.DEFINE_integer("rank_depth", 1024, "Also record each best-first selector's "
                      "top-m ranking (m = this; 0: off) for the rank-aware policy.")
 flags.DEFINE_bool("smoke", False, "Short prompt, few steps (tests).")
+flags.DEFINE_bool("draft", True, "Also record each selector's picks for the "
+                  "prompt-lookup draft of the next token (<name>_drafted).")
 
 # Selectors whose rows are best first, so a top-m row starts with the top-k one.
 RANKED = ("quest", "quest_kv", "dsa", "oracle")
@@ -108,6 +120,11 @@ def main(argv):
   select_k = tuple(s.top_k * FLAGS.top_k // depth[n]
                    for n, s in zip(FLAGS.selectors, selectors))
   recall = np.zeros((steps, len(selectors), cfg.num_layers), np.float32)
+  drafted = [np.full((steps, cfg.num_layers, s.num_units, k), -1, np.int16)
+             for s, k in zip(selectors, select_k)]
+  draft_tokens = np.full((steps,), -1, np.int32)
+  lookup = PromptLookup()
+  lookup.extend(tokens[0, :prompt].tolist())
   for t in tqdm(range(steps), desc="decode steps", unit="step"):
     carry = trace_step(cfg, selectors, weights, jnp.asarray(tokens[:, prompt + t]), carry,
                        select_k)
@@ -116,11 +133,25 @@ def main(argv):
     for trace, pick in zip(traces, picks_t):
       trace[t] = np.where(pick[:, 0] == newest, -1, pick[:, 0])
     recall[t] = recall_t[:, :, 0]
+    if FLAGS.draft:  # the next token's guess from what was fed, one position ahead
+      lookup.extend([int(tokens[0, newest])])
+      draft_tokens[t] = lookup.match()[0]
+      ahead = jax.device_get(lookahead_picks(
+          cfg, selectors, weights, jnp.asarray([draft_tokens[t]], jnp.int32), carry))
+      for rows, pick, k in zip(drafted, ahead, select_k):  # its own position dropped
+        rows[t] = np.where(pick[:, 0, :, :k] > newest, -1, pick[:, 0, :, :k])
   arrays = {}
-  for name, trace, k in zip(FLAGS.selectors, traces, select_k):
+  for name, trace, k, rows in zip(FLAGS.selectors, traces, select_k, drafted):
     arrays[name] = trace[..., :k]
     if trace.shape[-1] > k:
       arrays[f"{name}_ranks"] = trace
+    if FLAGS.draft:
+      arrays[f"{name}_drafted"] = rows
+  if FLAGS.draft:
+    arrays.update(draft_tokens=draft_tokens,
+                  tokens=tokens[0, :prompt + steps].astype(np.int32))
+    right = int((draft_tokens[:-1] == tokens[0, prompt + 1:prompt + steps]).sum())
+    print(f"draft (prompt lookup) right at {right} of {steps - 1} steps", flush=True)
   np.savez_compressed(out / "traces.npz", **arrays, recall=recall,
                       prompt_tokens=prompt, steps=steps)
   traces = [arrays[name] for name in FLAGS.selectors]

@@ -776,12 +776,13 @@ def test_compare_policies_pools_traces_and_measures_the_gap():
 
 
 def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos=64,
-                   history=None):
+                   history=None, drafted=None):
   """learned: evict the resident, unrequested entries with the smallest
   key_fn(features) (LEARNED_FEATURES from their definitions, on dicts), ties by
   LRU position; ``log`` gets (t, position, features, steps to its next request)
   of every candidate. ``history`` G: a miss on a position not among the last G
-  evicted ones forgets its history first."""
+  evicted ones forgets its history first. ``drafted``: rows of positions the
+  draft names at each step (None: none)."""
   order, out, top, churn, evicted = [], [], 0, 0.0, []
   last, count, ema, prev_rank, fetched, hits = {}, {}, {}, {}, {}, {}
   rank_ema, ranked_freq = [1.0] * num_pos, [0.0] * num_pos
@@ -801,7 +802,8 @@ def learned_oracle(stream, ranks, capacity, key_fn, alpha=0.9, log=None, num_pos
       return np.array([at.get(p, m) / m, prev_rank.get(p, 1.0),
                        ema[p] * alpha ** since, np.log1p(since), np.log1p(count[p]),
                        np.log1p(t - fetched[p]), np.log1p(hits[p]), p / (top + 1.0),
-                       rank_ema[p], ranked_freq[p], churn])
+                       rank_ema[p], ranked_freq[p], churn,
+                       float(drafted is not None and p in set(drafted[t].tolist()))])
 
     ghosts = set(evicted[-history:]) if history else set()  # before this step evicts
     cands = [p for p in order if p not in wset]
@@ -844,6 +846,18 @@ def linear_key(seed):
   return lambda f: sum(w[i] * f[..., i] for i in range(len(w)))
 
 
+def make_drafted(sel, seed, num_pos=64):
+  """Draft picks: per step, the next step's row (a right draft) or other positions
+  (a wrong one), a different width than the selections, -1 padding."""
+  rng = np.random.default_rng(seed)
+  nxt = np.concatenate([sel[..., 1:, :], np.full_like(sel[..., :1, :], -1)], axis=-2)
+  other = make_trace(seed + 700, batch=sel.shape[:-2], steps=sel.shape[-2],
+                     k=sel.shape[-1], num_pos=num_pos)
+  right = rng.random(sel.shape[:-1] + (1,)) < 0.5
+  return np.concatenate([np.where(right, nxt, other),
+                         np.full(sel.shape[:-1] + (3,), -1)], axis=-1)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("capacity", [12, 18])
 def test_learned_matches_oracle(seed, capacity):
@@ -853,6 +867,38 @@ def test_learned_matches_oracle(seed, capacity):
   want = [learned_oracle(s, r, capacity, key_fn, 0.8) for s, r in zip(sel, ranks)]
   np.testing.assert_array_equal(
       replay(sel, capacity, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8), want)
+  # With a draft's next-step picks (the "drafted" feature: its weight moves the keys).
+  drafted = make_drafted(sel, seed)
+  want = [learned_oracle(s, r, capacity, key_fn, 0.8, drafted=d)
+          for s, r, d in zip(sel, ranks, drafted)]
+  got = replay(sel, capacity, LEARNED, ranks=ranks, key_fn=key_fn, alpha=0.8,
+               drafted=drafted)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_the_drafted_feature_is_checked_and_read_at_its_step():
+  """``drafted`` is validated as ranks are, belongs to the learned policy, and a key
+  that reads it needs it. A key on the feature alone, given the next step's own
+  selection as the draft, keeps what the next step requests: it misses less than
+  with the draft one step late."""
+  sel = make_trace(260, k=12, num_pos=64)
+  ranks = make_ranks(sel, 1)
+  key = lambda f: f[..., LEARNED_FEATURES.index("drafted")]
+  nxt = np.concatenate([sel[..., 1:, :], np.full_like(sel[..., :1, :], -1)], axis=-2)
+  late = np.concatenate([np.full_like(sel[..., :1, :], -1), sel[..., :-1, :]], axis=-2)
+  now = replay(sel, 14, LEARNED, ranks=ranks, key_fn=key, drafted=nxt).sum()
+  assert now < replay(sel, 14, LEARNED, ranks=ranks, key_fn=key, drafted=late).sum()
+  bad = [(nxt.astype(float), "integer"), (nxt[..., :-1, :], "leading dims"),
+         (np.where(nxt == nxt[..., :1], -2, nxt), ">= 0 or -1"),
+         (np.concatenate([nxt, nxt[..., :1]], -1), "twice in a drafted row")]
+  for drafted, match in bad:
+    with pytest.raises(ValueError, match=match):
+      replay(sel, 14, LEARNED, ranks=ranks, key_fn=key, drafted=drafted)
+  with pytest.raises(ValueError, match="drafted needs policy"):
+    replay(sel, 14, "rank", ranks=ranks, drafted=nxt)
+  key.uses = ("drafted",)
+  with pytest.raises(ValueError, match="pass drafted"):
+    replay(sel, 14, LEARNED, ranks=ranks, key_fn=key)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
@@ -1047,6 +1093,15 @@ def test_learned_key_fits_a_learnable_rule_and_round_trips(tmp_path):
                                       "features": np.array(["a", "b"])})
   with pytest.raises(ValueError, match="trained on features"):
     lp.KeyModel.load(tmp_path / "other.npz")
+  # A key saved before a feature was appended (the 11 before "drafted") still loads.
+  np.savez(tmp_path / "older.npz", **{**dict(np.load(tmp_path / "key.npz")),
+                                      "features": np.array(LEARNED_FEATURES[:-1])})
+  older = lp.KeyModel.load(tmp_path / "older.npz")
+  np.testing.assert_array_equal(older(feats), lp.KeyModel.load(tmp_path / "key.npz")(feats))
+  np.savez(tmp_path / "reordered.npz", **{**dict(np.load(tmp_path / "key.npz")),
+                                          "features": np.array(LEARNED_FEATURES[::-1])})
+  with pytest.raises(ValueError, match="trained on features"):
+    lp.KeyModel.load(tmp_path / "reordered.npz")
   with pytest.raises(ValueError, match="one class"):
     lp.train(samples(feats, np.full(6000, 2), np.full(6000, 100)), 4, loss="binary")
   # Unknown label (trace ends before the horizon, not reused): dropped, not negative.

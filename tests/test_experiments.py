@@ -8,6 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import common
+from tests.oracles import prompt_lookup_oracle
+
 
 def run(module, *args, timeout=600, env=None):
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
@@ -327,6 +330,23 @@ def test_trace_smoke_records_rankings(tmp_path):
     np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
   assert "nsa_ranks" not in data.files
   assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}
+  # The draft's picks (--draft, the default): each step's draft is the prompt lookup
+  # over the prompt and the tokens fed so far; where it was the next token, its
+  # picks are the next step's selection (the same position, the same context).
+  tokens, drafts, prompt = data["tokens"], data["draft_tokens"], int(data["prompt_tokens"])
+  steps = drafts.shape[0]
+  assert [int(d) for d in drafts] == [
+      prompt_lookup_oracle(tokens[:prompt + t + 1].tolist())[0] for t in range(steps)]
+  right = [t for t in range(steps - 1) if drafts[t] == tokens[prompt + t + 1]]
+  assert right and len(right) < steps - 1
+  assert common.trace_names(data) == ["quest", "oracle", "nsa"]
+  for name in ("quest", "oracle", "nsa"):
+    sel, drafted = data[name], data[f"{name}_drafted"]
+    assert drafted.shape == sel.shape
+    assert (drafted.max(axis=(1, 2, 3)) <= prompt + np.arange(steps)).all()
+    for t in right:
+      for idx in np.ndindex(*sel.shape[1:3]):
+        assert set(drafted[t][idx].tolist()) == set(sel[t + 1][idx].tolist()), (name, t)
 
 
 def test_tiers_table_and_its_model(tmp_path):
@@ -448,7 +468,9 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
     sel, _ = cache_sim.synthetic_trace(seed, streams=4, steps=48, k=16, context=768,
                                        facts=64)
     trace = np.moveaxis(sel.reshape(2, 2, 48, 16), 2, 0).astype(np.int16)
-    np.savez_compressed(tmp_path / name, toy=trace)
+    # A draft that names the next step's selection (right at every step).
+    drafted = np.concatenate([trace[1:], np.full_like(trace[:1], -1)])
+    np.savez_compressed(tmp_path / name, toy=trace, toy_drafted=drafted)
     return tmp_path / name
 
   train, heldout = save("train.npz", 0), save("heldout.npz", 1)
@@ -467,7 +489,7 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   assert "exact foresight that reaches 50%: " in out
   assert report["belady"]["miss_rate"] <= report["learned"]["miss_rate"]
   model = learned_policy.KeyModel.load(run_dir / "learned_toy.npz")
-  assert model.horizon in (4, 16) and model.uses == learned_policy.FEATURES
+  assert model.horizon in (4, 16) and model.uses == learned_policy.BASE_FEATURES
   assert model.loss == "pairwise"  # the default
   slot = learned_policy.KeyModel.load(run_dir / "learned_slot_features_toy.npz")
   assert slot.uses == learned_policy.SLOT_FEATURES and slot.horizon == model.horizon
@@ -482,6 +504,17 @@ def test_policies_learns_on_one_trace_and_reports_on_another(tmp_path):
   ablation = next(r for r in rows if r.get("table") == "learned_slot_features")
   assert ablation["ghosts_0.5B"] == pytest.approx(
       (bounds["lru"] - got) / (bounds["lru"] - bounds["belady"]), rel=1e-12)
+  # The key that reads the draft's picks, reported with the held-out trace's.
+  drafting = learned_policy.KeyModel.load(run_dir / "learned_toy_with_draft.npz")
+  assert drafting.uses == learned_policy.FEATURES and drafting.horizon == model.horizon
+  drafted = np.load(heldout)["toy_drafted"]
+  got = cache_sim.replay(streams, 32, "learned", key_fn=drafting,
+                         drafted=np.moveaxis(drafted.astype(np.int64), 0, 2).reshape(
+                             4, 48, 16)).sum()
+  assert ablation["with_draft"] == pytest.approx(
+      (bounds["lru"] - got) / (bounds["lru"] - bounds["belady"]), rel=1e-12)
+  assert (f"learned with the draft's next-step picks (a two-token step): "
+          f"{ablation['with_draft']:.0%}") in out
   got = cache_sim.replay(np.moveaxis(sel.astype(np.int64), 0, 2).reshape(4, 48, 16), 32,
                          "learned", key_fn=model).sum()
   assert report["learned"]["miss_rate"] == got / (sel >= 0).sum()

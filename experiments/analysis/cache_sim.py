@@ -46,6 +46,10 @@ LEARNED_FEATURES = (
     "rank_ema",  # EMA (1/2 per step) of rank_now, over every step since the start
     "ranked_freq",  # EMA (alpha) of [in the top-m ranking], every step
     "churn",  # the stream's misses per entry: EMA (CHURN_DECAY) over earlier steps
+    # 1 where a draft token's selection for the next step names the position
+    # (replay's ``drafted``: a two-token step computes it beside this one's); 0
+    # without drafts.
+    "drafted",
 )
 # Per step weight of the past in the "churn" feature (how fast a layer's selection
 # moves tells how soon an evicted entry may be asked for again).
@@ -78,6 +82,7 @@ class _Replay:
   key_fn: Any = None  # "learned": f[S, B, F] features -> f[S, B] retention keys
   collect: Any = None  # "learned": collect(t, features, candidates, reuse_in)
   history: int | None = None  # "learned": evicted positions whose history is kept
+  drafted: np.ndarray | None = None  # i64[T, S, d] "learned": the draft's next picks
 
 
 @dataclasses.dataclass
@@ -158,19 +163,20 @@ def _validate_scores(scores, sel) -> np.ndarray:
   return scores
 
 
-def _validate_ranks(ranks, sel) -> np.ndarray:
-  """i64[..., T, m]: the selector's preference order at each step (m may exceed k)."""
+def _validate_ranks(ranks, sel, name: str = "ranks") -> np.ndarray:
+  """i64[..., T, m]: the selector's preference order at each step (m may exceed k),
+  or another row of positions per step (``name``)."""
   ranks = np.asarray(ranks)
   if not np.issubdtype(ranks.dtype, np.integer):
-    raise ValueError(f"ranks must be an integer array, got dtype {ranks.dtype}")
+    raise ValueError(f"{name} must be an integer array, got dtype {ranks.dtype}")
   if ranks.ndim != sel.ndim or ranks.shape[:-1] != sel.shape[:-1]:
-    raise ValueError(f"ranks {ranks.shape} must be [..., T, m] with the leading "
+    raise ValueError(f"{name} {ranks.shape} must be [..., T, m] with the leading "
                      f"dims of selections {sel.shape}")
   if (ranks < _PAD).any():
-    raise ValueError("ranks entries must be positions >= 0 or -1 (padding)")
+    raise ValueError(f"{name} entries must be positions >= 0 or -1 (padding)")
   srt = np.sort(ranks, axis=-1)
   if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any():
-    raise ValueError("a position appears twice in a ranks row")
+    raise ValueError(f"a position appears twice in a {name} row")
   return ranks
 
 
@@ -661,7 +667,7 @@ class _Learned(_Policy):
         np.log1p(self.count[st.rows, pos]), np.log1p(st.t - self.fetched[:, :-1]),
         np.log1p(self.hits[:, :-1]), pos / (self.top + 1.0),
         self.rank_ema[st.rows, pos], self.ranked_freq[st.rows, pos],
-        np.broadcast_to(self.churn, pos.shape)],
+        np.broadcast_to(self.churn, pos.shape), self._drafted(st, pos)],
         axis=-1)  # f64[S, B, F]
     if c.collect is not None:  # candidates: filled slots this step does not request
       c.collect(st.t, feats, ~st.empty & ~st.pinned, self.slot_next[:, :-1] - st.t)
@@ -670,6 +676,16 @@ class _Learned(_Policy):
       raise ValueError(f"key_fn must return finite keys of shape {st.empty.shape}, "
                        f"got {key.shape}")
     return _lex_pick(st, key, self.rec[:, :-1])
+
+  def _drafted(self, st, pos):
+    """f64[S, B]: 1 where the draft's selection for step t + 1 names ``pos``."""
+    c = self.c
+    if c.drafted is None:
+      return np.zeros(pos.shape)
+    named = np.zeros((c.S, c.num_pos + 1), bool)
+    named[st.rows, c.drafted[st.t]] = True
+    named[:, c.num_pos] = False  # padding names nothing
+    return named[st.rows, pos].astype(np.float64)
 
   def commit(self, st):
     c, rows = self.c, st.rows
@@ -732,7 +748,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
            ranks=None, alpha: float = 0.9, score_alpha: float = 0.8,
            twoq_in: float = 0.25, twoq_out: float = 0.5,
            rank_freq: float = 0.3, foresight: int = 4, key_fn=None,
-           collect=None, history: int | None = None) -> np.ndarray:
+           collect=None, history: int | None = None, drafted=None) -> np.ndarray:
   """Misses per step of a hot cache of ``capacity`` slots replaying a trace.
 
   Demand paging: all of a step's positions must be resident together, so nothing
@@ -839,6 +855,11 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
       resident or among its stream's last G evictions (a ghost table of G
       entries): a miss on any other position starts it afresh (request time,
       count and EMA, rank EMA and ranked frequency as for a first request).
+    drafted: ``"learned"`` only: int[..., T, d] positions a draft token's
+      selection names for step t + 1, known at step t (the trace's
+      ``<name>_drafted``: the prompt-lookup draft fed beside step t's token, as a
+      two-token step would), -1 padding: the ``"drafted"`` feature. None: 0.
+      A ``key_fn`` whose ``uses`` name it needs it.
   Defaults were tuned at B = 2k on ``synthetic_trace`` (better decays grow with
   B / k; see ``compare_policies``).
 
@@ -860,6 +881,11 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     raise ValueError(f"foresight={foresight!r} must be an int >= 0 (steps)")
   if policy == LEARNED and not callable(key_fn):
     raise ValueError(f"policy {LEARNED!r} needs key_fn, got {key_fn!r}")
+  if drafted is not None and policy != LEARNED:
+    raise ValueError(f"drafted needs policy {LEARNED!r}, got {policy!r}")
+  if drafted is None and "drafted" in getattr(key_fn, "uses", ()):
+    raise ValueError("key_fn reads the 'drafted' feature: pass drafted (the draft's "
+                     "next-step picks)")
   if history is not None and (isinstance(history, bool) or policy != LEARNED
                               or not isinstance(history, (int, np.integer))
                               or history < 0):
@@ -876,8 +902,14 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
     ranked = sel if ranks is None else np.moveaxis(
         _validate_ranks(ranks, np.asarray(selections)).reshape(
             num_streams, num_steps, -1).astype(np.int64), 1, 0)
-    both, num_pos = _dense_ids(np.concatenate([sel, ranked], axis=-1))  # one labeling
-    sel, ranked = both[..., :k], both[..., k:]
+    parts = [sel, ranked]
+    if drafted is not None:
+      parts.append(np.moveaxis(_validate_ranks(drafted, np.asarray(selections), "drafted")
+                               .reshape(num_streams, num_steps, -1).astype(np.int64), 1, 0))
+    both, num_pos = _dense_ids(np.concatenate(parts, axis=-1))  # one labeling
+    sel, ranked = both[..., :k], both[..., k:k + ranked.shape[-1]]
+    if drafted is not None:
+      drafted = both[..., k + ranked.shape[-1]:]
   else:
     sel, num_pos = _dense_ids(sel)  # i64[T, S, k], padding = num_pos
   if score is not None:
@@ -892,7 +924,7 @@ def replay(selections, capacity: int, policy: str, *, seed: int = 0, scores=None
       sel=sel, ranks=ranked, rank_freq=rank_freq, foresight=int(foresight), seed=seed,
       slot_ids=slot_ids,
       key_fn=key_fn, collect=collect, history=None if history is None else int(history),
-      **params))
+      drafted=drafted, **params))
 
   for t in range(num_steps):
     cur = sel[t]  # i64[S, k]

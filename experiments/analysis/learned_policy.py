@@ -13,6 +13,11 @@ again within ``horizon`` steps? Either way the replay evicts the smallest key.
 Training data comes from replays (``cache_sim.replay(..., collect=...)``): first
 under a rank-like hand-made key, then, DAgger-style, under the learned key itself,
 so the model also sees the residency its own evictions produce.
+
+A key reads ``BASE_FEATURES`` by default. ``uses=FEATURES`` adds ``"drafted"``: the
+next step's selection as a draft token's query names it (the trace's
+``<name>_drafted``), which a deployment knows at eviction time only if it feeds the
+draft beside the token (a two-token step); OasisKV's route to the next selection.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ import optax
 from experiments.analysis import cache_sim
 
 FEATURES = cache_sim.LEARNED_FEATURES
+# What a key reads by default: everything but the draft's next-step picks, which a
+# deployment has only from a two-token step (the draft token fed beside the real one).
+DRAFT_FEATURES = ("drafted",)
+BASE_FEATURES = tuple(name for name in FEATURES if name not in DRAFT_FEATURES)
 # The features a slot's own metadata gives (no per-position history kept past an
 # eviction): what a jitted RESOLVE could compute from its per-slot arrays and the
 # layer's miss counter.
@@ -53,7 +62,7 @@ class KeyModel:
   std: np.ndarray  # f32[F]
   layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (w f32[in, out], b f32[out])
   horizon: int  # steps: the binary label's window, the pairwise discount's time constant
-  uses: tuple[str, ...] = FEATURES  # the input columns, in FEATURES order
+  uses: tuple[str, ...] = BASE_FEATURES  # the input columns, in FEATURES order
   history: int | None = None  # replay's ``history`` it was trained (and runs) with
   loss: str = "binary"  # what it was trained with (LOSSES)
 
@@ -77,9 +86,10 @@ class KeyModel:
   @classmethod
   def load(cls, path: str | pathlib.Path) -> "KeyModel":
     data = np.load(path)
-    if tuple(data["features"]) != FEATURES:
-      raise ValueError(f"{path} was trained on features {tuple(data['features'])}, "
-                       f"this code computes {FEATURES}")
+    saved = tuple(str(name) for name in data["features"])
+    if saved != FEATURES[:len(saved)]:  # (features are only ever appended)
+      raise ValueError(f"{path} was trained on features {saved}, this code computes "
+                       f"{FEATURES}")
     n = sum(name.startswith("w") for name in data.files)
     history = int(data["history"]) if "history" in data.files else -1
     return cls(data["mean"], data["std"],
@@ -108,7 +118,7 @@ class Samples(NamedTuple):
 
 
 def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
-            seed: int = 0, history: int | None = None):
+            seed: int = 0, history: int | None = None, drafted=None):
   """Samples of eviction candidates while replaying ``selections`` [S, T, k] under
   ``key_fn``: (features f32[N, F], steps to the next request i32[N], steps left
   in the trace i32[N], group i32[N]), a group being one stream's candidates at one
@@ -117,7 +127,8 @@ def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
   ``per_step`` candidates per stream and step, drawn uniformly. Steps whose
   horizon would run past the trace's end are kept: the distance is then censored
   at T - t (a never-reused candidate has ``reuse_in == steps_left``), which
-  ``train`` masks per horizon.
+  ``train`` masks per horizon. ``drafted``: the draft's next-step picks
+  (``cache_sim.replay``'s), for keys that read them.
   """
   rng = np.random.default_rng(seed)
   feats, dist, left, group, groups = [], [], [], [], [0]
@@ -136,7 +147,7 @@ def collect(selections, ranks, capacity: int, key_fn, *, per_step: int = 32,
     group.append(np.broadcast_to(numbered[:, None], keep.shape)[keep])
 
   cache_sim.replay(selections, capacity, cache_sim.LEARNED, ranks=ranks, key_fn=key_fn,
-                   collect=record, history=history)
+                   collect=record, history=history, drafted=drafted)
   return Samples(np.concatenate(feats), np.concatenate(dist), np.concatenate(left),
                  np.concatenate(group).astype(np.int32))
 
@@ -176,7 +187,7 @@ def pair_weights(reuse_in, valid, horizon: int):
   return jnp.where(sooner, value[..., :, None] - value[..., None, :], 0.0)
 
 
-def train(samples: Samples, horizon: int, *, loss: str = "pairwise", uses=FEATURES,
+def train(samples: Samples, horizon: int, *, loss: str = "pairwise", uses=BASE_FEATURES,
           hidden: int = 64, steps: int = 1500, batch: int = 4096,
           learning_rate: float = 3e-3, seed: int = 0) -> KeyModel:
   """Fits a key from the ``uses`` columns of ``samples.features`` (optax AdamW):
@@ -260,14 +271,16 @@ def train(samples: Samples, horizon: int, *, loss: str = "pairwise", uses=FEATUR
 
 
 def fit(selections, ranks, capacity: int, horizon: int, *, rounds: int = 2,
-        seed: int = 0, history: int | None = None, **train_kw) -> KeyModel:
+        seed: int = 0, history: int | None = None, drafted=None,
+        **train_kw) -> KeyModel:
   """Trains on ``selections`` [S, T, k] only: round 0 collects under
   ``baseline_key``, each later round adds samples under the previous model.
-  ``history``: the replay's bound on the per-position history (None: none)."""
+  ``history``: the replay's bound on the per-position history (None: none);
+  ``drafted``: the draft's next-step picks (with ``uses`` naming "drafted")."""
   data, key_fn, model = [], baseline_key, None
   for r in range(rounds):
     data.append(collect(selections, ranks, capacity, key_fn, seed=seed + r,
-                        history=history))
+                        history=history, drafted=drafted))
     model = train(Samples.concatenate(data), horizon, seed=seed, **train_kw)
     key_fn = model
   return dataclasses.replace(model, history=history)
