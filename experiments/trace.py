@@ -16,7 +16,7 @@ selector picks for it: ``<name>_drafted`` i16[T, L, U, k], the next step's
 selection as a two-token step (the draft fed beside the token) would know it
 during this step (the ``"drafted"`` feature of ``cache_sim``'s learned key), the
 drafts ``draft_tokens`` i32[T] and ``tokens`` i32[prompt + T] (the prompt and the
-tokens fed). It doubles the decode time.
+tokens fed). It about triples the decode loop (2 -> 6 min here).
 
 Command (~12-16 min on a 2-core CPU with --draft, ~8-10 without; needs
 results/indexer/smollm2 for DSA, from experiments/distill_indexer.py):
