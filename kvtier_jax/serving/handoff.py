@@ -225,11 +225,11 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
     # (not fed yet); without outputs the receiver computes the last prompt position,
     # whose logits give the first token.
     last = len(handoff.prompt) + len(handoff.output) - 1
-    page_size = handoff.page_size or page_size  # (the sender's pages, where known)
-    if handoff.kv_start % page_size or not 0 <= handoff.kv_start < handoff.kv_end <= last:
+    size = handoff.page_size or page_size  # the sender's pages, where it says
+    if handoff.kv_start % size or not 0 <= handoff.kv_start < handoff.kv_end <= last:
       raise ValueError(f"KV of positions [{handoff.kv_start}, {handoff.kv_end}) is not a "
                        f"page-aligned range of the {last} positions computed")
-    pages = -(-handoff.kv_end // page_size) - handoff.kv_start // page_size
+    pages = -(-handoff.kv_end // size) - handoff.kv_start // size
     if not handoff.kv or any(a.shape[0] != pages for a in handoff.kv):
       raise ValueError(f"positions [{handoff.kv_start}, {handoff.kv_end}) need {pages} "
                        f"pages; the handoff carries {[a.shape[0] for a in handoff.kv]}")

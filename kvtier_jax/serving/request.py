@@ -34,8 +34,8 @@ class SamplingParams:
   """Greedy when ``temperature`` is 0 (or below ``sampling.GREEDY_BELOW``, 1e-5, as
   in vLLM); else softmax(logits / temperature) over the ``top_k`` most likely
   tokens (0: all) whose cumulative probability first reaches ``top_p`` (the most
-  likely token always). ``seed`` fixes the draws: the token at position p depends only on
-  (seed, p, logits), never on the rest of the batch. None (the default): the
+  likely token always). ``seed`` fixes the draws: the token at position p depends
+  only on (seed, p, logits), never on the rest of the batch. None (the default): the
   engine derives one from the request's id at submission (``resolved``), so
   requests with the same prompt draw differently and a rerun with the same ids
   repeats; the request keeps the derived seed (snapshots, handoffs).

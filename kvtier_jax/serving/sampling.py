@@ -48,10 +48,10 @@ def kept(ranked, top_k, top_p):
   ``top_p`` (the first token always, even where top_p rounds to 0 in f32; top_p =
   1 keeps them all, though the f32 cumsum can reach 1 before the tail)."""
   vocab = ranked.shape[0]
-  first = jnp.arange(vocab)
-  keep = first < jnp.where(top_k > 0, top_k, vocab)
+  index = jnp.arange(vocab)
+  keep = index < jnp.where(top_k > 0, top_k, vocab)
   probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-  return keep & ((first == 0) | (top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
+  return keep & ((index == 0) | (top_p >= 1.0) | ((jnp.cumsum(probs) - probs) < top_p))
 
 
 # Candidates per row: (logits f32[V], scale, top_k, top_p) -> (ids i32[C], masked
