@@ -215,7 +215,7 @@ def main(argv):
     if missing:
       raise ValueError(f"{train_path} has no trace of {sorted(missing)}")
     with_draft = FLAGS.draft_key and all(
-        _drafted(d, n) is not None for d in (data, train_data) for n in names)
+        f"{n}_drafted" in d.files for d in (data, train_data) for n in names)
     models, less_history, training = train_keys(train_data, names, out, with_draft)
   online = ONLINE + ([cache_sim.LEARNED] if models else [])
   rows = []
