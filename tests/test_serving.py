@@ -1062,6 +1062,100 @@ def test_a_refused_step_fails_only_the_requests_refused_alone():
         assert "refused" in req.reason, req.reason
 
 
+def step_noting(engine, raised, kind):
+  """One step; an exception of ``kind`` it raises is noted in ``raised``."""
+  try:
+    engine.step()
+  except kind as err:
+    raised.append(err)
+  engine.pool.check()
+
+
+@pytest.mark.parametrize("failing_call", ["first", "later", "replaying"])
+def test_a_sampler_that_raises_fails_only_the_requests_left_without_a_token(
+    monkeypatch, failing_call):
+  """A fault inside the sampler (none known): the requests of its batch left
+  without the token their next step feeds fail, the step completes and raises it
+  once, every other request (one replaying after a preemption included) ends with
+  its solo tokens, nothing leaks. Before, they had advanced without a token and
+  every later step raised IndexError. The first call samples a prefill's first
+  token; a later one, mostly a decode batch; "replaying", the first call a
+  preempted request replays its known outputs in."""
+  rng = np.random.default_rng()
+  factory = lambda: FakeModel(num_host_pages=24)
+  engine = Engine(factory(), EngineConfig(max_step_tokens=20))
+  at = 1 if failing_call == "first" else int(rng.integers(2, 30))
+  real_sample, engine_sample = sampling.sample, engine._sample
+  calls, batch, stranded, replaying = [0], [], [], []
+
+  def watched(reqs, logits, rows, positions):  # the batch the sampler samples
+    batch[:] = [(req, p) for req, p in zip(reqs, positions) if not req.state.done]
+    return engine_sample(reqs, logits, rows, positions)
+
+  def faulty(*args, **kwargs):
+    calls[0] += 1
+    known = [req for req, p in batch if p - len(req.prompt) < len(req.output)]
+    if calls[0] == at if failing_call != "replaying" else (known and not replaying):
+      stranded.extend(req for req, _ in batch if req not in known)
+      replaying.extend(known)
+      raise FloatingPointError("sampler fault")
+    return real_sample(*args, **kwargs)
+
+  monkeypatch.setattr(engine, "_sample", watched)
+  monkeypatch.setattr(sampling, "sample", faulty)
+  raised, reqs = [], []
+  for prompt, new, sp, delay in random_workload(rng, 8):
+    for _ in range(delay):
+      step_noting(engine, raised, FloatingPointError)
+    reqs.append(engine.submit(prompt, new, sp))
+  while engine.has_work:
+    step_noting(engine, raised, FloatingPointError)
+  assert len(raised) == 1 and (replaying if failing_call == "replaying" else stranded)
+  assert "completed the step" in "".join(raised[0].__notes__)
+  for req in reqs:
+    if req in stranded:
+      assert req.state is State.FAILED and "sampling raised FloatingPointError" in req.reason
+    else:
+      assert req.state is State.FINISHED, (req.id, req.reason)
+      assert req.output == solo(factory, req.prompt, req.max_new_tokens, req.sampling)
+  assert engine.pool.in_use == 0 and engine._device_in_use == 0
+
+
+class FaultingModel(RefusingModel):
+  """A RefusingModel whose decode of a doomed request alone faults: it raises an
+  error that is not a refusal."""
+
+  def decode(self, state, tokens, active):
+    try:
+      return super().decode(state, tokens, active)
+    except StepRefused as err:
+      if active.sum() == 1:
+        raise RuntimeError("device fault") from err
+      raise
+
+
+def test_a_fault_in_a_decode_alone_fails_its_request_and_keeps_the_others_exact():
+  """After a refused step, the retry alone of one request faults: it fails, the
+  requests decoded alone before it keep their step (sampled), those after it
+  decode next step, and every one of them ends with its solo tokens. Before, the
+  fault left the earlier ones advanced in the model but not in the engine, which
+  fed them the same token again."""
+  factory = lambda: FaultingModel(num_slots=3, num_host_pages=24)
+  engine = Engine(factory())
+  before = engine.submit(list(range(1, 9)), 24)  # slot 0: decoded alone first
+  doomed = engine.submit([DOOMED, 5, 6], 24)  # slot 1: faults alone
+  after = engine.submit(list(range(9, 14)), 24)  # slot 2: untouched by the retry
+  raised = []
+  while engine.has_work:
+    step_noting(engine, raised, RuntimeError)
+  assert len(raised) == 1 and engine.model.shared_refusals == 1
+  assert doomed.state is State.FAILED and "decode step alone raised" in doomed.reason
+  for req in (before, after):
+    assert req.state is State.FINISHED
+    assert req.output == solo(factory, req.prompt, req.max_new_tokens), req.id
+  assert engine.pool.in_use == 0 and engine._device_in_use == 0
+
+
 class DraftingModel(FakeModel):
   """A FakeModel with a look-ahead: each draft pass is checked against the slots
   the step before it decoded and the tokens they were fed."""

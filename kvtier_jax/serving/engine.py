@@ -222,7 +222,7 @@ class Engine:
     self._device_in_use = 0
     self._last_stats = model.stats(self.state)
     self._peak, self._new_tokens = dict(running=0, device=0, host=0), 0  # per step
-    self._callback_errors: list[Exception] = []  # raised by on_token this step
+    self._step_errors: list[Exception] = []  # raised this step, re-raised at its end
     self._lookups: dict[str, PromptLookup] = {}  # the look-ahead's, by running request
     self.steps = 0
 
@@ -420,7 +420,7 @@ class Engine:
     start = self.now()
     self._peak = dict(running=0, device=0, host=0)
     self._new_tokens = 0
-    self._callback_errors = []
+    self._step_errors = []
     self._admit()
     self._note_peak()
     if self.config.prefill_policy == "blocking" and self._prefilling() is not None:
@@ -451,8 +451,8 @@ class Engine:
                device_bytes_in_use=self._device_in_use, **delta)
     if self._on_step:
       self._on_step(row)
-    if self._callback_errors:
-      raise self._callback_errors[0]
+    if self._step_errors:
+      raise self._step_errors[0]
     return row
 
   def _note_peak(self) -> None:
@@ -794,6 +794,12 @@ class Engine:
         self._release(req)
         self._end(req, State.FAILED, f"decode step refused: {err}")
         continue
+      except Exception as err:  # noqa: BLE001 - a fault, not a refusal: re-raised by step
+        # Whether the model wrote ``req``'s position is unknown: it fails. The
+        # requests decoded alone before it are sampled; those after it were not
+        # touched and decode next step.
+        self._fail(err, [req], "its decode step alone")
+        break
       decoded.append(req)
       row = np.asarray(logits[req.slot])
       if merged is None:
@@ -834,14 +840,22 @@ class Engine:
           sp.temperature, sp.top_k, sp.top_p, sp.seed)
       pos[row] = p
       processed_rows[row] = sp.logprobs is not None and sp.logprobs_mode == "processed"
-    tokens, finite = map(np.asarray, sampling.sample(logits, temperature, top_k, top_p,
-                                                     seed, pos))
-    if any(r.sampling.logprobs is not None for r in batch):
-      # One width for every N (one compile per logits shape); a vocabulary may be
-      # smaller.
-      top_n = min(MAX_LOGPROBS, logits.shape[-1])
-      chosen, top_ids, top = map(np.asarray, sampling.logprobs(
-          logits, tokens, temperature, top_k, top_p, processed_rows, top_n=top_n))
+    try:
+      tokens, finite = map(np.asarray, sampling.sample(logits, temperature, top_k, top_p,
+                                                       seed, pos))
+      if any(r.sampling.logprobs is not None for r in batch):
+        # One width for every N (one compile per logits shape); a vocabulary may be
+        # smaller.
+        top_n = min(MAX_LOGPROBS, logits.shape[-1])
+        chosen, top_ids, top = map(np.asarray, sampling.logprobs(
+            logits, tokens, temperature, top_k, top_p, processed_rows, top_n=top_n))
+    except Exception as err:  # noqa: BLE001 - re-raised by step, once consistent
+      # A request left without the token its next step feeds would wedge every
+      # later step: it fails. One replaying knows its token and goes on.
+      self._fail(err, [req for req, p in zip(batch, positions)
+                       if not req.state.done and p - len(req.prompt) >= len(req.output)],
+                 "sampling")
+      return
     now = self.now()
     for row, req, p in zip(rows, batch, positions):
       if req.state.done:  # ended by an earlier on_token callback (abort, export)
@@ -874,13 +888,23 @@ class Engine:
             self._end(req, State.FAILED, f"on_token raised {type(err).__name__}: {err}")
           err.add_note(f"raised by on_token of request {req.id!r} (now "
                        f"{req.state.value}); the engine's step completed")
-          self._callback_errors.append(err)
+          self._step_errors.append(err)
           continue
         if req.state.done:  # the callback ended it (abort, export): released
           continue
       if len(req.output) >= req.max_new_tokens or token in req.stop_ids:
         self._release(req)
         self._end(req, State.FINISHED, "stop id" if token in req.stop_ids else "length")
+
+  def _fail(self, err: Exception, reqs: list[Request], during: str) -> None:
+    """Fail ``reqs`` (they let go) for ``err``, raised during a step; ``step``
+    re-raises it once the step is done, the engine consistent."""
+    for req in reqs:
+      self._release(req)
+      self._end(req, State.FAILED, f"{during} raised {type(err).__name__}: {err}")
+    err.add_note(f"raised during {during}; the engine failed request(s) "
+                 f"{[r.id for r in reqs]} and completed the step")
+    self._step_errors.append(err)
 
   # Prefill ---------------------------------------------------------------------
 
