@@ -120,8 +120,8 @@ def main(argv):
   select_k = tuple(s.top_k * FLAGS.top_k // depth[n]
                    for n, s in zip(FLAGS.selectors, selectors))
   recall = np.zeros((steps, len(selectors), cfg.num_layers), np.float32)
-  drafted = [np.full((steps, cfg.num_layers, s.num_units, k), -1, np.int16)
-             for s, k in zip(selectors, select_k)]
+  drafted = [np.full((steps if FLAGS.draft else 0, cfg.num_layers, s.num_units, k), -1,
+                     np.int16) for s, k in zip(selectors, select_k)]
   draft_tokens = np.full((steps,), -1, np.int32)
   lookup = PromptLookup()
   lookup.extend(tokens[0, :prompt].tolist())
