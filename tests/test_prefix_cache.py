@@ -351,6 +351,47 @@ class TwoDeviceModel(FakeModel):
   num_partitions: int = 2
 
 
+def test_an_admission_counts_only_the_pages_eviction_would_free():
+  """Data parallel: a request placed away from its prefix's device hangs its own
+  chunks below that device's node, unlocked, though it holds their pages. An
+  admission short of pages must not count them as evictable: it evicted a real
+  cached prefix (another request's) and then waited anyway."""
+  rng = np.random.default_rng()
+  model = TwoDeviceModel(num_host_pages=40, hot_slots=40)  # 20 pages a device, of 4
+  engine = Engine(model, EngineConfig(prefix_cache=True, max_step_tokens=64))
+  a, b, c, f = (rng.integers(1, 30, 8).tolist() for _ in range(4))  # one chunk each
+  e = rng.integers(30, VOCAB - 1, 16).tolist()
+  device = lambda req: engine.pool.slot_partition(req.slot)
+  for prompt, new, on in ((a + b + c + [5], 16, 0), (e + [5], 25, 1)):
+    req = engine.submit(prompt, new)
+    engine.step()
+    assert device(req) == on
+    engine.run()
+  kept = engine.radix.match_prefix(e)[0]  # cached on device 1
+  short = [engine.submit([7, 7], n) for n in (8, 38, 8, 38)]  # device-resident
+  while short[0].state is not State.FINISHED or short[2].state is not State.FINISHED:
+    engine.step()
+  placed = engine.submit(a + b + f + [5], 16)  # its prefix on device 0, no slot there
+  while placed.state is not State.DECODING:
+    engine.step()
+  node = engine.radix.match_prefix(a + b + f)[1]
+  assert device(placed) == 1 and node.lock == 0
+  assert (engine.pool.refs[node.pages] == 2).all()  # the cache's and placed's
+  free = engine.pool.free_in(1)
+  evictable = engine.radix.evictable_pages(
+      lambda pages: engine.pool.page_partition(pages[0]))[1]
+  freeable = sum(engine.pool.refs[p] == 1 for p in evictable)
+  assert free + freeable < free + len(evictable)
+  # Pages for more than free + freeable, fewer than free + the evictable pages.
+  waits = engine.submit(rng.integers(1, VOCAB - 1, 4 * (free + freeable + 1) - 2).tolist(), 2)
+  assert 4 * (free + freeable + 1) <= 4 * (free + len(evictable))
+  engine.step()
+  assert waits.state is State.WAITING and engine.radix.match_prefix(e)[0] == kept
+  engine.run()
+  assert waits.state is State.FINISHED and waits.output == solo(FakeModel, waits.prompt, 2)
+  engine.pool.check(engine.radix.held_pages())
+
+
 def test_eviction_ties_go_deepest_first_whatever_the_objects_addresses():
   """One match stamps a whole path alike (a split's upper node copies the stamp):
   data-parallel eviction of device 0's nodes A -> B (C below B is device 1's) must

@@ -588,23 +588,29 @@ class Engine:
     if shared and pool.page_partition(shared[0]) in open_parts:
       part = pool.page_partition(shared[0])
       return next(s for s in free if pool.slot_partition(s) == part)
-    evictable = None
+    freeable = None
     def room(part):  # counts no shared page (the prefix's device had no free slot)
-      nonlocal evictable
+      nonlocal freeable
       need = num_pages - pool.free_in(part)
       if need <= 0 or self.radix is None:
         return need <= 0
-      if evictable is None:  # what _evict can free on each device: pages only the cache holds
-        evictable = {part: sum(pool.refs[p] == 1 for p in pages) for part, pages in
-                     self.radix.evictable_pages(lambda pages: pool.page_partition(pages[0]))
-                     .items()}
-      return need <= evictable.get(part, 0)
+      if freeable is None:
+        freeable = self._freeable()
+      return need <= freeable.get(part, 0)
     running = collections.Counter(pool.slot_partition(r.slot) for r in self.slots
                                   if r is not None)
     least_loaded = lambda parts: min(parts, key=lambda p: (running[p], -pool.free_in(p), p))
     fitting = [p for p in open_parts if room(p)]
     part = least_loaded(fitting or open_parts)
     return next(s for s in free if pool.slot_partition(s) == part)
+
+  def _freeable(self) -> dict[int, int]:
+    """{device: the pages evicting its unlocked cached prefixes would free}: those
+    only the cache holds (data parallel, a running request placed away from its
+    prefix's device may hold pages of an unlocked node below another device's)."""
+    return {part: sum(self.pool.refs[p] == 1 for p in pages) for part, pages in
+            self.radix.evictable_pages(lambda pages: self.pool.page_partition(pages[0]))
+            .items()}
 
   def _shareable(self, req: Request) -> list[int]:
     """The prompt's whole chunks that may come from the cache: at least one token
@@ -678,9 +684,7 @@ class Engine:
     fresh = num_pages - len(shared)
     part = self.pool.slot_partition(slot)
     if fresh > self.pool.free_in(part) and self.radix is not None:
-      evictable = self.radix.evictable_pages(
-          lambda pages: self.pool.page_partition(pages[0])).get(part, [])
-      if fresh > self.pool.free_in(part) + len(evictable):
+      if fresh > self.pool.free_in(part) + self._freeable().get(part, 0):
         return False  # evicting could not make room: keep the cached prefixes
       self._evict(fresh - self.pool.free_in(part), part)
     if fresh > self.pool.free_in(part):
