@@ -492,6 +492,41 @@ def test_a_receiver_with_other_pages_replays_the_request():
     other.accept(dataclasses.replace(handoff, page_size=0), request_id="bad")
 
 
+def test_a_sampled_request_goes_on_only_where_the_draws_are_the_same():
+  """A receiver whose sampler draws otherwise (``request.DRAWS``; a frame from a
+  sender that predates it names none) would go on with other tokens: it refuses a
+  sampled request, and continues a greedy one (greedy draws never change) with the
+  uninterrupted run's tokens."""
+  seed = int(np.random.default_rng().integers(1000))
+  for params in (SamplingParams(temperature=0.8, top_p=0.9, seed=seed), SamplingParams()):
+    sender = Engine(FakeModel(num_host_pages=40))
+    req = sender.submit(list(range(1, 30)), 8, params)
+    while len(req.output) < 3:
+      sender.step()
+    frame = sender.export(req.id, kv="all").to_bytes()
+    (size,) = struct.unpack_from("<Q", frame)
+    header = json.loads(frame[8:8 + size])
+    assert header.pop("draws") == handoff_lib.DRAWS
+    blob = json.dumps(header).encode()
+    older = handoff_lib.Handoff.from_bytes(struct.pack("<Q", len(blob)) + blob +
+                                           frame[8 + size:])
+    assert older.draws is None
+    for handoff in (older, dataclasses.replace(older, draws=handoff_lib.DRAWS + 1)):
+      receiver = Engine(FakeModel(num_host_pages=40))
+      if params.temperature > 0:
+        with pytest.raises(ValueError, match="other tokens"):
+          receiver.accept(handoff)
+        assert not receiver.requests
+      else:
+        got = receiver.accept(handoff)
+        receiver.run()
+        assert got.output == solo(FakeModel, req.prompt, 8, params)
+    same = Engine(FakeModel(num_host_pages=40))
+    got = same.accept(handoff_lib.Handoff.from_bytes(frame))
+    same.run()
+    assert got.output == solo(FakeModel, req.prompt, 8, params)
+
+
 def test_send_and_recv_frames_at_a_capped_rate():
   a, b = socket.socketpair()
   payload = np.random.default_rng().bytes(300_000)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier_jax.serving import Engine, EngineConfig, State, snapshot
+from kvtier_jax.serving import Engine, EngineConfig, SamplingParams, State, snapshot
 from tests.test_prefix_cache import PoisoningModel, TwoDeviceModel, shared_prefix_workload
 from tests.test_serving import FakeModel
 
@@ -241,6 +241,42 @@ def test_a_snapshot_of_another_model_identity_is_refused(tmp_path):
   engine.run()
   assert [r.output for r in again.requests.values()] == [
       r.output for r in engine.requests.values()]
+
+
+@pytest.mark.parametrize("saved_as", ["format_1", "other_draws"])
+def test_a_snapshot_of_other_draws_goes_on_only_with_greedy_requests(
+    tmp_path, monkeypatch, saved_as):
+  """A sampler whose draws changed (``request.DRAWS``; format 1 recorded none) would
+  continue a saved sampled request with other tokens: such a snapshot is refused
+  while it holds an unfinished sampled request (one that finished does not count),
+  and restores, with the uninterrupted run's tokens, when the rest are greedy."""
+  seed = int(np.random.default_rng().integers(1000))
+  for temperature in (0.7, 0.0):
+    engine = Engine(FakeModel())
+    ended = engine.submit([7, 8], 1, SamplingParams(temperature=0.9, seed=seed))
+    while not ended.state.done:
+      engine.step()
+    engine.submit(list(range(1, 30)), 6, SamplingParams(temperature=temperature, seed=seed))
+    engine.submit([4, 5, 6], 6)
+    engine.step()
+    path = tmp_path / f"snap{temperature}"
+    with monkeypatch.context() as patch:
+      if saved_as == "format_1":
+        patch.setattr(snapshot, "FORMAT", 1)
+        patch.setattr(snapshot, "DRAWS", None)
+      else:
+        patch.setattr(snapshot, "DRAWS", snapshot.DRAWS + 1)
+      snapshot.save(engine, path)
+    if temperature > 0:
+      with pytest.raises(snapshot.SnapshotError,
+                         match=r"\[.req-1.\] would go on with other tokens"):
+        snapshot.restore(path, FakeModel())
+      continue
+    restored = snapshot.restore(path, FakeModel())
+    restored.run()
+    engine.run()
+    assert [r.output for r in restored.requests.values()] == [
+        r.output for r in engine.requests.values()]
 
 
 def test_a_snapshot_of_another_partitioning_or_disk_size_is_refused_before_any_build(

@@ -38,7 +38,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from kvtier_jax.serving.request import SamplingParams, is_int
+from kvtier_jax.serving.request import DRAWS, SamplingParams, is_int
 
 KV_MODES = ("all", "prompt", "none")
 
@@ -69,6 +69,9 @@ class Handoff:
   # the relayed outputs, one entry per output.
   logprobs: list[float] | None = None
   top_logprobs: list[list[tuple[int, float]]] | None = None
+  # The sender's sampler (``request.DRAWS``; a frame without it: None, older). A
+  # sampled request goes on only where the draws are the same.
+  draws: int | None = DRAWS
 
   @property
   def kv_bytes(self) -> int:
@@ -80,7 +83,7 @@ class Handoff:
                   sampling=dataclasses.asdict(self.sampling), stop_ids=self.stop_ids,
                   kv_start=self.kv_start, kv_end=self.kv_end, chunk_size=self.chunk_size,
                   page_size=self.page_size, model_id=self.model_id, logprobs=self.logprobs,
-                  top_logprobs=self.top_logprobs,
+                  top_logprobs=self.top_logprobs, draws=self.draws,
                   kv=[dict(dtype=a.dtype.name, shape=list(a.shape)) for a in self.kv])
     blob = json.dumps(header).encode()
     parts = [struct.pack("<Q", len(blob)), blob]
@@ -121,6 +124,7 @@ class Handoff:
       raise ValueError(f"{len(data) - at} unexpected bytes after the handoff")
     try:
       header["sampling"] = SamplingParams(**header["sampling"])
+      header.setdefault("draws", None)  # a sender from before it was sent
       return cls(kv=kv, **header)
     except (TypeError, KeyError) as err:
       raise ValueError(f"a malformed handoff header: {err}") from err
@@ -192,6 +196,10 @@ def check(handoff: Handoff, page_size: int, vocab_size: int, stop_ids=()) -> Non
     raise ValueError(f"the handoff's sampling {handoff.sampling!r:.80} is not "
                      "SamplingParams")
   handoff.sampling.check()  # (its logprobs size the lists checked below)
+  if handoff.draws != DRAWS and handoff.sampling.temperature > 0:
+    raise ValueError(f"request {handoff.request_id!r} samples, and its sender's draws "
+                     f"(version {handoff.draws!r:.20}) are not this sampler's ({DRAWS}): "
+                     "it would go on with other tokens")
   for name in ("prompt", "output", "stop_ids"):
     ids = getattr(handoff, name)
     if not isinstance(ids, (list, tuple)) or not all(map(is_int, ids)):

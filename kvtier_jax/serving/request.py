@@ -27,6 +27,12 @@ class State(enum.Enum):
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for (OpenAI's top_logprobs)
 LOGPROBS_MODES = ("raw", "processed")  # SamplingParams.logprobs_mode
 F32_MAX = float(np.finfo(np.float32).max)
+# The version of ``sampling.sample``'s draws: bumped whenever the token a sampled
+# request draws at (seed, position, logits, parameters) changes. A snapshot or a
+# handoff records it, and one of other draws (or none: older, before the sampler's
+# kinds, its greedy bound and top-p's first token) that would continue a sampled
+# request is refused: it would go on with other tokens. Greedy draws never change.
+DRAWS = 2
 
 
 @dataclasses.dataclass(frozen=True)

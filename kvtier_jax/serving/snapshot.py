@@ -13,7 +13,8 @@ when complete, and marks it committed; on top of that every array and the JSON a
 checksummed (sha256) at save and verified at restore, before anything is built. A
 missing, partial or corrupt snapshot, or one of another model shape or identity
 (``ServingModel.model_id``: its K/V would be another model's numbers; ``decode_id``:
-another selection would decode other tokens), raises
+another selection would decode other tokens), or one saved by a sampler of other
+draws (``request.DRAWS``) with sampled requests to continue, raises
 ``SnapshotError``; nothing half-loaded is ever returned.
 """
 
@@ -32,11 +33,14 @@ import orbax.checkpoint as ocp
 
 from kvtier_jax.serving.engine import Engine, EngineConfig
 from kvtier_jax.serving.radix import Node
-from kvtier_jax.serving.request import Metrics, Request, SamplingParams, State
+from kvtier_jax.serving.request import DRAWS, Metrics, Request, SamplingParams, State
 
-FORMAT = 1
+FORMAT = 2  # 2: records the sampler's draws (``request.DRAWS``)
 _SHAPE_FIELDS = ("num_slots", "max_len", "chunk_size", "page_size", "num_host_pages",
                  "vocab_size")
+
+
+_DONE = {s.value for s in State if s.done}
 
 
 class SnapshotError(ValueError):
@@ -73,7 +77,7 @@ def save(engine: Engine, path: str | os.PathLike) -> None:
                         sha256=_digest(leaf)))
       if leaf.size:  # orbax stores no empty arrays; they are rebuilt from the spec
         arrays[name] = leaf
-  meta = dict(format=FORMAT, arrays=specs, books=_books(engine, disk_ids))
+  meta = dict(format=FORMAT, draws=DRAWS, arrays=specs, books=_books(engine, disk_ids))
   manifest = dict(meta_sha256=_json_digest(meta))
   items = dict(meta=ocp.args.JsonSave(meta), manifest=ocp.args.JsonSave(manifest))
   if arrays:
@@ -109,8 +113,8 @@ def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(
     raise
   except Exception as err:  # noqa: BLE001 - orbax / tensorstore / json failures
     raise SnapshotError(f"{path} is corrupt or partial: {type(err).__name__}: {err}") from err
-  if meta.get("format") != FORMAT:
-    raise SnapshotError(f"{path}: snapshot format {meta.get('format')} != {FORMAT}")
+  if meta.get("format") not in (1, FORMAT):
+    raise SnapshotError(f"{path}: snapshot format {meta.get('format')} is not 1 or {FORMAT}")
   groups = collections.defaultdict(list)
   for spec in meta["arrays"]:
     array = stored.get(spec["name"])
@@ -142,6 +146,13 @@ def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(
   if books["disk"] and books["disk"]["num_pages"] != config.disk_pages:
     raise SnapshotError(f"{path}: saved with {books['disk']['num_pages']} disk pages; the "
                         f"config has {config.disk_pages}")
+  if meta.get("draws") != DRAWS:  # (format 1: none recorded)
+    sampled = [r["id"] for r in books["requests"] if r["state"] not in _DONE
+               and r["sampling"]["temperature"] > 0]
+    if sampled:
+      raise SnapshotError(f"{path}: saved by a sampler of other draws (version "
+                          f"{meta.get('draws')}, this one's is {DRAWS}); its sampled "
+                          f"requests {sampled[:3]} would go on with other tokens")
   try:
     state = model.restore_state(groups["model"])
   except ValueError as err:
