@@ -79,6 +79,72 @@ def test_closed_loop_keeps_n_outstanding_and_sends_when_one_ends():
     assert r.output == solo(FakeModel, list(w.prompt), w.max_new_tokens)
 
 
+class Allocating:
+  """A state leaf still being computed on the device: the first wait takes
+  ``seconds`` on ``clock``."""
+
+  def __init__(self, clock, seconds=7.0):
+    self.clock, self.seconds, self.pending = clock, seconds, True
+
+  def block_until_ready(self):
+    if self.pending:
+      self.clock.t += self.seconds
+      self.pending = False
+    return self
+
+
+def test_the_engines_own_allocation_is_not_the_workloads_time():
+  """A new engine's state may still be building when the drive starts (the tiered
+  host pool: seconds at a large budget); its first step would wait for it. The
+  drive waits first: latencies and duration are those of an engine built long
+  before, and a step's seconds include its own device time only."""
+  rng = np.random.default_rng()
+  work = specs(rng, 4, [0.0, 0.0, 1.5, 4.0])
+  engine, clock = engine_with_clock()
+  ready = bench.drive(engine, work, sleep=clock.sleep)
+
+  class Building(FakeModel):
+    def init(self):
+      return dict(super().init(), building=Allocating(clock))
+
+    def prefill(self, state, slot, tokens, start, count):
+      state["building"].block_until_ready()  # as the device runs after the writes
+      return super().prefill(state, slot, tokens, start, count)
+
+  clock = StepClock()
+  engine = Engine(Building(), EngineConfig(), clock=clock, on_step=clock.on_step)
+  building = bench.drive(engine, work, sleep=clock.sleep)
+  assert clock.t > 7.0 and building.start == 7.0
+  assert building.end - building.start == ready.end - ready.start
+  for got, want in zip(building.requests, ready.requests):
+    assert got.output == want.output
+    assert got.metrics.summary() == want.metrics.summary()  # latencies
+
+
+def test_a_steps_seconds_are_its_own_device_time():
+  """A prefill chunk's device work, which nothing reads back in its step (not the
+  last chunk: no token sampled), is its step's seconds, not the next step's."""
+  clock = StepClock()
+
+  class Chunking(FakeModel):
+    def prefill(self, state, slot, tokens, start, count):
+      state, logits = super().prefill(state, slot, tokens, start, count)
+      return dict(state, chunk=Allocating(clock, 3.0)), logits
+
+  rows = []
+  def on_step(row):
+    rows.append(row)
+    clock.on_step(row)
+
+  engine = Engine(Chunking(chunk_size=8), EngineConfig(max_step_tokens=8), clock=clock,
+                  on_step=on_step)
+  engine.submit(list(range(1, 40)), 3)
+  engine.run()
+  assert [row["seconds"] for row in rows] == [3.0 * (row["prefill_tokens"] > 0)
+                                              for row in rows]
+  assert sum(row["prefill_tokens"] > 0 for row in rows) == 5
+
+
 def test_open_loop_arrivals_keep_their_due_time():
   rng = np.random.default_rng()
   engine, clock = engine_with_clock()

@@ -37,6 +37,7 @@ import math
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from kvtier_jax.serving.engine import Engine
@@ -185,6 +186,9 @@ def drive(engine: Engine, workload: Sequence[RequestSpec | Rollout], *,
       on_finish(req)
   steps: list[dict] = []
   refused: list[tuple[str, str]] = []
+  # The engine's state may still be building on the device (a new engine's host
+  # pool: seconds at a large budget): not the workload's time.
+  engine.state = jax.block_until_ready(engine.state)
   start = 0.0 if resume else engine.now()
   # When each closed-loop slot last freed (a request sent to it arrives no earlier).
   freed = [start] * (max_concurrency or 0)

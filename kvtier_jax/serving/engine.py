@@ -429,6 +429,9 @@ class Engine:
       decoded = self._decode()
       prefilled = self._prefill(self.config.max_step_tokens - decoded)
     self._note_peak()
+    # The step's seconds are its device time too (a prefill chunk's state is not
+    # read back otherwise: its time went to the next step).
+    self.state = jax.block_until_ready(self.state)
     stats = self.model.stats(self.state)
     modulus = getattr(self.model, "stats_modulus", {})
     delta = {k: stats[k] - self._last_stats.get(k, 0) for k in stats}
