@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import pathlib
 import subprocess
 from typing import Sequence
@@ -48,8 +49,22 @@ def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -
   config = {"experiment": experiment, "flags": flag_values, "jax": jax.__version__,
             "device_kind": dev.device_kind, "platform": dev.platform,
             "git_sha": git_sha(), "started": stamp}
-  (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+  # Strict JSON (a default --request_rate=inf is "inf", not Infinity, which other
+  # readers refuse).
+  (out / "config.json").write_text(json.dumps(_finite(config), indent=2, default=str,
+                                              allow_nan=False) + "\n")
   return out
+
+
+def _finite(value):
+  """``value`` with every non-finite float as its str ("inf", "nan")."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v) for v in value]
+  return value
 
 
 def append_row(out: pathlib.Path, row: dict) -> None:

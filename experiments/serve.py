@@ -200,6 +200,14 @@ def main(argv):
   if ignored:
     raise app.UsageError(f"{', '.join(ignored)}: not used here (prompts come from the "
                          "bundled corpus or --workload)")
+  unused = (("request_rate", "prompt_range", "output_range", "num_requests", "seed",
+             "sessions", "session_turns", "shared_prefix_groups") if FLAGS.workload
+            else ("request_rate", "shared_prefix_groups") if FLAGS.sessions
+            else ("session_turns",))
+  ignored = [f"--{name}" for name in unused if FLAGS[name].present]
+  if ignored:
+    raise app.UsageError(f"{', '.join(ignored)}: not used by this workload (--workload: "
+                         "each line says its own; --sessions: arrive at once, unshared)")
   model_setup.refuse_given(["draft_ckpt"], "the serving engine drafts by prompt lookup")
   if FLAGS.lookahead != "none" and (FLAGS.cache != "tiered" or FLAGS.mesh):
     raise app.UsageError("--lookahead needs --cache=tiered on one device")

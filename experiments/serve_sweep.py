@@ -225,8 +225,9 @@ def serve_point(model, selector, params, workload, context, concurrency, cache, 
 def render(out, rows, weights: str) -> str:
   table = common.markdown_table(rows, TABLE_COLUMNS)
   paper = common.markdown_table(PAPER, list(PAPER[0]))
-  note = ("Ours: " + ("SmolLM2-135M, real weights" if weights == "real" else
-                      f"{FLAGS.model}, dummy weights (performance only)")
+  layers = f" (its first {FLAGS.model_layers} layers)" if FLAGS.model_layers else ""
+  note = ("Ours: " + (f"SmolLM2-135M{layers}, real weights" if weights == "real" else
+                      f"{FLAGS.model}{layers}, dummy weights (performance only)")
           + f", {common.platform()}, KV budget {FLAGS.kv_budget_mib:g} MiB, host "
           f"{FLAGS.host_budget_mib:g} MiB, B={FLAGS.hot_slots}, k={FLAGS.top_k}, "
           f"at most {FLAGS.max_batch} slots. vs_sparse: output tokens/s over the sparse "
@@ -294,9 +295,13 @@ def main(argv):
                            "(generate, serve and prefetch do)")
   ignored = [f"--{name}" for name in ("prompt_file", "offset", "prompt_tokens")
              if FLAGS[name].present]
+  rollout = ("rollout_turns", "rollout_env_tokens", "rollout_env_seconds")
   if FLAGS.workload not in ("synthetic", "rollout"):  # a JSONL file says these itself
     ignored += [f"--{name}" for name in ("request_rate", "burstiness", "num_requests",
-                                         "contexts", "sampling") if FLAGS[name].present]
+                                         "contexts", "sampling", "output_len",
+                                         "prompt_spread", *rollout) if FLAGS[name].present]
+  elif FLAGS.workload == "synthetic":
+    ignored += [f"--{name}" for name in rollout if FLAGS[name].present]
   if ignored:
     raise app.UsageError(f"{', '.join(ignored)}: not used by this workload (prompts "
                          "come from the bundled corpus, or from the JSONL file with "
@@ -341,7 +346,7 @@ def main(argv):
             continue
           row, outs = serve_point(model, selector, params, workload, context, concurrency,
                                   cache, policy, max_len, out, tag)
-          row.update(model=model.cfg.name, weights=weights,
+          row.update(model=model.cfg.name, num_layers=model.cfg.num_layers, weights=weights,
                      decode_row_tile=model.cfg.decode_row_tile, same_tokens=None,
                      vs_sparse=None, decode_vs_sparse=None)
           rows.append(row)

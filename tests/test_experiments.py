@@ -2,6 +2,7 @@
 report collects them. Subprocesses: each runner defines its own absl flags."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -254,6 +255,16 @@ def test_runs_started_in_one_second_get_their_own_folders(tmp_path, monkeypatch)
   assert sorted(runs) == runs  # in start order: "-010" after "-009"
   assert [json.loads((r / "config.json").read_text())["flags"]["run"]
           for r in runs] == list(range(12))
+
+
+def test_config_json_is_strict_json(tmp_path):
+  """A non-finite flag (serve_sweep's default --request_rate=inf) is written as a
+  string: Infinity / NaN are not JSON, and readers other than Python's refuse them."""
+  flags = dict(request_rate=float("inf"), rates=[1.0, float("nan")], depth=dict(x=-math.inf))
+  run = common.start_run("strict", flags, str(tmp_path))
+  strict = json.loads((run / "config.json").read_text(),
+                      parse_constant=lambda name: pytest.fail(f"{name} in config.json"))
+  assert strict["flags"] == dict(request_rate="inf", rates=[1.0, "nan"], depth=dict(x="-inf"))
 
 
 @pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)

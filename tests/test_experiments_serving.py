@@ -115,6 +115,8 @@ def test_serve_sweep_smoke_more_requests_at_the_same_budget_and_exact(tmp_path):
   run_dir, rows = only_run(tmp_path, "serve_sweep")
   by = {r["cache"]: r for r in rows}
   assert by.keys() == {"sparse", "tiered"}
+  assert {r["num_layers"] for r in rows} == {SMOKE_LAYERS}  # a cut model says so
+  assert f"SmolLM2-135M (its first {SMOKE_LAYERS} layers)" in out
   sparse, tiered = by["sparse"], by["tiered"]
   assert sparse["finished"] == tiered["finished"] == 3
   assert tiered["admissible"] > sparse["admissible"] and sparse["bound_by"] == "device"
@@ -131,7 +133,8 @@ def test_serve_sweep_pairs_prompts_across_rates_and_refuses_flags_it_would_ignor
   """Runs that differ only in --request_rate or --burstiness serve the same prompts
   (the arrivals drew from the prompts' generator, so a finite rate changed them); a
   JSONL workload refuses the synthetic flags (it ignored them) and the prompt-text
-  flags (the corpus is bundled)."""
+  flags (the corpus is bundled); so do serve's JSONL and session workloads, and a
+  synthetic one the rollout's."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
   code = """
@@ -156,13 +159,21 @@ print("paired")
   assert proc.returncode == 0 and "paired" in proc.stdout, proc.stderr[-3000:]
   path = tmp_path / "w.jsonl"
   path.write_text(json.dumps(dict(id="a", prompt_ids=[5, 6, 7], max_new_tokens=2)) + "\n")
-  for flag in ("--request_rate=2", "--num_requests=4", "--contexts=4096",
-               "--prompt_file=heldout"):
-    proc = subprocess.run([sys.executable, "-m", "experiments.serve_sweep",
-                           f"--workload={path}", flag, f"--out_root={tmp_path}"],
+  for runner, flags in (
+      ("serve_sweep", (f"--workload={path}", "--request_rate=2")),
+      ("serve_sweep", (f"--workload={path}", "--num_requests=4")),
+      ("serve_sweep", (f"--workload={path}", "--contexts=4096")),
+      ("serve_sweep", (f"--workload={path}", "--prompt_file=heldout")),
+      ("serve_sweep", (f"--workload={path}", "--output_len=8")),
+      ("serve_sweep", ("--rollout_turns=2",)),
+      ("serve", (f"--workload={path}", "--seed=3")),
+      ("serve", ("--sessions=skewed", "--request_rate=2")),
+      ("serve", ("--session_turns=2",))):
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{runner}", *flags,
+                           f"--out_root={tmp_path}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "not used by this workload" in proc.stderr, (
-        flag, proc.stderr[-2000:])
+        runner, flags, proc.stderr[-2000:])
 
 
 @pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
