@@ -92,6 +92,10 @@ class SparseCarry:
   sel: Any  # selector state, leaves [L, ...]
   params: Any  # selector params per layer (DSA indexer) or None
   shared: jax.Array  # i32[R, U, k] the current anchor's positions (index sharing)
+  # i32[R]: where the selector updates, when not at ``kv.lens`` (the serving step's
+  # inactive rows write their K/V nowhere, at T, but update their selector at their
+  # own next position, which their next step overwrites: selectors.base).
+  select_at: jax.Array | None = None
 
 
 def _unit_view(x, num_units: int):
@@ -113,8 +117,9 @@ def sparse_attend(selector, index_share: int = 1, row_tile: int | None = None):
     k, v = cache_lib.write_newest(kv, layer, k_new, v_new)
     if member == 0:
       params = None if carry.params is None else layer_slice(carry.params, layer)
+      newest = kv.lens if carry.select_at is None else carry.select_at
       positions, sel = selector.select(carry.sel, layer,
-                                       StepInputs(x, q, k_new, kv.lens, layer), params)
+                                       StepInputs(x, q, k_new, newest, layer), params)
       check_picked(positions)
       carry = carry.replace(sel=sel, shared=positions)
     units = selector.num_units

@@ -178,10 +178,13 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens, 
                  carry: SparseCarry):
   lens = carry.kv.lens
   positions = _masked_positions(lens, active, carry.kv.max_len)
-  carry = carry.replace(kv=carry.kv.replace(lens=positions))
+  # An inactive row's selector must not move at T: Quest's ring entry T % page
+  # belongs to one of its real positions (the tiered step selects at seq_len too).
+  carry = carry.replace(kv=carry.kv.replace(lens=positions), select_at=lens)
   logits, carry = apply_decode(cfg, weights, tokens, positions, carry,
                                sparse_attend(selector, index_share, cfg.decode_row_tile))
-  return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)))
+  return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)),
+                               select_at=None)
 
 
 def check_page_table(table, shape: tuple[int, int], num_pages: int) -> np.ndarray:

@@ -6,6 +6,7 @@ recompilation as requests come and go."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -698,3 +699,44 @@ def test_a_requests_logits_do_not_depend_on_its_slot(model_and_ids, name):
       logits.append(np.asarray(runner.step(step))[row])
     runs.append(np.stack(logits))
   np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("name", ["dense", "sparse", "tiered"])
+def test_a_step_leaves_an_inactive_decoding_rows_state_as_it_was(model_and_ids, name):
+  """A decode step in which a decoding row sits out changes nothing that row's later
+  steps read: after one real step its selector state and its logits are those of a
+  run without the idle step. The sparse step used to update an inactive row's
+  selector at position T (its K/V write is dropped there), and Quest's ring entry
+  T % page is one of the row's real positions in its partial page."""
+  model, ids = model_and_ids
+  rng = np.random.default_rng()
+  vocab = model.cfg.vocab_size
+  length = int(rng.choice([n for n in range(70, 127) if n % 16]))  # a partial page
+  feed = rng.integers(0, vocab, (4, 3)).astype(np.int32)
+  runs = []
+  for idle in (False, True):
+    b = backend(model, name)
+    state = b.init()
+    if name == "tiered":
+      per = b.tier_cfg.pages_per_request
+      state = b.set_pages(state, np.arange(3 * per, dtype=np.int32).reshape(3, per))
+    for slot, prompt in ((0, ids[:90]), (1, ids[200:200 + length])):
+      for start in range(0, len(prompt), b.chunk_size):
+        chunk = np.zeros((b.chunk_size,), np.int32)
+        count = min(b.chunk_size, len(prompt) - start)
+        chunk[:count] = prompt[start:start + count]
+        state, _ = b.prefill(state, slot, chunk, start, count)
+      state = b.start_decoding(state, slot, len(prompt))
+    if idle:  # slot 1 sits out; slot 0 decodes
+      state, _ = b.decode(state, rng.integers(0, vocab, 3).astype(np.int32),
+                          np.array([True, False, False]))
+    logits, sel = [], None
+    for step in feed:
+      state, out = b.decode(state, step, np.array([False, True, False]))
+      logits.append(np.asarray(out[1]))
+      if sel is None and name != "dense":
+        sel = [np.asarray(leaf[:, 1]) for leaf in jax.tree.leaves(state.cache.sel)]
+    runs.append((np.stack(logits), sel))
+  np.testing.assert_array_equal(runs[0][0], runs[1][0])
+  for without, with_idle in zip(runs[0][1] or [], runs[1][1] or []):
+    np.testing.assert_array_equal(without, with_idle)
