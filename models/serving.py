@@ -421,6 +421,8 @@ class ServingBackend:
                        f"{self.chunk_size} and holds 1..{self.chunk_size} tokens: "
                        f"start={start}, count={count}")
     check_tokens(np.asarray(tokens)[:count], self.vocab_size)
+    if self.backend == "tiered":
+      self._check_prompt_pages(state, slot, start + count)
     logits, staging = _prefill(self.cfg, self.weights, state.staging,
                                jnp.asarray(tokens, jnp.int32), jnp.int32(start),
                                jnp.int32(count))
@@ -429,6 +431,20 @@ class ServingBackend:
       cache = _write_through(self.tier_cfg, cache, staging, jnp.int32(slot),
                              jnp.int32(start), self.chunk_size)
     return ServingState(cache, staging), logits
+
+  def _check_prompt_pages(self, state: ServingState, slot: int, end: int) -> None:
+    """A prompt row written through without its page goes to the scratch page: lost
+    once evicted from the hot cache (``TieredDecoder.prefill`` refuses it alike).
+    Positions [0, ``end``) need their pages, or, in a slot with none (a request
+    that lives in the hot cache), ``end <= hot_slots``."""
+    row = np.asarray(state.cache.tier.page_table[slot])
+    need = -(-end // self.page_size)
+    if (row >= 0).any() and (row[:need] < 0).any():
+      raise ValueError(f"slot {slot}'s positions [0, {end}) need pages 0..{need - 1}; "
+                       f"its page table row is {row[:need].tolist()}")
+    if not (row >= 0).any() and end > self.tier_cfg.hot_slots:
+      raise ValueError(f"slot {slot} has no host pages: its prompt must fit the "
+                       f"{self.tier_cfg.hot_slots} hot slots, not {end} positions")
 
   def load_prefix(self, state: ServingState, slot: int, length: int) -> ServingState:
     if not self.supports_prefix_cache:

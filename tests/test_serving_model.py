@@ -381,6 +381,19 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   with pytest.raises(ValueError, match="token ids"):
     tiered.decode(state, np.array([model.cfg.vocab_size, 0, 0]), np.array([1, 0, 0], bool))
   assert all((a == b).all() for a, b in zip(tiered.read_pages(state, [3]), page))
+  # A prompt row written through without its page went to the scratch page (lost
+  # once evicted; the decode later read the page it should have been in): a slot
+  # with pages needs them all, one without must fit its 48 hot slots.
+  with pytest.raises(ValueError, match="no host pages"):
+    tiered.prefill(tiered.init(), 0, tokens, 0, 49)
+  state = tiered.prefill(tiered.init(), 0, tokens, 0, 48)[0]  # (donated)
+  short = np.full(state.cache.tier.page_table.shape, -1, np.int32)
+  short[0, :3] = [7, 8, 9]  # positions 0..47 of slot 0
+  paged = tiered.set_pages(state, short)
+  with pytest.raises(ValueError, match=r"need pages 0..3; its page table row is "
+                     r"\[7, 8, 9, -1\]"):
+    tiered.prefill(paged, 0, tokens, 0, 64)
+  tiered.prefill(paged, 0, tokens, 0, 48)
   selector, _ = setup.build_selector("quest", model.cfg, 32)
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
   # Pages are the tiered backend's: any chunk size serves a full-KV backend.
