@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
 from kvtier_jax.driver import StepRefused, describe_status
-from models.backends import tier_config, tiled_selector, tiered_step
+from kvtier_jax.serving.request import is_int
+from models.backends import check_tokens, tier_config, tiled_selector, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
                             check_page_table, dense_lengths, place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
@@ -206,8 +207,8 @@ class MeshServingBackend:
                    out_shardings=(NamedSharding(self.mesh, data), placed))
 
   def _split(self, slot: int) -> tuple[int, int]:
-    if not 0 <= slot < self.num_slots:
-      raise ValueError(f"slot {slot} is not in 0..{self.num_slots - 1}")
+    if not (is_int(slot) and 0 <= slot < self.num_slots):
+      raise ValueError(f"slot={slot!r} must be an int in [0, {self.num_slots})")
     return divmod(slot, self._per)
 
   def _row_view(self, per_device, row: int):
@@ -355,7 +356,14 @@ class MeshServingBackend:
   # Decode ------------------------------------------------------------------------
 
   def decode(self, state: ShardedState, tokens, active):
+    # As ServingBackend.decode checks (this step bypasses the groups' decode): a
+    # token past the vocabulary would read another's embedding (a clamp), a short
+    # mask would be broadcast over every slot.
+    if np.shape(tokens) != (self.num_slots,) or np.shape(active) != (self.num_slots,):
+      raise ValueError(f"tokens {np.shape(tokens)} and active {np.shape(active)} must "
+                       f"be ({self.num_slots},)")
     active = np.asarray(active, bool)
+    check_tokens(np.asarray(tokens)[active], self.vocab_size)
     rows = lambda r: slice(r * self._per, (r + 1) * self._per)
     for r, group in enumerate(self.groups):  # this step bypasses the groups' decode
       group.check_room(active[rows(r)])

@@ -102,6 +102,7 @@ def main():
   print(json.dumps({"pages": num_pages, "writes": writes,
                     "empty_shape": list(empty[0].shape),
                     "dense_refused": dense_refuses_past_max_len(model, mesh),
+                    "bad_input_refused": refuses_bad_input(model, mesh),
                     "counters": [decode_counters(mesh, heads) for heads in (2, 3)]}))
 
 
@@ -120,6 +121,31 @@ def dense_refuses_past_max_len(model, mesh) -> int:
     except ValueError as err:
       assert "reached max_len=16" in str(err), err
       refused += 1
+  return refused
+
+
+def refuses_bad_input(model, mesh) -> int:
+  """As the one-device backend does, before the step: a token past the vocabulary
+  (the embedding would clamp it: another token's logits), a mask or tokens of
+  another length (broadcast over every slot), a bool slot (read as slot 1)."""
+  dense = sharded_serving.MeshServingBackend(model, "dense", 4, 16, mesh=mesh,
+                                             chunk_size=16, page_size=8)
+  state = dense.start_decoding(dense.init(), 1, 4)
+  tokens, one = np.array([1, 2, 3, 4], np.int32), np.array([0, 1, 0, 0], bool)
+  vocab = model.cfg.vocab_size
+  refused = 0
+  for call, match in (
+      (lambda: dense.decode(state, np.array([1, vocab, 3, 4], np.int32), one), "token ids"),
+      (lambda: dense.decode(state, np.array([1, -1, 3, 4], np.int32), one), "token ids"),
+      (lambda: dense.decode(state, tokens, np.array([True])), "must be (4,)"),
+      (lambda: dense.decode(state, tokens[:2], one), "must be (4,)"),
+      (lambda: dense.start_decoding(state, True, 4), "slot=True")):
+    try:
+      call()
+    except ValueError as err:
+      assert match in str(err), (match, err)
+      refused += 1
+  state, _ = dense.decode(state, tokens, one)  # the state is as it was: it decodes
   return refused
 
 
