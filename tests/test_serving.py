@@ -486,6 +486,11 @@ def test_submit_rejects_bad_input_and_the_engine_carries_on():
     with pytest.raises(ValueError, match=match):
       engine.submit([1, 2, 3], 4, sp)
   engine.submit([1, 2, 3], 1, SamplingParams(seed=2**31 - 1), request_id="top seed")
+  # A request is named by a str: another could not be handed off (a receiver
+  # refuses it) nor seed a draw (seed=None draws from its id's hash).
+  for name in (5, b"five", ("a",)):
+    with pytest.raises(ValueError, match="request_id=.* must be a str"):
+      engine.submit([1, 2, 3], 1, SamplingParams(temperature=1.0), request_id=name)
   # The context's last position is usable; one more is refused as such (not as
   # the device bytes it would also exceed).
   Engine(FakeModel()).submit([1] * 90, 6)

@@ -278,6 +278,8 @@ class Engine:
       # and handoffs name theirs; scanning from 0 would cost O(requests) per submit)
       request_id = next(f"req-{n}" for n in itertools.count(len(self.requests))
                         if f"req-{n}" not in self.requests)
+    if not isinstance(request_id, str):  # (a handoff, a snapshot and a seed need a str)
+      raise ValueError(f"request_id={request_id!r} must be a str")
     old = self.requests.get(request_id)
     if old is not None and not (returning and old.state is State.HANDED_OFF):
       raise ValueError(f"request id {request_id!r} already exists"
