@@ -279,6 +279,23 @@ def test_a_snapshot_of_other_draws_goes_on_only_with_greedy_requests(
         r.output for r in engine.requests.values()]
 
 
+def test_an_engine_that_cannot_be_built_is_a_snapshot_error(tmp_path):
+  """Restoring onto a model that cannot serve the snapshot's config (no prefix
+  cache): a ``SnapshotError``, as every other refusal (it was a bare ValueError)."""
+  import dataclasses  # noqa: PLC0415
+
+  @dataclasses.dataclass
+  class NoPrefixCache(FakeModel):
+    supports_prefix_cache: bool = False
+
+  engine = Engine(FakeModel(), EngineConfig(prefix_cache=True))
+  engine.submit(list(range(1, 30)), 5)
+  engine.step()
+  snapshot.save(engine, tmp_path / "snap")
+  with pytest.raises(snapshot.SnapshotError, match="cannot be built: prefix_cache needs"):
+    snapshot.restore(tmp_path / "snap", NoPrefixCache(), EngineConfig(prefix_cache=True))
+
+
 def test_a_snapshot_of_another_partitioning_or_disk_size_is_refused_before_any_build(
     tmp_path):
   """Data-parallel partitions and the disk tier's size are the snapshot's shape

@@ -157,7 +157,10 @@ def restore(path: str | os.PathLike, model, config: EngineConfig = EngineConfig(
     state = model.restore_state(groups["model"])
   except ValueError as err:
     raise SnapshotError(f"{path}: the model refused its state: {err}") from err
-  engine = Engine(model, config, clock=clock, on_step=on_step)
+  try:
+    engine = Engine(model, config, clock=clock, on_step=on_step)
+  except (ValueError, OSError) as err:  # (a model without a prefix cache, a disk in use)
+    raise SnapshotError(f"{path}: the engine cannot be built: {err}") from err
   _load_books(engine, books, groups)
   engine.state = state
   engine._last_stats = model.stats(state)
