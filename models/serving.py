@@ -203,6 +203,18 @@ def check_page_table(table, shape: tuple[int, int], num_pages: int) -> np.ndarra
   if twice.any():
     slot = int(np.argmax(twice))
     raise ValueError(f"slot {slot} lists a page twice: {table[slot].tolist()}")
+  # A shared page is a cached prefix's: at the same position in every slot. At
+  # another it would hold other positions' K/V for one of them.
+  slots, columns = np.nonzero(table >= 0)
+  ids = table[slots, columns]
+  order = np.argsort(ids, kind="stable")
+  ids, columns, slots = ids[order], columns[order], slots[order]
+  moved = (ids[1:] == ids[:-1]) & (columns[1:] != columns[:-1])
+  if moved.any():
+    at = int(np.argmax(moved))
+    raise ValueError(f"page {ids[at]} is shared at another position: page index "
+                     f"{columns[at]} of slot {slots[at]}, {columns[at + 1]} of slot "
+                     f"{slots[at + 1]}")
   return table.astype(np.int32)
 
 

@@ -342,7 +342,9 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   table[0, :2] = table[1, :2] = [3, 4]  # a shared prefix
   assert (np.asarray(tiered.set_pages(state, table).cache.tier.page_table) == table).all()
   for bad, match in (([5, 5], "twice"), ([num_pages, 0], "page ids"),
-                     ([-2, 0], "page ids")):
+                     ([-2, 0], "page ids"),
+                     ([6, 3], "page 3 is shared at another position: page index 0 of "
+                      "slot 1, 1 of slot 2")):
     wrong = table.copy()
     wrong[2, :2] = bad
     with pytest.raises(ValueError, match=match):
