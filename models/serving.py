@@ -287,6 +287,10 @@ class ServingBackend:
     # Host mirror of the slots' lengths (dense, sparse; the tiered driver keeps its
     # own): a step at max_len would drop its K/V write inside jit, silently.
     self._lens = np.zeros((num_slots,), np.int64)
+    # (slot, positions) the staging buffer holds: a chunk goes on after them and
+    # start_decoding installs them into that slot only (None: unknown, after init
+    # or a restore).
+    self._staged: tuple[int, int] | None = None
 
   # Accounting ----------------------------------------------------------------
 
@@ -340,6 +344,7 @@ class ServingBackend:
   def init(self) -> ServingState:
     # Committed from the start, as every step returns it: else each jitted
     # function the engine calls compiles once more (kv_state.committed).
+    self._staged = None
     with jax.default_device(self.device):
       return kv_state.committed(self._init())
 
@@ -433,6 +438,9 @@ class ServingBackend:
                        f"{self.chunk_size} and holds 1..{self.chunk_size} tokens: "
                        f"start={start}, count={count}")
     check_tokens(np.asarray(tokens)[:count], self.vocab_size)
+    if start and self._staged not in (None, (slot, start)):
+      raise ValueError(f"slot {slot}'s chunk at {start} does not follow the staged "
+                       f"rows (slot, positions) {self._staged}")
     if self.backend == "tiered":
       self._check_prompt_pages(state, slot, start + count)
     logits, staging = _prefill(self.cfg, self.weights, state.staging,
@@ -442,6 +450,7 @@ class ServingBackend:
     if self.backend == "tiered":
       cache = _write_through(self.tier_cfg, cache, staging, jnp.int32(slot),
                              jnp.int32(start), self.chunk_size)
+    self._staged = (slot, start + count)
     return ServingState(cache, staging), logits
 
   def _check_prompt_pages(self, state: ServingState, slot: int, end: int) -> None:
@@ -470,6 +479,7 @@ class ServingBackend:
                        f"{length} positions needs {need} pages (set_pages first)")
     staging = _load_prefix(self.tier_cfg, state.cache.tier, state.staging,
                            jnp.int32(slot), jnp.int32(length))
+    self._staged = (slot, length)
     return ServingState(state.cache, staging)
 
   def _page_groups(self, pages):
@@ -545,6 +555,9 @@ class ServingBackend:
   def start_decoding(self, state: ServingState, slot: int, length: int) -> ServingState:
     self._check_slot(slot)
     self._check_length(length, low=1)
+    if self._staged not in (None, (slot, length)):  # another prompt's rows
+      raise ValueError(f"the staging buffer holds (slot, positions) {self._staged}, "
+                       f"not slot {slot}'s {length}")
     cache, staging = state.cache, state.staging
     slot_, length_ = jnp.int32(slot), jnp.int32(length)
     self._lens[slot] = length

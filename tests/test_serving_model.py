@@ -395,7 +395,16 @@ def test_backend_refuses_what_would_corrupt_it_silently(model_and_ids):
   with pytest.raises(ValueError, match=r"need pages 0..3; its page table row is "
                      r"\[7, 8, 9, -1\]"):
     tiered.prefill(paged, 0, tokens, 0, 64)
-  tiered.prefill(paged, 0, tokens, 0, 48)
+  paged = tiered.prefill(paged, 0, tokens, 0, 48)[0]
+  # The staging buffer holds slot 0's 48 positions: another slot or length would
+  # install them as its own (slot 1's host pages never got them), and a chunk of
+  # another slot would go on after them.
+  for call, match in ((lambda: tiered.start_decoding(paged, 1, 48), "not slot 1's 48"),
+                      (lambda: tiered.start_decoding(paged, 0, 40), "not slot 0's 40"),
+                      (lambda: tiered.prefill(paged, 1, tokens, 64, 8), "does not follow")):
+    with pytest.raises(ValueError, match=match):
+      call()
+  tiered.start_decoding(paged, 0, 48)
   selector, _ = setup.build_selector("quest", model.cfg, 32)
   dense = serving.ServingBackend(model, "dense", 3, 256, selector=selector)
   # Pages are the tiered backend's: any chunk size serves a full-KV backend.
