@@ -279,6 +279,24 @@ def test_a_snapshot_of_other_draws_goes_on_only_with_greedy_requests(
         r.output for r in engine.requests.values()]
 
 
+def test_a_restored_stream_reattaches_its_callback(tmp_path):
+  """Callbacks are not saved; one set on the restored request gets every token
+  generated after the restore, in order."""
+  engine = Engine(FakeModel())
+  req = engine.submit(list(range(1, 20)), 9)
+  while len(req.output) < 3:
+    engine.step()
+  snapshot.save(engine, tmp_path / "snap")
+  engine.run()
+  restored = snapshot.restore(tmp_path / "snap", FakeModel())
+  again = restored.requests[req.id]
+  assert again.on_token is None
+  streamed = []
+  again.on_token = lambda r, token: streamed.append(token)
+  restored.run()
+  assert again.output == req.output and streamed == req.output[3:]
+
+
 def test_an_engine_that_cannot_be_built_is_a_snapshot_error(tmp_path):
   """Restoring onto a model that cannot serve the snapshot's config (no prefix
   cache): a ``SnapshotError``, as every other refusal (it was a bare ValueError)."""
