@@ -235,6 +235,61 @@ def test_session_turns_continue_their_history_and_each_reports_one_first_token(
   assert len(ends) == len(records) == 3 and ends[-1] == [0, 0]
 
 
+def test_a_replica_outlives_faults_and_malformed_messages_and_loses_no_request():
+  """A replica answers every request it was sent: a fault its engine survives (a
+  refused batch, then one request's decode alone faults: that request fails, the
+  other finishes with its solo tokens); a fault that stops a step before it
+  completes (every request in flight is reported aborted); submits it cannot read
+  and unknown messages (refused or ignored); a reset with a request in flight
+  (reported aborted before the stats). After each, it serves the next request
+  exactly. Before, each of these killed the replica or left a request unanswered."""
+  import numpy as np  # noqa: PLC0415
+
+  from kvtier_jax.driver import StepRefused  # noqa: PLC0415
+  from kvtier_jax.serving import Engine  # noqa: PLC0415
+  from tests.test_serving import FakeModel, solo  # noqa: PLC0415
+  faulty, broken = 50, 51  # prompts starting with these fault
+
+  class Flaky(FakeModel):
+    def decode(self, state, tokens, active):
+      slots = np.flatnonzero(active)
+      first = [state["seq"][s][0] for s in slots]
+      if broken in first:
+        raise RuntimeError("the batch step faulted")  # before the step completes
+      if faulty in first:
+        if len(slots) > 1:
+          raise StepRefused("batch refused", state)
+        raise RuntimeError("a decode alone faulted")
+      return super().decode(state, tokens, active)
+
+  (conn,) = _replicas(1, lambda: Engine(Flaky(num_slots=4)))
+  submit = lambda rid, prompt, new=6: conn.send(("submit", dict(
+      id=rid, prompt=prompt, max_new_tokens=new)))
+  submit("good", [3, 4, 5])
+  submit("bad", [faulty, 4, 5])
+  done = _ends(conn, 2)
+  assert done["good"]["output"] == solo(FakeModel, [3, 4, 5], 6)
+  assert done["bad"]["state"] == "failed"
+  submit("a", [6, 7, 8], 20)
+  submit("b", [broken, 7, 8])
+  assert {rid: d["state"] for rid, d in _ends(conn, 2).items()} == dict(a="aborted",
+                                                                       b="aborted")
+  for message in (("submit", dict(id="m1", prompt=[3])), ("submit", ["m2"]), ("submit",),
+                  ("resize", 3)):
+    conn.send(message)
+  submit("after", [9, 10, 11])
+  done = _ends(conn, 2)  # m1 (named, unreadable) and after; m2 and the rest: no id
+  assert done["m1"] == dict(state="failed", output=[], cached_tokens=None)
+  assert done["after"]["output"] == solo(FakeModel, [9, 10, 11], 6)
+  submit("cut", [12, 13, 14], 40)
+  conn.send(("reset",))
+  assert _ends(conn, 1)["cut"]["state"] == "aborted"
+  assert conn.recv()[0] == "stats" and conn.recv() == ("ready",)
+  submit("fresh", [15, 16])
+  assert _ends(conn, 1)["fresh"]["output"] == solo(FakeModel, [15, 16], 6)
+  _stop([conn])
+
+
 def test_a_replica_refuses_a_malformed_sampling_and_resets_its_counts():
   """Sampling with an unknown field is refused like any bad request (it raised a
   TypeError and killed the replica); a reset starts its counts afresh: the same

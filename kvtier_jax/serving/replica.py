@@ -14,6 +14,12 @@ and stop: the engine's prompt tokens, those served by its prefix cache and the
 prompt tokens it computed. With ``gather`` (the multi-controller runtime's
 all-gather, e.g. ``jax.experimental.multihost_utils.process_allgather``) every
 replica reports all replicas' stats, gathered by a collective, not by the router.
+
+A replica never drops a request it was sent: one it cannot read or its engine
+refuses is reported failed at once; a reset or a step that fails before it
+completes ends every request still in flight (reported ``"aborted"``); a step
+that fails after completing (the engine failed just the requests it touched) is
+logged and the replica serves on. Every error goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import multiprocessing.connection
+import sys
 import time
+import traceback
 from typing import Callable
 
 import numpy as np
 
 from kvtier_jax.serving.bench import first_admission_tokens
-from kvtier_jax.serving.request import Request, SamplingParams
+from kvtier_jax.serving.request import Request, SamplingParams, State
 from kvtier_jax.serving.router import Router
 
 _STATS = ("prompt_tokens", "cached_tokens", "prefill_tokens", "steps")
@@ -62,34 +70,60 @@ def serve(engine_factory: Callable[[], object], conn, *,
     rows = row[None] if gather is None else np.asarray(gather(row)).reshape(-1, row.size)
     return dict(replicas=[dict(zip(_STATS, map(int, r))) for r in rows])
 
+  def report_ended() -> None:
+    for req in engine.requests.values():
+      if req.state.done and req.id not in reported:
+        reported.add(req.id)
+        conn.send(("done", req.id, ended(req)))
+
+  def end_in_flight(why: str) -> None:
+    """Abort every request not yet ended (a reset, an engine that failed mid-step)
+    and report them: a client waits for each request it sent."""
+    for req in list(engine.requests.values()):
+      if not req.state.done:
+        engine.abort(req.id)
+        req.reason = why
+    report_ended()
+
+  def refuse(spec, err: Exception) -> None:
+    print(f"replica: refused submit {spec!r:.200}: {type(err).__name__}: {err}",
+          file=sys.stderr, flush=True)
+    rid = spec.get("id") if isinstance(spec, dict) else None
+    if isinstance(rid, str):  # (an unnamed request: nobody waits for it)
+      conn.send(("done", rid, dict(state=State.FAILED.value, output=[],
+                                   cached_tokens=None)))
+
   while True:
     while conn.poll(0 if engine.has_work else None):
       kind, *args = conn.recv()
       if kind == "submit":
-        spec = args[0]
+        spec = args[0] if args else None
         try:
           engine.submit(spec["prompt"], spec["max_new_tokens"],
                         SamplingParams(**spec.get("sampling", {})),
                         stop_ids=spec.get("stop_ids", ()), request_id=spec["id"],
                         on_token=first_token)
-        except (TypeError, ValueError):  # refused (too long, a taken id, bad sampling):
-          # the replica goes on
-          conn.send(("done", spec["id"], dict(state="failed", output=[],
-                                              cached_tokens=None)))
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+          refuse(spec, err)  # too long, a taken id, bad sampling, malformed: serve on
       elif kind in ("reset", "stop"):
+        end_in_flight(f"replica {kind} with the request in flight")
         conn.send(("stats", stats()))
         if kind == "stop":
           return
         engine, reported, computed = engine_factory(), set(), [0]
         conn.send(("ready",))
       else:
-        raise ValueError(f"unknown message {kind!r}")
+        print(f"replica: unknown message {kind!r:.80} ignored", file=sys.stderr, flush=True)
     if engine.has_work:
-      computed[0] += engine.step()["prefill_tokens"]
-      for req in engine.requests.values():
-        if req.state.done and req.id not in reported:
-          reported.add(req.id)
-          conn.send(("done", req.id, ended(req)))
+      steps = engine.steps
+      try:
+        computed[0] += engine.step()["prefill_tokens"]
+      except Exception:  # noqa: BLE001 - a replica outlives one step's fault
+        traceback.print_exc(file=sys.stderr)
+        if engine.steps == steps:  # it did not complete: nothing in flight is sound
+          end_in_flight("the engine's step failed before completing")
+        # (else it completed: the engine failed just what the fault touched)
+      report_ended()
 
 
 def drive_sessions(conns, sessions, policy: str, chunk_size: int, gap_s: float, *,
