@@ -65,7 +65,10 @@ def until(engine, done) -> None:
 def relay(engine, prompt, relayed, total, sp, rid):
   """Prefill and decode ``relayed`` tokens (the RelayDecode part)."""
   req = engine.submit(prompt, total, sp, request_id=rid)
-  until(engine, lambda: len(req.output) >= relayed)
+  until(engine, lambda: len(req.output) >= relayed or req.state.done)
+  if len(req.output) < relayed:  # (else an idle engine would be stepped forever)
+    raise RuntimeError(f"request {rid} ended ({req.state.value}: {req.reason}) after "
+                       f"{len(req.output)} of its {relayed} relayed tokens")
   return req
 
 
@@ -102,6 +105,9 @@ def main(argv):
   del argv
   model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
                            "(generate, serve and prefetch do)")
+  model_setup.refuse_given(["selector", "top_k", "impl", "indexer_ckpt", "prompt_file",
+                            "offset"], "this runner relays with quest at k = "
+                           "--hot_slots / 2 over the bundled corpus")
   if FLAGS.serve_port:
     serve_receiver(int(FLAGS.serve_port))
     return

@@ -34,6 +34,8 @@ def only_run(root, experiment):
 @pytest.mark.parametrize("module,flag,why", [
     ("batch_invariance", "--lookahead=draft", "runs no look-ahead"),
     ("handoff", "--lookahead_cap=8", "runs no look-ahead"),
+    ("handoff", "--selector=nsa", "relays with quest"),
+    ("handoff", "--prompt_file=heldout", "over the bundled corpus"),
     ("parity", "--draft_ckpt=head", "runs no look-ahead"),
     ("serve_sweep", "--lookahead=draft", "runs no look-ahead"),
     ("step_time", "--lookahead=draft", "runs no look-ahead"),
@@ -44,7 +46,8 @@ def only_run(root, experiment):
     ("generate", "--lookahead_cap=8", "caps --lookahead=draft")])
 def test_runners_refuse_the_look_ahead_flags_they_do_not_read(module, flag, why):
   """The look-ahead's flags are shared (experiments/model_setup.py): a runner that
-  does not read one refuses it before loading anything, not runs without it."""
+  does not read one refuses it before loading anything, not runs without it (so do
+  the selection and text flags a runner does not read)."""
   proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", flag],
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
