@@ -420,6 +420,15 @@ def test_baselines_and_bad_input():
   forgetful = Router(1, CHUNK, "prefix", max_chunks=2)
   forgetful.route(list(range(12)))  # three chunks: the last is forgotten
   assert forgetful.match(0, list(range(13))) == 8
+  # A replica out of range would book another's load (-1: the last), or fail later.
+  for call in (lambda: ll.done(-1), lambda: ll.done(2), lambda: ll.forget(-1, [1]),
+               lambda: ll.match(2, [1]), lambda: ll.done(True)):
+    with pytest.raises(ValueError, match="replica=.* must be an int in"):
+      call()
+  assert ll.load == [0, 1]
+  for kwargs in (dict(max_chunks=-1), dict(balance_abs=-1)):
+    with pytest.raises(ValueError, match="must be >= 0"):
+      Router(2, CHUNK, **kwargs)
 
 
 def test_a_prompt_of_whole_chunks_matches_all_but_its_last():

@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
+from kvtier_jax.serving.request import is_int
+
 POLICIES = ("prefix", "round_robin", "least_loaded")
 
 
@@ -32,6 +34,8 @@ class Router:
       raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
     if num_replicas < 1 or chunk_size < 1:
       raise ValueError(f"{num_replicas=} and {chunk_size=} must be >= 1")
+    if balance_abs < 0 or max_chunks < 0:
+      raise ValueError(f"{balance_abs=} and {max_chunks=} must be >= 0")
     self.num_replicas, self.chunk_size, self.policy = num_replicas, chunk_size, policy
     self.balance_abs, self.max_chunks = balance_abs, max_chunks
     self.load = [0] * num_replicas  # outstanding requests
@@ -49,11 +53,17 @@ class Router:
       keys.append(key)
     return keys
 
+  def _replica(self, replica: int) -> int:
+    """``replica`` checked (a negative index would book another replica's)."""
+    if not (is_int(replica) and 0 <= replica < self.num_replicas):
+      raise ValueError(f"replica={replica!r} must be an int in [0, {self.num_replicas})")
+    return replica
+
   def match(self, replica: int, prompt: Sequence[int]) -> int:
     """Tokens of ``prompt``'s longest whole-chunk prefix routed to ``replica`` that
     its cache can serve: a prompt's last token is always prefilled (its logits give
     the first output), so a prompt of whole chunks can reuse all but its last."""
-    chunks, matched = self._chunks[replica], 0
+    chunks, matched = self._chunks[self._replica(replica)], 0
     shareable = (len(prompt) - 1) // self.chunk_size * self.chunk_size
     for key in self._keys(prompt[:max(shareable, 0)]):
       if key not in chunks:
@@ -91,7 +101,7 @@ class Router:
   def forget(self, replica: int, prompt: Sequence[int]) -> None:
     """``replica`` refused ``prompt`` (routed there, never cached): its chunks no
     longer count for it (those other routed prompts hold stay)."""
-    chunks = self._chunks[replica]
+    chunks = self._chunks[self._replica(replica)]
     for key in self._keys(prompt):
       if key in chunks:
         chunks[key] -= 1
@@ -99,6 +109,6 @@ class Router:
           del chunks[key]
 
   def done(self, replica: int) -> None:
-    if self.load[replica] <= 0:
+    if self.load[self._replica(replica)] <= 0:
       raise ValueError(f"replica {replica} has no outstanding request")
     self.load[replica] -= 1
