@@ -6,10 +6,12 @@ cache vs full-KV sparse attention, and throughput at a fixed device budget.
 Command (from the repo root on the GPU machine; at most --deadline_s = 560 s of wall
 time, every subprocess inside it; rows are appended to $OUT/gpu_check.jsonl as they
 come):
-  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,graphs,sampler \
+  python -m experiments.gpu_check --out_dir=$OUT --sections=serve,fused,triton,sampler,graphs \
       --serve_budget_s=150 --budget_s=440 --iters=20 --warmup=3
 (``triton`` needs jax-triton: carry its wheel and ``pip install --no-deps --target``
-it first; WORKSPACE_NOTES.md, twenty-fourth session, has the whole device call.)
+it first, joined with ``;`` not ``&&``: without it the section says so and the rest
+runs; WORKSPACE_NOTES.md has the whole device call. ``graphs`` takes what is left,
+so it goes last.)
 Smoke run on CPU (kernels interpreted, tiny shapes, a few minutes):
   python -m experiments.gpu_check --smoke --sections=fused,serve,numerics,lookups,io
 
@@ -44,7 +46,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 # this one: none may take 75% of HBM up front and leave the others a quarter.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import collections
 import json
+import math
 import pathlib
 import shlex
 import subprocess
@@ -144,8 +148,10 @@ def guarded(fn):
 def run_numerics(section="numerics", tests=("tests/test_device.py",
                                              "tests/test_kernels.py",
                                              "tests/test_decode.py::test_kernel_paths_match_reference"),
-                 filter_=None):
-  """The device tests, compiled on the GPU (interpreted at small shapes off it)."""
+                 filter_=None, cap_s=None):
+  """The device tests, compiled on the GPU (interpreted at small shapes off it);
+  ``cap_s``: at most that long (a slow or hung run would take the later sections'
+  time)."""
   report = pathlib.Path(FLAGS.out_dir or "/tmp") / f"{section}.xml"
   filter_ = filter_ or FLAGS.numerics_filter
   args = (["--gpu"] if common.on_gpu() else []) + (["-k", filter_] if filter_ else [])
@@ -153,7 +159,8 @@ def run_numerics(section="numerics", tests=("tests/test_device.py",
   try:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *args, f"--junitxml={report}", *tests],
-                          capture_output=True, text=True, timeout=max(30.0, remaining() - 20))
+                          capture_output=True, text=True,
+                          timeout=max(30.0, min(cap_s or math.inf, remaining() - 20)))
   except subprocess.TimeoutExpired:
     log(section, error="timed out", seconds_left=round(remaining()))
     return
@@ -408,7 +415,9 @@ def run_serve():
     except subprocess.TimeoutExpired:
       log("serve", error="timed out")
     for points in sorted(out.glob("serve_sweep/*/points.jsonl")):
-      for line in points.read_text().splitlines():
+      # A complete run's rows carry the ratios to sparse (points.jsonl: as they came).
+      rows = points.parent / "rows.jsonl"
+      for line in (rows if rows.exists() else points).read_text().splitlines():
         log("serve", **json.loads(line))
       table = points.parent / "table.md"
       if table.exists():
@@ -437,7 +446,7 @@ def run_fused():
   overlapped hit/miss attention with and without the miss gather on its own CUDA
   stream (``ImplConfig.fetch_stream``)."""
   if FLAGS.fused_tests:
-    run_numerics("fused", FUSED_TESTS, filter_="fused or keyed_victim_order")
+    run_numerics("fused", FUSED_TESTS, filter_="fused or keyed_victim_order", cap_s=150)
   variants = [("full_kv", None), ("tiered", {}),
               ("tiered_fused", dict(impl=ImplConfig(fused=True))),
               ("tiered_fused_xla_attention",
@@ -519,12 +528,22 @@ def run_sampler():
 
   for rows in (8, 64):
     for name, (temperature, top_k, top_p, scale) in cases.items():
+      if remaining() < 45:  # a case compiles two programs over the vocabulary
+        log("sampler", rows=rows, kind=name,
+            skipped=f"{remaining():.0f} s left of --deadline_s")
+        continue
       logits = jnp.asarray(rng.standard_normal((rows, vocab)) * scale, jnp.float32)
       args = (logits, jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k,
               jnp.int32), jnp.full(rows, top_p, jnp.float32),
               jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32))
       got = np.asarray(sampling.sample(*args)[0])
-      row = dict(rows=rows, vocab=vocab, kind=name,
+      # The candidate kinds the rows really took (a nucleus case may spill into the
+      # next window): the timing is of those.
+      kinds, _ = sampling.candidate_kind(args[1] >= sampling.GREEDY_BELOW, logits,
+                                         sampling._scale(args[1]), args[2], args[3])
+      names = list(sampling.CANDIDATES)
+      took = collections.Counter(names[k] for k in np.asarray(kinds)) if temperature else {}
+      row = dict(rows=rows, vocab=vocab, kind=name, took=dict(took),
                  sample_ms=round(timing.median_ms(lambda: sampling.sample(*args), 3,
                                                   FLAGS.iters), 4),
                  ranking_ms=round(timing.median_ms(lambda: ranking(*args), 3,
@@ -576,15 +595,19 @@ def run_decode():
     bench_step(ctx, req, variants)
 
 
+def write_target_config():
+  from jax._src.lib import xla_client as xc  # noqa: PLC0415
+  pathlib.Path(FLAGS.out_dir, "target_config.txtpb").write_text(
+      xc.get_topology_for_devices(jax.devices()).target_config)
+
+
 def main(argv):
   del argv
   dev = jax.devices()[0]
   log("env", jax=jax.__version__, device=dev.device_kind, platform=dev.platform,
       memories=[m.kind for m in dev.addressable_memories()])
   if FLAGS.out_dir and dev.platform == "gpu":  # the device's own compile target
-    from jax._src.lib import xla_client as xc
-    pathlib.Path(FLAGS.out_dir, "target_config.txtpb").write_text(
-        xc.get_topology_for_devices(jax.devices()).target_config)
+    guarded(write_target_config)()
   sections = {"fused": run_fused, "graphs": run_graphs,
               "numerics": run_numerics, "lookups": bench_lookups,
               "lookup_decode": run_lookup_decode, "io": run_io,
