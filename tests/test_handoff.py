@@ -527,6 +527,28 @@ def test_a_sampled_request_goes_on_only_where_the_draws_are_the_same():
     assert got.output == solo(FakeModel, req.prompt, 8, params)
 
 
+def test_the_runners_relay_raises_for_a_request_that_ends_before_its_tokens():
+  """``experiments.handoff.relay`` waited for the relayed tokens with no exit: a
+  request that failed first (non-finite logits here) had it step an idle engine
+  forever. (A subprocess: the runner defines absl flags.)"""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  code = """
+from experiments import handoff as runner
+from kvtier_jax.serving import Engine, SamplingParams
+from tests.test_serving import FakeModel, POISON
+try:
+  runner.relay(Engine(FakeModel()), [3, 4, POISON], 3, 8, SamplingParams(), "r")
+except RuntimeError as err:
+  print("refused:", err)
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120)
+  assert "refused: request r ended (failed: non-finite logits" in proc.stdout, (
+      proc.stdout[-2000:] + proc.stderr[-2000:])
+  assert "after 0 of its 3 relayed tokens" in proc.stdout
+
+
 def test_send_and_recv_frames_at_a_capped_rate():
   a, b = socket.socketpair()
   payload = np.random.default_rng().bytes(300_000)
