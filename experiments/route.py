@@ -174,8 +174,9 @@ def main(argv):
   for proc in procs:
     proc.join(timeout=60)
   other = runs["round_robin"]  # a session that failed at another turn there: not same
-  same = sum(rid in other and rec["output"] == other[rid]["output"]
-             for rid, rec in runs["prefix"].items())
+  same = sum(rid in other and rec.get("state") == other[rid].get("state") == "finished"
+             and rec["output"] == other[rid]["output"]
+             for rid, rec in runs["prefix"].items())  # (failed twice, [] twice: not same)
   columns = ["policy", "replicas", "requests", "finished", "prefix_hit", "prefill_tokens",
              "prompt_tokens", "ttft_p50_s", "ttft_p99_s", "makespan_s", "routed_by_prefix",
              "per_replica_requests"]
