@@ -135,6 +135,11 @@ def log(section, **row):
       f.write(line + "\n")
 
 
+def _text(output) -> str:
+  """A subprocess's captured output as text (a timeout may leave bytes or None)."""
+  return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def guarded(fn):
   def run(*a, **k):
     try:
@@ -495,8 +500,9 @@ def run_graphs():
   try:
     proc = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=max(10.0, remaining() - 5))
-  except subprocess.TimeoutExpired:
-    log("graphs", error="timed out", xla_flags=env["XLA_FLAGS"])
+  except subprocess.TimeoutExpired as err:  # (its rows went to gpu_check.jsonl as they came)
+    log("graphs", error="timed out", xla_flags=env["XLA_FLAGS"],
+        tail=_text(err.stderr)[-3000:])
     return
   log("graphs", ok=proc.returncode == 0, xla_flags=env["XLA_FLAGS"],
       tail=proc.stderr.strip().splitlines()[-3:] if proc.returncode else None)
@@ -574,8 +580,8 @@ def run_triton():
     proc = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="0"),
                           timeout=min(180.0, remaining() - 10), capture_output=True,
                           text=True)
-  except subprocess.TimeoutExpired:
-    log("triton", error="timed out")
+  except subprocess.TimeoutExpired as err:  # what it said so far, to see where
+    log("triton", error="timed out", tail=_text(err.stderr)[-3000:])
     return
   rows = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
           if line.startswith("PROBE_ROW ")]
