@@ -57,9 +57,10 @@ def test_mesh_host_pages_read_and_write_like_a_numpy_host_tier():
   the relay's IO): random page subsets of both rows, in random order, read back what
   was written; each global page lands on its row's tier at its local index; no pages
   read as the one-device backend's empty fields. Its dense step refuses a slot at
-  max_len, and input the one-device backend refuses. Its tiered step counts every layer's fetched rows (each device's counter
-  is its own [L]; split over the row's heads, layers past L / 2 went uncounted), and
-  hits and misses of the model's own heads only (3 KV heads padded to 4)."""
+  max_len, and input the one-device backend refuses. Its tiered step counts every
+  layer's fetched rows (each device's counter is its own [L]; split over the row's
+  heads, layers past L / 2 went uncounted), and hits and misses of the model's own
+  heads only (3 KV heads padded to 4)."""
   out = run("tests.mesh_pages_worker")
   result = json.loads(out.strip().splitlines()[-1])
   assert result["pages"] == 12 and result["writes"] > 0, result
