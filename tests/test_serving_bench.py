@@ -97,7 +97,7 @@ def test_the_engines_own_allocation_is_not_the_workloads_time():
   """A new engine's state may still be building when the drive starts (the tiered
   host pool: seconds at a large budget); its first step would wait for it. The
   drive waits first: latencies and duration are those of an engine built long
-  before, and a step's seconds include its own device time only."""
+  before."""
   rng = np.random.default_rng()
   work = specs(rng, 4, [0.0, 0.0, 1.5, 4.0])
   engine, clock = engine_with_clock()
