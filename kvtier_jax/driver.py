@@ -37,6 +37,23 @@ def describe_status(status: int) -> str:
   return "; ".join(reasons) or "ok"
 
 
+def check_prompt_pages(row: np.ndarray, length: int, page_size: int, hot_slots: int,
+                       who: str) -> None:
+  """Clear errors for a prompt of ``length`` positions over the page table ``row``
+  i32[MP]: a prompt row written through without its page goes to the scratch page,
+  lost once evicted; a request with no pages at all must fit the hot cache (its
+  whole life)."""
+  need = -(-length // page_size)
+  paged = (row >= 0).any()
+  if paged and (row[:need] < 0).any():
+    raise ValueError(f"{who}'s prompt of {length} positions needs {need} pages (it "
+                     f"would need pages 0..{need - 1}; its page table row is "
+                     f"{row[:need].tolist()})")
+  if not paged and length > hot_slots:
+    raise ValueError(f"{who} has no host pages: its {length} prompt positions exceed "
+                     f"B={hot_slots}")
+
+
 class StepRefused(ValueError):
   """A decode step refused its input; ``state`` is the returned, uncommitted state."""
 
@@ -164,17 +181,9 @@ class TieredDecoder:
     return state
 
   def _check_prompt_pages(self, table, lens) -> None:
-    """A prompt row without a page would go to the scratch page: lost once evicted.
-    A request with no pages at all must fit the hot cache (its whole life)."""
     for r, n in enumerate(lens.tolist()):
-      pages = -(-n // self.cfg.page_size)
-      paged = (table[r] >= 0).any()
-      if paged and (table[r, :pages] < 0).any():
-        raise ValueError(f"request {r}'s prompt of {n} positions needs {pages} pages: "
-                         f"its page table row is {table[r].tolist()}")
-      if not paged and n > self.cfg.hot_slots:
-        raise ValueError(f"request {r} has no host pages: its {n} prompt positions "
-                         f"exceed B={self.cfg.hot_slots}")
+      check_prompt_pages(table[r], n, self.cfg.page_size, self.cfg.hot_slots,
+                         f"request {r}")
 
   def _check_traces(self, state, q, k_new, v_new, selections, prefetch) -> None:
     """Trace the step abstractly once per input signature before any donation: a

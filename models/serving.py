@@ -31,7 +31,7 @@ import numpy as np
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import fetch
 from kvtier_jax import state as kv_state
-from kvtier_jax.driver import StepRefused, TieredDriver
+from kvtier_jax.driver import StepRefused, TieredDriver, check_prompt_pages
 from kvtier_jax.selectors.base import prefill_state, state_bytes
 from kvtier_jax.serving.request import is_int
 from models import cache as cache_lib
@@ -441,8 +441,9 @@ class ServingBackend:
     if start and self._staged not in (None, (slot, start)):
       raise ValueError(f"slot {slot}'s chunk at {start} does not follow the staged "
                        f"rows (slot, positions) {self._staged}")
-    if self.backend == "tiered":
-      self._check_prompt_pages(state, slot, start + count)
+    if self.backend == "tiered":  # (read back: one row of the page table)
+      check_prompt_pages(np.asarray(state.cache.tier.page_table[slot]), start + count,
+                         self.page_size, self.tier_cfg.hot_slots, f"slot {slot}")
     logits, staging = _prefill(self.cfg, self.weights, state.staging,
                                jnp.asarray(tokens, jnp.int32), jnp.int32(start),
                                jnp.int32(count))
@@ -452,20 +453,6 @@ class ServingBackend:
                              jnp.int32(start), self.chunk_size)
     self._staged = (slot, start + count)
     return ServingState(cache, staging), logits
-
-  def _check_prompt_pages(self, state: ServingState, slot: int, end: int) -> None:
-    """A prompt row written through without its page goes to the scratch page: lost
-    once evicted from the hot cache (``TieredDecoder.prefill`` refuses it alike).
-    Positions [0, ``end``) need their pages, or, in a slot with none (a request
-    that lives in the hot cache), ``end <= hot_slots``."""
-    row = np.asarray(state.cache.tier.page_table[slot])
-    need = -(-end // self.page_size)
-    if (row >= 0).any() and (row[:need] < 0).any():
-      raise ValueError(f"slot {slot}'s positions [0, {end}) need pages 0..{need - 1}; "
-                       f"its page table row is {row[:need].tolist()}")
-    if not (row >= 0).any() and end > self.tier_cfg.hot_slots:
-      raise ValueError(f"slot {slot} has no host pages: its prompt must fit the "
-                       f"{self.tier_cfg.hot_slots} hot slots, not {end} positions")
 
   def load_prefix(self, state: ServingState, slot: int, length: int) -> ServingState:
     if not self.supports_prefix_cache:
