@@ -361,14 +361,17 @@ def _native_or_skip(on_gpu):
     ("valid", 0, 1, False), ("duplicate", 2, 1, False), ("out_of_range", 1, 1, False),
     ("unpaged", 4, 1, False), ("capacity", 4, 1, False), ("refused_earlier", 2, 1, False),
     ("valid", 0, 2, False), ("unpaged", 4, 2, False), ("valid", 0, 1, True),
-    ("valid", 0, 2, True)])
+    ("valid", 0, 2, True), ("past_the_layers", 1, 2, False)])
 def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, keyed, impl):
   """share=2: layer 0 resolves for layers 0 and 1 (index sharing). keyed: a
   retention key with many ties and the score EMA (a keyed policy). impl: the
-  Pallas kernels (interpreted off GPU) or the native CPU call (native_cpu.cc)."""
+  Pallas kernels (interpreted off GPU) or the native CPU call (native_cpu.cc).
+  past_the_layers: layer 1 of 2 resolving for 2 layers (layer is traced: the step
+  refuses; the Pallas commit counted layer 1's hits twice, clamped)."""
   seed = int(np.random.default_rng().integers(2**31))
   rng = np.random.default_rng(seed)
-  args = _fused_problem(rng, scenario, layer=0 if share == 2 else 1)
+  args = _fused_problem(rng, scenario,
+                        layer=0 if share == 2 and scenario != "past_the_layers" else 1)
   static = dict(max_len=60, page_size=8, share=share)
   if keyed:
     # Ties, and keys past the finite range: NaN and +inf rank as the largest
@@ -381,6 +384,10 @@ def test_fused_layer_kernels_match_reference(on_gpu, scenario, status, share, ke
   want = fused_resolve.resolve_fetch_reference(**args, **static)
   if impl == "native":
     _native_or_skip(on_gpu)
+    if scenario == "past_the_layers":  # the native call refuses with an error
+      with pytest.raises(Exception, match="layer \\+ share is outside the cache"):
+        jax.block_until_ready(native.resolve_fetch_native(**args, **static))
+      return
     got = native.resolve_fetch_native(**args, **static)
   else:
     # The position map may hold anything: stale lanes of other rows and steps.

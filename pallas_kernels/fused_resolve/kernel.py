@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import common
 from pallas_kernels.fused_resolve.config import BlockSizes
 from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
-                                                    check_victim_inputs,
+                                                    check_share, check_victim_inputs,
                                                     effective_slot_pos)
 
 _STATUS_BITS = (common.STATUS_OUT_OF_RANGE, common.STATUS_DUPLICATE,
@@ -232,7 +232,9 @@ def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_re
   every_row = jnp.minimum(jnp.arange(rows_pad), num_rows - 1)
   statuses = info_ref[every_row, 0]  # padded lanes repeat the last row
   prior_status = prior_status_ref[0]
-  ok = (prior_status == 0) & (jnp.max(statuses) == 0)
+  # layer .. layer + share - 1 must be the cache's (layer is traced: a status bit).
+  layer_ok = (layer >= 0) & (layer + share <= hits_ref.shape[0])
+  ok = (prior_status == 0) & (jnp.max(statuses) == 0) & layer_ok
   count = info_ref[row, 3]
   first = block * fetch_rows
   d_row = jnp.arange(head_dim)
@@ -254,9 +256,12 @@ def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_re
   @pl.when(block == 0)
   def _row():
     target = info_ref[row, 1]
-    for h in range(heads):
-      hot_k_ref[layer, row, num_slots, h, d_row] = k_new_ref[row, h, d_row]
-      hot_v_ref[layer, row, num_slots, h, d_row] = v_new_ref[row, h, d_row]
+
+    @pl.when((layer >= 0) & (layer < hits_ref.shape[0]))
+    def _newest():
+      for h in range(heads):
+        hot_k_ref[layer, row, num_slots, h, d_row] = k_new_ref[row, h, d_row]
+        hot_v_ref[layer, row, num_slots, h, d_row] = v_new_ref[row, h, d_row]
 
     @pl.when(ok & (target >= 0))
     def _install():
@@ -283,8 +288,9 @@ def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_re
   @pl.when((row == 0) & (block == 0))
   def _layer():
     # The OR of the rows' words, one bit at a time (the bits are distinct).
-    status_ref[0] = prior_status | sum(
+    status_ref[0] = (prior_status | sum(
         jnp.max(((statuses & bit) != 0).astype(jnp.int32)) * bit for bit in _STATUS_BITS)
+                     | jnp.where(layer_ok, 0, common.STATUS_OUT_OF_RANGE))
     real = jnp.arange(rows_pad) < num_rows
     moved = jnp.sum(jnp.where(real, info_ref[every_row, 3], 0))
 
@@ -439,6 +445,7 @@ def resolve_fetch(layer, prior_status, active, seq_len, selected, cache: CacheAr
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
+  check_share(share, num_layers)
   width = selected.shape[-1]
   num_sel = width if num_sel is None else num_sel
   if not 1 <= num_sel <= width:

@@ -35,7 +35,7 @@ import numpy as np
 from pallas_kernels import common
 from pallas_kernels.fused_resolve.kernel import victim_order
 from pallas_kernels.fused_resolve.reference import (CacheArrays, LayerResult,
-                                                    check_victim_inputs)
+                                                    check_share, check_victim_inputs)
 
 _SOURCE = pathlib.Path(__file__).with_name("native_cpu.cc")
 _TARGET = "kvtier_resolve_fetch"
@@ -214,8 +214,7 @@ def resolve_fetch_native(layer, prior_status, active, seq_len, selected,
     if getattr(cache, name).dtype != want:
       raise ValueError(f"cache.{name} must be {jnp.dtype(want)}, got "
                        f"{getattr(cache, name).dtype}")
-  if not 0 < share <= num_layers:
-    raise ValueError(f"{share=} must be in [1, L={num_layers}]")
+  check_share(share, num_layers)
   # The call indexes raw buffers: every operand's shape is checked here, at trace
   # time (the call checks sizes again, and refuses, before any access).
   if max_len < 1 or page_size < 1:

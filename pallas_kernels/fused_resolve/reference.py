@@ -81,6 +81,12 @@ def check_victim_inputs(key, order, score_decay, shape) -> None:
       raise ValueError(f"{name} {x.shape} must be {shape} (R, U, B)")
 
 
+def check_share(share: int, num_layers: int) -> None:
+  """Index sharing: the layers ``layer .. layer + share - 1`` take one selection."""
+  if not 0 < share <= num_layers:
+    raise ValueError(f"{share=} must be in [1, L={num_layers}]")
+
+
 def _duplicates(sel):
   srt = jnp.sort(sel, axis=-1)
   return ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
@@ -154,6 +160,7 @@ def resolve_fetch_reference(layer, prior_status, active, seq_len, selected,
   """
   num_layers, num_req, num_units, num_slots = cache.slot_pos.shape
   heads, head_dim = cache.hot_k.shape[-2:]
+  check_share(share, num_layers)
   newest = jnp.broadcast_to(seq_len[:, None], (num_req, num_units))
   act = active[:, None]
   sel = jnp.where(act[..., None], selected.astype(jnp.int32), -1)
@@ -176,7 +183,9 @@ def resolve_fetch_reference(layer, prior_status, active, seq_len, selected,
                 | jnp.where(row_dup, common.STATUS_DUPLICATE, 0)
                 | jnp.where(act & (newest >= max_len), common.STATUS_CAPACITY, 0)
                 | jnp.where(unpaged, common.STATUS_CAPACITY, 0))
-  status = _or_reduce(row_status)
+  # layer .. layer + share - 1 must be the cache's (layer is traced: a status bit).
+  layer_ok = (layer >= 0) & (layer + share <= num_layers)
+  status = _or_reduce(row_status) | jnp.where(layer_ok, 0, common.STATUS_OUT_OF_RANGE)
   ok = (prior_status == 0) & (status == 0)
   row_ok = ok & act
   is_miss = res.is_miss & ok
