@@ -15,6 +15,7 @@ torch-only environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Collection, Mapping
 
 # Bytes per element of the dtypes named in presets. A table rather than
@@ -114,6 +115,18 @@ class ModelConfig:
     for field in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field}={getattr(self, field)} must be positive")
+    for field in ("vocab_size", "embed_dim", "ffn_hidden_dim", "max_context"):
+      if getattr(self, field) is not None and getattr(self, field) <= 0:
+        raise ValueError(f"{field}={getattr(self, field)} must be positive or None")
+    for field in ("rope_theta", "rms_eps"):  # 0 or less: NaN logits, no error
+      value = getattr(self, field)
+      if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{field}={value} must be a finite positive number or None")
+    if self.attention == "gqa" and self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs")
+    if self.top_k < 0 or (self.selector != "dense") != (self.top_k > 0):
+      raise ValueError(f"top_k={self.top_k} with selector={self.selector!r}: a sparse "
+                       "selector attends top_k > 0 tokens, dense attends all (top_k=0)")
     if self.num_q_heads % self.num_kv_heads:
       raise ValueError(
           f"num_q_heads={self.num_q_heads} must be a multiple of "

@@ -212,7 +212,11 @@ def build_tokenizer(reader):
   pre = fields["tokenizer.ggml.pre"].contents()
   if model != "gpt2" or pre != "smollm":
     raise ValueError(f"expected a gpt2/smollm tokenizer, got {model}/{pre}")
-  # Byte-level BPE covers every byte, so no unknown token is ever needed.
+  # Byte-level BPE, no unknown token: 21 of the 256 byte symbols are not in this
+  # vocabulary (15 bytes UTF-8 never uses; the ASCII controls 0x04, 0x06, 0x13,
+  # 0x14, 0x16, 0x1D), so those characters encode to nothing. The GGUF's
+  # `unknown_token_id` (0, <|endoftext|>) is not used for them: an end-of-text
+  # token inside a prompt would change it more than the missing control does.
   bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                    fuse_unk=False, byte_fallback=False)
   tokenizer = Tokenizer(bpe)

@@ -75,16 +75,39 @@ def load_heldout_text() -> str:
 @functools.lru_cache(maxsize=1)
 def load_test_text() -> str:
   """Stdlib docstrings of ``TEST_MODULES`` (none of the held-out text's), for
-  final reports of what was chosen on the held-out text."""
-  return _docstrings(TEST_MODULES)
+  final reports of what was chosen on the held-out text. A docstring that shares
+  a passage of ``SHARED_PASSAGE`` characters with the training or the held-out
+  text is left out (a class inherits its base's docstring: ``plistlib``'s enum
+  class brought ``enum.Enum``'s; ``pdb``'s repeats a pydoc topic)."""
+  seen = passages(load_text(), load_heldout_text())
+  return "\n\n".join(part for part in _docstring_parts(TEST_MODULES)
+                     if not passages(part) & seen)
+
+
+# Characters of a passage two texts share verbatim when they share it at all.
+SHARED_PASSAGE = 100
+
+
+def passages(*texts: str) -> set[int]:
+  """Hashes of every ``SHARED_PASSAGE``-character window of ``texts``."""
+  n = SHARED_PASSAGE
+  return {hash(t[i:i + n]) for t in texts for i in range(len(t) - n + 1)}
 
 
 def _docstrings(modules) -> str:
+  return "\n\n".join(_docstring_parts(modules))
+
+
+def _docstring_parts(modules) -> list[str]:
   """Each module's docstring, then those of its public classes and functions
   defined there (longer than 80 characters), sorted by name."""
   import importlib
   import inspect
+  import sys
   import warnings
+  if sys.flags.optimize >= 2:
+    raise RuntimeError("python -OO (PYTHONOPTIMIZE=2) strips the docstrings that make "
+                       "the held-out and test texts: they would be other, shorter texts")
   parts = []
   for name in modules:
     module = importlib.import_module(name)
@@ -99,7 +122,7 @@ def _docstrings(modules) -> str:
         continue
       if doc and len(doc) > 80:
         parts.append(f"{attr}: {doc}")
-  return "\n\n".join(parts)
+  return parts
 
 
 @functools.lru_cache(maxsize=4)

@@ -2,6 +2,7 @@
 it survives a checkpoint bit for bit, and its runner reports against the baselines."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -149,18 +150,29 @@ def test_heldout_and_test_texts_are_disjoint_from_the_training_text():
   heldout = text.load_heldout_text()
   assert len(heldout) > 100_000
   train = text.load_text()
-  # No long passage of the held-out text appears in the training text.
-  probes = [heldout[i:i + 200] for i in range(0, len(heldout) - 200, 20_011)]
-  assert probes and not any(p in train for p in probes)
+
+  def windows(t, n=100):  # every passage of n characters (not text.passages' hashes)
+    return {t[i:i + n] for i in range(len(t) - n + 1)}
+
+  # No passage of 100 characters of the held-out text appears in the training text.
+  assert text.SHARED_PASSAGE == 100 and not windows(heldout) & windows(train)
   assert text.load_text(text.HELDOUT) == heldout  # --prompt_file=heldout
 
-  # The test text (final reports only) shares no module, and no long passage, with
-  # either.
+  # The test text (final reports only) shares no module, and no such passage, with
+  # either (an inherited docstring, enum.Enum's, did).
   test = text.load_test_text()
   assert len(test) > 100_000 and not set(text.TEST_MODULES) & set(text.HELDOUT_MODULES)
-  probes = [test[i:i + 200] for i in range(0, len(test) - 200, 20_011)]
-  assert probes and not any(p in train or p in heldout for p in probes)
+  assert not windows(test) & (windows(train) | windows(heldout))
   assert text.load_text(text.TEST) == test  # --prompt_file=test
+
+
+def test_texts_refuse_an_interpreter_that_strips_docstrings():
+  """Under -OO the held-out and test texts would silently be other, shorter texts."""
+  done = subprocess.run([sys.executable, "-OO", "-c",
+                         "from models import text; text.load_heldout_text()"],
+                        capture_output=True, text=True, check=False,
+                        cwd=pathlib.Path(__file__).parents[1])
+  assert done.returncode and "strips the docstrings" in done.stderr, done.stderr[-500:]
 
 
 def test_latest_trace_picks_the_newest_full_run_of_each_text(tmp_path, monkeypatch):

@@ -101,6 +101,25 @@ def test_accounting_presets_match_specs():
   hash(smol)  # static jit argument
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(rope_theta=0.0), "rope_theta"), (dict(rope_theta=-1e4), "rope_theta"),
+    (dict(rope_theta=float("nan")), "rope_theta"), (dict(rms_eps=-1.0), "rms_eps"),
+    (dict(rms_eps=0.0), "rms_eps"), (dict(head_dim=31), "head_dim=31 must be even"),
+    (dict(vocab_size=0), "vocab_size"), (dict(max_context=-1), "max_context"),
+    (dict(ffn_hidden_dim=0), "ffn_hidden_dim"), (dict(top_k=-2048), "top_k"),
+    (dict(top_k=0), "top_k"), (dict(selector="dense", top_k=8), "top_k"),
+])
+def test_config_refuses_values_that_would_read_nan_or_nonsense(bad, match):
+  """Each was accepted: NaN logits (RoPE base or RMSNorm eps <= 0), a broadcast error
+  deep in RoPE (an odd head), or a negative roofline throughput (top_k < 0)."""
+  base = ModelConfig.smollm2_135m(num_layers=1, vocab_size=64, embed_dim=64,
+                                  num_q_heads=2, num_kv_heads=1, head_dim=32,
+                                  ffn_hidden_dim=64)
+  base.replace(selector="quest", top_k=8, quest_page_size=16)  # fine as given
+  with pytest.raises(ValueError, match=match):
+    base.replace(**{"selector": "quest", "quest_page_size": 16, "top_k": 8, **bad})
+
+
 def test_config_validated_against_gguf_metadata(loaded):
   model, _, info = loaded
   meta = info["metadata"]
