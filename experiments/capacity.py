@@ -82,8 +82,9 @@ def throughput_rows():
       n_tier = capacity.concurrency(budget, b.tiered_device, FLAGS.max_batch)
       # A context that fits the hot cache never misses (no host traffic).
       miss = FLAGS.miss_rate if context > hot_slots else 0.0
-      tp_full = FLAGS.devices * model.tokens_per_second(cfg, n_full, None)
-      tp_tier = FLAGS.devices * model.tokens_per_second(cfg, n_tier, miss)
+      tp_full = FLAGS.devices * model.tokens_per_second(cfg, n_full, None,
+                                                        context=context)
+      tp_tier = FLAGS.devices * model.tokens_per_second(cfg, n_tier, miss, context=context)
       rows.append(dict(model=name, context=context,
                        weight_GB_per_device=model.weight_bytes / GB,
                        full_requests=FLAGS.devices * n_full,

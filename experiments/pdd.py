@@ -74,9 +74,10 @@ PAPER = dict(skewed_p50=0.248, skewed_p99=18.883, narrow_p50=1.210, narrow_p99=2
 
 
 def system(**overrides) -> pdd_sim.SystemConfig:
-  # Decode steps from our engine's roofline: GLM-5.1-class, tiered, batch 32.
+  # Decode steps from our engine's roofline: GLM-5.1-class, tiered, batch 32, at the
+  # TTFT study's context.
   tpot = capacity.ThroughputModel().step_seconds(ModelConfig.from_name("glm_5_1"), 32,
-                                                 0.134)
+                                                 0.134, context=FLAGS.ttft_input)
   base = pdd_sim.SystemConfig(
       kv_bytes_per_token=FLAGS.kv_bytes_per_token, wan_gbps=FLAGS.wan_gbps,
       wan_flow_gbps=FLAGS.wan_flow_gbps or None, wan_chunk_mb=FLAGS.wan_chunk_mb,
@@ -245,7 +246,8 @@ def main(argv):
           f"- P: {FLAGS.prefill_instances} instances x {FLAGS.prefill_tok_s:g} tok/s, "
           "computing each prompt's increment (P caches prefixes like MD)",
           f"- decode: {sys_cfg.tpot_s * 1e3:.1f} ms per token (our roofline, GLM-5.1 "
-          f"class, tiered, batch 32); RLD {FLAGS.rld_slots} slots; MD extend "
+          f"class, tiered, batch 32, {FLAGS.ttft_input // 1024}K context); RLD "
+          f"{FLAGS.rld_slots} slots; MD extend "
           f"{FLAGS.extend_tok_s:g} tok/s",
           f"- relay when the estimated transfer > {FLAGS.ttft_budget_s:g} s and RLD has a "
           f"slot; Catch-Up below {FLAGS.catch_up_below:.0%} RLD use, else One-Shot",

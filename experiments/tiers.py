@@ -175,7 +175,8 @@ def plot(path, rows, cfg, acc) -> None:
   rates = [0.01 * i for i in range(1, 41)]
   for tier in tier_set().values():
     rate = tier.miss_bandwidth(cfg.kv_bytes_per_token_per_layer)
-    bound = [tiers.link_bound_batch(cfg, acc, rate, m, FLAGS.exposed_io) for m in rates]
+    bound = [tiers.link_bound_batch(cfg, acc, rate, m, FLAGS.exposed_io,
+                                    context=max(contexts)) for m in rates]
     right.plot(rates, [b if math.isfinite(b) else float("nan") for b in bound],
                label=f"{tier.name} ({rate / 1e9:.3g} GB/s of miss rows)")
   right.axvline(FLAGS.miss_rate, color="grey", ls=":", lw=1)
@@ -183,7 +184,8 @@ def plot(path, rows, cfg, acc) -> None:
   right.set_yscale("log")
   right.set_xlabel("miss rate")
   right.set_ylabel("batch where the link bounds the step")
-  right.set_title("above a line, the link is the bottleneck", fontsize=9)
+  right.set_title(f"above a line, the link is the bottleneck ({max(contexts) // 1024}K)",
+                  fontsize=9)
   right.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -85,9 +85,11 @@ class ThroughputModel:
   with DP attention; each device has its own host link).
 
   One step reads the device's weights once (shared by its batch) and, per
-  request, the k selected rows of every layer from HBM; the tiered cache adds
-  each miss's host->device copy, of which ``exposed_io`` is on the critical path
-  (1 = synchronous fetch; prefetch hides the rest). Tokens/s = batch / step.
+  request, from HBM the k selected rows of every layer and the selector's state
+  over the whole context (the DSA indexer keys, Quest's page bounds: scanned every
+  step and layer to pick the k); the tiered cache adds each miss's host->device
+  copy, of which ``exposed_io`` is on the critical path (1 = synchronous fetch;
+  prefetch hides the rest). Tokens/s = batch / step.
   """
 
   hbm_bandwidth: float = 4.8e12  # bytes/s, H200
@@ -95,14 +97,33 @@ class ThroughputModel:
   weight_bytes: float = 750e9 / 8  # per device (GLM-5.1 FP8 over 8 GPUs)
   exposed_io: float = 1.0  # fraction of miss traffic on the critical path
 
-  def step_seconds(self, cfg: ModelConfig, batch: int, miss_rate: float | None) -> float:
-    row = cfg.kv_bytes_per_token_per_layer
-    read = cfg.num_layers * cfg.top_k * row  # sparse attention reads k rows
-    t = (self.weight_bytes + batch * read) / self.hbm_bandwidth
+  def step_seconds(self, cfg: ModelConfig, batch: int, miss_rate: float | None, *,
+                   context: int) -> float:
+    """One decode step of ``batch`` requests of ``context`` tokens each."""
+    rows = rows_read(cfg)
+    t = (self.weight_bytes + batch * (rows + selector_scan(cfg, context))) \
+        / self.hbm_bandwidth
     if miss_rate:
-      t += self.exposed_io * batch * miss_rate * read / self.link_bandwidth
+      t += self.exposed_io * batch * miss_rate * rows / self.link_bandwidth
     return t
 
-  def tokens_per_second(self, cfg: ModelConfig, batch: int,
-                        miss_rate: float | None) -> float:
-    return batch / self.step_seconds(cfg, batch, miss_rate) if batch else 0.0
+  def tokens_per_second(self, cfg: ModelConfig, batch: int, miss_rate: float | None, *,
+                        context: int) -> float:
+    return (batch / self.step_seconds(cfg, batch, miss_rate, context=context)
+            if batch else 0.0)
+
+
+def rows_read(cfg: ModelConfig) -> int:
+  """KV bytes one request's step attends to: k rows in every layer."""
+  if cfg.top_k <= 0:
+    raise ValueError(f"{cfg.name} attends every token (top_k={cfg.top_k}): the "
+                     "roofline models sparse attention")
+  return cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
+
+
+def selector_scan(cfg: ModelConfig, context: int) -> float:
+  """Selector-state bytes one request's step reads to pick its k rows: every
+  position's (DSA's indexer key; Quest's page bounds, per token), every layer."""
+  if context < 1:
+    raise ValueError(f"{context=} must be >= 1")
+  return cfg.num_layers * context * cfg.selector_bytes_per_token_per_layer

@@ -118,7 +118,7 @@ def placement(cfg: ModelConfig, context: int, acc: Accelerator, tier: Tier | Non
   model = capacity.ThroughputModel(hbm_bandwidth=acc.hbm_bandwidth,
                                    link_bandwidth=link or 1.0,
                                    weight_bytes=acc.weight_bytes, exposed_io=exposed_io)
-  tokens_s = model.tokens_per_second(cfg, batch, miss)
+  tokens_s = model.tokens_per_second(cfg, batch, miss, context=context)
   system_usd = acc.usd + (0.0 if tier is None else
                           (batch * below + shared) / GB * tier.usd_per_gb)
   seconds = acc.years * 365 * 24 * 3600
@@ -130,17 +130,19 @@ def placement(cfg: ModelConfig, context: int, acc: Accelerator, tier: Tier | Non
              usd_per_mtok=(system_usd / seconds) / tokens_s * 1e6 if tokens_s else None)
   row["link_bound_batch"] = None
   if tier is not None and miss:
-    row["link_bound_batch"] = link_bound_batch(cfg, acc, link, miss, exposed_io)
+    row["link_bound_batch"] = link_bound_batch(cfg, acc, link, miss, exposed_io,
+                                               context=context)
   return row
 
 
 def link_bound_batch(cfg: ModelConfig, acc: Accelerator, link_bandwidth: float,
-                     miss_rate: float, exposed_io: float = 1.0) -> float:
+                     miss_rate: float, exposed_io: float = 1.0, *, context: int) -> float:
   """The batch above which a step's exposed miss traffic takes longer than its HBM
-  reads (weights once + k rows per request): the link bounds the step (inf: never)."""
-  read = cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
+  reads (weights once + per request k rows and the selector's scan of its
+  ``context``): the link bounds the step (inf: never)."""
+  read = capacity.rows_read(cfg)
   io = exposed_io * miss_rate * read / link_bandwidth  # seconds per request
-  hbm = read / acc.hbm_bandwidth
+  hbm = (read + capacity.selector_scan(cfg, context)) / acc.hbm_bandwidth
   if io <= hbm:
     return float("inf")
   return (acc.weight_bytes / acc.hbm_bandwidth) / (io - hbm)

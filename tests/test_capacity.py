@@ -41,12 +41,16 @@ def test_glm_5_1_reference_figures():
 def test_throughput_model():
   cfg = ModelConfig.glm_5_1()
   model = capacity.ThroughputModel()
-  assert model.tokens_per_second(cfg, 0, None) == 0.0
-  # More requests never lower throughput; IO only costs.
-  assert model.tokens_per_second(cfg, 32, None) > model.tokens_per_second(cfg, 8, None)
-  assert model.tokens_per_second(cfg, 32, 0.1) < model.tokens_per_second(cfg, 32, None)
+  tok_s = lambda m, batch, miss, context=32768: m.tokens_per_second(cfg, batch, miss,
+                                                                   context=context)
+  assert tok_s(model, 0, None) == 0.0
+  # More requests never lower throughput; IO only costs; so does a longer context
+  # (the selector scans all of it).
+  assert tok_s(model, 32, None) > tok_s(model, 8, None)
+  assert tok_s(model, 32, 0.1) < tok_s(model, 32, None)
+  assert tok_s(model, 32, None, 131072) < tok_s(model, 32, None)
   hidden = capacity.ThroughputModel(exposed_io=0.0)
-  assert hidden.tokens_per_second(cfg, 32, 0.5) == model.tokens_per_second(cfg, 32, None)
+  assert tok_s(hidden, 32, 0.5) == tok_s(model, 32, None)
   assert capacity.concurrency(10e9, 3e9, 64) == 3
   assert capacity.concurrency(10e9, 1e6, 64) == 64
 
@@ -92,7 +96,8 @@ def test_tier_economics_from_hand_worked_values():
   model = capacity.ThroughputModel(link_bandwidth=50e9, exposed_io=0.5)
   for batch in (1, 7, 64):
     miss = float(rng.uniform(0.01, 0.5))
-    assert model.step_seconds(cfg, batch, miss) - model.step_seconds(cfg, batch, None) \
+    step = lambda m: model.step_seconds(cfg, batch, m, context=32768)
+    assert step(miss) - step(None) \
         == pytest.approx(0.5 * batch * miss * read / 50e9, rel=1e-9)
   assert capacity.weight_bytes_per_device("glm_5_1", 4) == 750e9 / 4
   # The shared part of a prefix counts once: on the device (full KV) or below.
@@ -130,8 +135,10 @@ def test_tier_economics_from_hand_worked_values():
                          miss_rate=0.1)["link_bound_batch"] is not None
   # Prefetch hiding half the IO: the link-bound batch of the exposed half.
   link, miss = 54e9, 0.3
-  io, hbm = 0.5 * miss * read / link, read / acc.hbm_bandwidth
-  assert tiers.link_bound_batch(cfg, acc, link, miss, exposed_io=0.5) == pytest.approx(
+  scan = cfg.num_layers * context * cfg.selector_bytes_per_token_per_layer
+  io, hbm = 0.5 * miss * read / link, (read + scan) / acc.hbm_bandwidth
+  assert tiers.link_bound_batch(cfg, acc, link, miss, exposed_io=0.5,
+                                context=context) == pytest.approx(
       (acc.weight_bytes / acc.hbm_bandwidth) / (io - hbm))
   # Loading a prefix back: its bytes over the link plus one access latency.
   per_token = cfg.num_layers * row

@@ -378,20 +378,23 @@ def test_tiers_table_and_its_model(tmp_path):
   cfg, acc = ModelConfig.from_name("glm_5_1"), tiers.Accelerator()
   ddr5 = tiers.TIERS["ddr5"]
   rng = np.random.default_rng()
-  miss = float(rng.uniform(0.05, 0.3))
+  miss = float(rng.uniform(0.15, 0.3))  # a link-bound batch exists at 128K
   link = ddr5.miss_bandwidth(cfg.kv_bytes_per_token_per_layer)
-  n = tiers.link_bound_batch(cfg, acc, link, miss)
+  n = tiers.link_bound_batch(cfg, acc, link, miss, context=131072)
   model = capacity.ThroughputModel(link_bandwidth=link, weight_bytes=acc.weight_bytes)
-  read = cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
-  io = model.step_seconds(cfg, 1, miss) - model.step_seconds(cfg, 1, None)
-  assert math.isclose(n * io, acc.weight_bytes / acc.hbm_bandwidth + n * read /
-                      acc.hbm_bandwidth, rel_tol=1e-9)
+  read = cfg.num_layers * (cfg.top_k * cfg.kv_bytes_per_token_per_layer
+                           + 131072 * cfg.selector_bytes_per_token_per_layer)
+  step = lambda m: model.step_seconds(cfg, 1, m, context=131072)
+  io = step(miss) - step(None)
+  assert math.isfinite(n) and math.isclose(
+      n * io, acc.weight_bytes / acc.hbm_bandwidth + n * read / acc.hbm_bandwidth,
+      rel_tol=1e-9)
   row = tiers.placement(cfg, 131072, acc, ddr5, hot_slots=2 * cfg.top_k, miss_rate=miss)
   b = capacity.request_bytes(cfg, 131072, 2 * cfg.top_k)
   assert row["requests"] == min(acc.max_batch, int(acc.kv_budget_gb * 1e9 // b.tiered_device))
   system = acc.usd + row["requests"] * b.host / 1e9 * ddr5.usd_per_gb
   assert math.isclose(row["usd_per_request"], system / row["requests"])
-  tok_s = model.tokens_per_second(cfg, row["requests"], miss)
+  tok_s = model.tokens_per_second(cfg, row["requests"], miss, context=131072)
   assert math.isclose(row["usd_per_mtok"],
                       system / (acc.years * 365 * 24 * 3600) / tok_s * 1e6, rel_tol=1e-9)
   full = tiers.placement(cfg, 131072, acc, None, hot_slots=2 * cfg.top_k, miss_rate=miss)

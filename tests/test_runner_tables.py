@@ -108,20 +108,32 @@ def test_quest_selector_state_rounds_a_fractional_byte_count_up():
     assert got == ceil_div(total, den), (context, seed)
 
 
-def test_step_seconds_reads_k_rows_per_request_of_the_batch():
-  """One step reads the weights once and k rows per layer for every request of
-  the batch: (W + batch x L x k x row) / HBM (the batch factor was dropped)."""
+def test_step_seconds_reads_k_rows_and_the_selector_state_per_request_of_the_batch():
+  """One step reads the weights once and, for every request of the batch, k rows
+  per layer and the selector's state over its whole context (GLM-5.1's indexer
+  keys, Qwen's Quest page bounds: left out, 1.35 GB a 128K GLM request, the
+  roofline read 1.8x too fast at batch 64): (W + batch x L x (k x row + T x
+  selector bytes per token)) / HBM (the batch factor was dropped once, too)."""
   rng, seed = fresh_rng()
-  for cfg in (ModelConfig.glm_5_1(), ModelConfig.qwen3_30b_a3b()):
+  for cfg, sel_bytes in ((ModelConfig.glm_5_1(), 128 + 4),  # FP8 key + f32 scale
+                         (ModelConfig.qwen3_30b_a3b(), 2 * 4 * 128 * 2 / 16)):
     model = capacity.ThroughputModel(hbm_bandwidth=float(rng.uniform(1e12, 8e12)),
                                      weight_bytes=float(rng.uniform(1e9, 1e11)))
     read = cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
-    for batch in rng.choice(np.arange(2, 200), 2, replace=False):
-      batch = int(batch)
-      want = (model.weight_bytes + batch * read) / model.hbm_bandwidth
-      assert model.step_seconds(cfg, batch, None) == pytest.approx(want, rel=1e-12), seed
-      assert model.tokens_per_second(cfg, batch, None) == pytest.approx(
+    for batch, context in zip(rng.choice(np.arange(2, 200), 2, replace=False),
+                              rng.integers(1, 1 << 20, 2)):
+      batch, context = int(batch), int(context)
+      want = (model.weight_bytes + batch * cfg.num_layers * (
+          cfg.top_k * cfg.kv_bytes_per_token_per_layer + context * sel_bytes)) \
+          / model.hbm_bandwidth
+      got = model.step_seconds(cfg, batch, None, context=context)
+      assert got == pytest.approx(want, rel=1e-12), seed
+      assert model.tokens_per_second(cfg, batch, None, context=context) == pytest.approx(
           batch / want, rel=1e-12), seed
+  with pytest.raises(ValueError, match="context=0"):
+    model.step_seconds(cfg, 4, None, context=0)
+  with pytest.raises(ValueError, match="attends every token"):
+    model.step_seconds(ModelConfig.smollm2_135m(), 4, None, context=64)
 
 
 def test_defaults_agree_across_modules():
@@ -157,12 +169,12 @@ def test_placement_on_nvme_uses_the_miss_bandwidth_and_the_exposed_io(exposed_io
   tiered = b["hot_kv"] + b["metadata"] + b["selector_state"]
   batch = min(acc.max_batch, math.floor(acc.kv_budget_gb * GB / tiered),
               math.floor(nvme.gb_per_accelerator * GB / b["host"]))
-  read = L * k * row
-  step = ((acc.weight_bytes + batch * read) / acc.hbm_bandwidth
+  read, scan = L * k * row, L * context * cfg.selector_bytes_per_token_per_layer
+  step = ((acc.weight_bytes + batch * (read + scan)) / acc.hbm_bandwidth
           + exposed_io * batch * miss * read / link)
   assert got["requests"] == batch, seed
   assert got["tok_s"] == pytest.approx(batch / step, rel=1e-12), seed
-  io, hbm = exposed_io * miss * read / link, read / acc.hbm_bandwidth
+  io, hbm = exposed_io * miss * read / link, (read + scan) / acc.hbm_bandwidth
   assert io > hbm
   assert got["link_bound_batch"] == pytest.approx(
       (acc.weight_bytes / acc.hbm_bandwidth) / (io - hbm), rel=1e-12), seed
@@ -289,12 +301,13 @@ def test_capacity_runner_tables_and_measured_row(tmp_path):
     n_tier = min(max_batch, math.floor(budget_gb * GB / (b["hot_kv"] + b["metadata"]
                                                          + b["selector_state"])))
     read = cfg.num_layers * cfg.top_k * cfg.kv_bytes_per_token_per_layer
+    scan = cfg.num_layers * r["context"] * cfg.selector_bytes_per_token_per_layer
     rate = miss if r["context"] > hot else 0.0
 
     def tok_s(n, m):
       if not n:
         return 0.0
-      return devices * n / ((weights + n * read) / hbm
+      return devices * n / ((weights + n * (read + scan)) / hbm
                             + exposed * n * m * read / (link_gbps * 1e9))
 
     full_tok_s, tiered_tok_s = tok_s(n_full, 0.0), tok_s(n_tier, rate)

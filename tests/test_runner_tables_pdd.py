@@ -199,13 +199,14 @@ def test_pdd_wan_capacity_is_the_pool_of_flows_below_the_line(pdd_run):
 
 def test_pdd_decode_step_is_the_rooflines_at_batch_32(pdd_run):
   """Every simulated system decodes at our roofline's step for GLM-5.1, tiered (13.4%
-  miss rate), batch 32, as the assumptions line says."""
+  miss rate), batch 32, the TTFT study's 64K context, as the assumptions line says."""
   from models import capacity
   from models.config import ModelConfig
   tpot = capacity.ThroughputModel().step_seconds(ModelConfig.from_name("glm_5_1"), 32,
-                                                 0.134)
-  assert tpot != capacity.ThroughputModel().step_seconds(
-      ModelConfig.from_name("glm_5_1"), 64, 0.134)
+                                                 0.134, context=65536)
+  for other in (dict(batch=64, context=65536), dict(batch=32, context=32768)):
+    assert tpot != capacity.ThroughputModel().step_seconds(
+        ModelConfig.from_name("glm_5_1"), other["batch"], 0.134, context=other["context"])
   assert {c["cfg"]["tpot_s"] for c in pdd_run["rec"]["calls"]} == {tpot}
   assert f"decode: {tpot * 1e3:.1f} ms per token" in pdd_run["table"]
 
