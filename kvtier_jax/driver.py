@@ -37,6 +37,37 @@ def describe_status(status: int) -> str:
   return "; ".join(reasons) or "ok"
 
 
+def check_page_table(table, shape: tuple[int, int], num_pages: int) -> np.ndarray:
+  """``table`` as i32[S, MP] after checking what the step would otherwise read
+  through silently: the shape, ids in [-1, num_pages), and no page twice in one
+  slot (slots may share pages: a cached prefix)."""
+  table = np.asarray(table)
+  if table.shape != shape or not np.issubdtype(table.dtype, np.integer):
+    raise ValueError(f"a page table is int {shape} (slots, pages per slot); got "
+                     f"{table.dtype} {table.shape}")
+  if ((table < -1) | (table >= num_pages)).any():
+    raise ValueError(f"page ids are -1 (none) or in [0, {num_pages}); got "
+                     f"{sorted(set(table[(table < -1) | (table >= num_pages)].tolist()))[:8]}")
+  ordered = np.sort(table, axis=1)  # a page twice in a row sits side by side
+  twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
+  if twice.any():
+    slot = int(np.argmax(twice))
+    raise ValueError(f"slot {slot} lists a page twice: {table[slot].tolist()}")
+  # A shared page is a cached prefix's: at the same position in every slot. At
+  # another it would hold other positions' K/V for one of them.
+  slots, columns = np.nonzero(table >= 0)
+  ids = table[slots, columns]
+  order = np.argsort(ids, kind="stable")
+  ids, columns, slots = ids[order], columns[order], slots[order]
+  moved = (ids[1:] == ids[:-1]) & (columns[1:] != columns[:-1])
+  if moved.any():
+    at = int(np.argmax(moved))
+    raise ValueError(f"page {ids[at]} is shared at another position: page index "
+                     f"{columns[at]} of slot {slots[at]}, {columns[at + 1]} of slot "
+                     f"{slots[at + 1]}")
+  return table.astype(np.int32)
+
+
 def check_prompt_pages(row: np.ndarray, length: int, page_size: int, hot_slots: int,
                        who: str) -> None:
   """Clear errors for a prompt of ``length`` positions over the page table ``row``
@@ -104,7 +135,10 @@ class TieredDriver:
     state); default all.
     """
     if active is not None:  # a copy: the carry is donated, the caller's array kept
-      active = np.asarray(active, bool)
+      active = np.asarray(active)
+      if active.shape != self.seq_len.shape or active.dtype != bool:
+        raise ValueError(f"active must be bool{list(self.seq_len.shape)} (one flag per "
+                         f"request); got {active.dtype}{list(active.shape)}")
     self.check_room(active)
     if active is not None:
       carry = carry.replace(active=jnp.array(active))
@@ -175,7 +209,12 @@ class TieredDecoder:
   def prefill(self, state: TieredKVState, k_prompt, v_prompt, prompt_lens):
     lens = np.asarray(prompt_lens)
     decode.check_prompt(self.cfg, k_prompt, v_prompt, lens)  # before any donation
-    self._check_prompt_pages(np.asarray(state.page_table), lens)
+    cfg = self.cfg
+    # A page past the pool (or the scratch page), or at two positions, would take
+    # the prompt's rows to where another position's are read (later misses wrong).
+    table = check_page_table(state.page_table, (cfg.num_requests, cfg.pages_per_request),
+                             cfg.num_host_pages)
+    self._check_prompt_pages(table, lens)
     state = _prefill(self.cfg, state, k_prompt, v_prompt, jnp.asarray(lens, jnp.int32))
     self._driver.start(lens)
     return state
@@ -184,6 +223,20 @@ class TieredDecoder:
     for r, n in enumerate(lens.tolist()):
       check_prompt_pages(table[r], n, self.cfg.page_size, self.cfg.hot_slots,
                          f"request {r}")
+
+  def _check_shared(self, rows: np.ndarray, name: str) -> None:
+    """Index sharing: layer l (a multiple of index_share) picks for layers l ..
+    l + index_share - 1, whose own rows the step never reads; other rows there
+    would be attended (or fetched) as layer l's, silently."""
+    share = self.cfg.index_share
+    if share == 1 or rows.ndim != 4 or rows.shape[0] % share:
+      return  # (a shape the trace refuses)
+    groups = rows.reshape((rows.shape[0] // share, share) + rows.shape[1:])
+    differ = (groups != groups[:, :1]).any(axis=(2, 3, 4))
+    if differ.any():
+      group, member = map(int, np.argwhere(differ)[0])
+      raise ValueError(f"index_share={share}: layer {group * share + member} takes layer "
+                       f"{group * share}'s {name}, so its row must repeat that one's")
 
   def _check_traces(self, state, q, k_new, v_new, selections, prefetch) -> None:
     """Trace the step abstractly once per input signature before any donation: a
@@ -221,10 +274,13 @@ class TieredDecoder:
                          f"{cfg.policy.rank_depth}): {want}")
       self._driver.check_room()
       check_selection(sel, np.broadcast_to(self.seq_len[None, :, None], sel.shape[:-1]))
+      self._check_shared(sel, "selections")
       selections = jnp.asarray(sel, jnp.int32)
     elif selections is not None:  # it would be ignored
       raise ValueError(f"{type(self.selector).__name__} picks the positions itself: "
                        "selections must be None")
+    if prefetch is not None:
+      self._check_shared(np.asarray(prefetch), "prefetch")
     self._check_traces(state, q, k_new, v_new, selections, prefetch)
     try:
       out, carry = self._driver.step(state, q, k_new, v_new, selections, prefetch)

@@ -275,8 +275,9 @@ def anchor_layer(cfg: TierConfig, state: TieredKVState, layer, q, k_new, v_new,
       slot_score=keep(new_score, state.slot_score),
       hits=count(state.hits, is_hit),
       misses=count(state.misses, is_miss),
-      prefetched=state.prefetched.at[layer].add(prefetched),
-      # A refused step moves nothing the caller sees: its transfers (a GPU's first
+      # Every layer sharing the selection gets the prefetched rows (shared_layer).
+      prefetched=put(state.prefetched, old(state.prefetched) + span(prefetched)),
+      # A refusing layer moves nothing the caller sees: its transfers (a GPU's first
       # chunk is gathered whatever the count) are not counted.
       fetched_rows=state.fetched_rows.at[layer].add(jnp.where(ok, moved, 0)),
   )
@@ -360,7 +361,9 @@ def _fused_prefetch(cfg: TierConfig, state: TieredKVState, layer, prefetch, ok, 
   return state.replace(
       hot_k=hot_k, hot_v=hot_v, slot_pos=keep(slot_pos, state.slot_pos),
       lru=keep(lru, state.lru), slot_score=keep(score, state.slot_score),
-      prefetched=state.prefetched.at[layer].add(prefetched),
+      prefetched=jax.lax.dynamic_update_slice_in_dim(  # as anchor_layer counts them
+          state.prefetched, old(state.prefetched)
+          + jnp.broadcast_to(prefetched, (share,) + prefetched.shape), layer, 0),
       fetched_rows=state.fetched_rows.at[layer].add(jnp.where(ok, moved, 0))), plan
 
 

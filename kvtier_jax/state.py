@@ -37,11 +37,13 @@ class TieredKVState:
   lru: jax.Array  # i32[L, R, U, B]  slot ids, least recently used first
   slot_score: jax.Array  # f32[L, R, U, B]  selection frequency (policy "freq")
   seq_len: jax.Array  # i32[R]  positions 0..seq_len-1 are in the host tier
+  # The counters count every layer that committed its update, a refused step's
+  # layers before the refusing one included (docs/DESIGN.md, "Refusal contract").
   hits: jax.Array  # i32[L, R, U]  selected entries served without a fetch
   misses: jax.Array  # i32[L, R, U]  selected entries fetched from the host tier
   prefetched: jax.Array  # i32[L, R, U]  rows fetched ahead for a predicted step
   fetched_rows: jax.Array  # i32[L]  rows moved host->device (incl. any gather
-  # padding) by committed steps
+  # padding)
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str:

@@ -31,7 +31,8 @@ import numpy as np
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import fetch
 from kvtier_jax import state as kv_state
-from kvtier_jax.driver import StepRefused, TieredDriver, check_prompt_pages
+from kvtier_jax.driver import (StepRefused, TieredDriver, check_page_table,
+                               check_prompt_pages)
 from kvtier_jax.selectors.base import prefill_state, state_bytes
 from kvtier_jax.serving.request import is_int
 from models import cache as cache_lib
@@ -185,37 +186,6 @@ def _sparse_step(cfg: ModelConfig, selector, index_share: int, weights, tokens, 
                                sparse_attend(selector, index_share, cfg.decode_row_tile))
   return logits, carry.replace(kv=carry.kv.replace(lens=lens + active.astype(jnp.int32)),
                                select_at=None)
-
-
-def check_page_table(table, shape: tuple[int, int], num_pages: int) -> np.ndarray:
-  """``table`` as i32[S, MP] after checking what the step would otherwise read
-  through silently: the shape, ids in [-1, num_pages), and no page twice in one
-  slot (slots may share pages: a cached prefix)."""
-  table = np.asarray(table)
-  if table.shape != shape or not np.issubdtype(table.dtype, np.integer):
-    raise ValueError(f"a page table is int {shape} (slots, pages per slot); got "
-                     f"{table.dtype} {table.shape}")
-  if ((table < -1) | (table >= num_pages)).any():
-    raise ValueError(f"page ids are -1 (none) or in [0, {num_pages}); got "
-                     f"{sorted(set(table[(table < -1) | (table >= num_pages)].tolist()))[:8]}")
-  ordered = np.sort(table, axis=1)  # a page twice in a row sits side by side
-  twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
-  if twice.any():
-    slot = int(np.argmax(twice))
-    raise ValueError(f"slot {slot} lists a page twice: {table[slot].tolist()}")
-  # A shared page is a cached prefix's: at the same position in every slot. At
-  # another it would hold other positions' K/V for one of them.
-  slots, columns = np.nonzero(table >= 0)
-  ids = table[slots, columns]
-  order = np.argsort(ids, kind="stable")
-  ids, columns, slots = ids[order], columns[order], slots[order]
-  moved = (ids[1:] == ids[:-1]) & (columns[1:] != columns[:-1])
-  if moved.any():
-    at = int(np.argmax(moved))
-    raise ValueError(f"page {ids[at]} is shared at another position: page index "
-                     f"{columns[at]} of slot {slots[at]}, {columns[at + 1]} of slot "
-                     f"{slots[at + 1]}")
-  return table.astype(np.int32)
 
 
 class ServingBackend:

@@ -34,11 +34,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvtier_jax import decode as kv_decode
 from kvtier_jax import sharding
-from kvtier_jax.driver import StepRefused, describe_status
+from kvtier_jax.driver import StepRefused, check_page_table, describe_status
 from kvtier_jax.serving.request import is_int
 from models.backends import check_tokens, tier_config, tiled_selector, tiered_step
 from models.serving import (ServingBackend, ServingState, _dense_step, _sparse_step,
-                            check_page_table, dense_lengths, place_snapshot)
+                            dense_lengths, place_snapshot)
 from models.transformer import Transformer, dummy_params, pad_kv_heads
 
 # Leaves without a request or head axis that differ per device: concatenated.

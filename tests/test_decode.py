@@ -801,6 +801,9 @@ def test_prefetch_with_index_sharing_fetches_for_the_sharing_layers():
   assert stats["prefetched"] > 0
   st = jax.device_get(h.state)
   np.testing.assert_array_equal(st.slot_pos[1], st.slot_pos[0])  # lockstep
+  # Counted for each layer that got them, as its misses are (only the anchor's were).
+  for name in ("misses", "prefetched"):
+    np.testing.assert_array_equal(getattr(st, name)[1::2], getattr(st, name)[::2], name)
 
 
 def test_host_tier_lives_in_host_memory_and_is_accounted():
@@ -861,6 +864,69 @@ def test_the_direct_fetch_chunk_is_an_eighth_of_the_lanes_but_16_at_least():
                    hot_slots=top_k)
     lanes = requests * cfg.num_units * top_k
     assert cfg.direct_fetch_rows_per_chunk == min(max(16, lanes // 8), lanes) == want
+
+
+def test_prefill_refuses_page_tables_that_would_put_rows_where_others_are_read():
+  """A page past the pool or the scratch page (the prompt's rows land there, or
+  clamp there), or a page at two positions (one's rows overwrite the other's),
+  was prefilled and its later misses read wrong rows: refused before any change.
+  Requests may share a page at one position (a cached prefix)."""
+  cfg = make_cfg(host_pages=24, page_size=16, max_len=200)
+  rng = np.random.default_rng()
+  kp, vp = random_kv(rng, cfg, 40)
+  table = np.full((cfg.num_requests, cfg.pages_per_request), -1, np.int32)
+  table[:, :3] = np.arange(9).reshape(3, 3)
+  decoder = driver.TieredDecoder(cfg)
+  base = kv_state.init_state(cfg, fill=np.nan)
+  nh = cfg.num_host_pages
+  for bad, match in ((dict(at=(1, 1), page=nh), f"in \\[0, {nh}\\)"),
+                     (dict(at=(1, 1), page=nh + 3), f"in \\[0, {nh}\\)"),
+                     (dict(at=(1, 2), page=3), "lists a page twice"),
+                     (dict(at=(2, 1), page=0), "shared at another position")):
+    wrong = table.copy()
+    wrong[bad["at"]] = bad["page"]
+    state = base.replace(page_table=jnp.asarray(wrong))
+    with pytest.raises(ValueError, match=match):
+      decoder.prefill(state, kp, vp, [40, 40, 40])
+    assert not state.host_k.is_deleted(), bad  # nothing donated
+  shared = table.copy()
+  shared[2, 0] = 0  # request 2's first page is request 0's: a prefix both hold
+  decoder.prefill(base.replace(page_table=jnp.asarray(shared)), kp, vp, [40, 40, 40])
+
+
+def test_a_step_refuses_an_active_mask_of_another_shape():
+  """A one-flag mask broadcast over every request: all decoded, or none, silently."""
+  cfg = make_cfg()
+  h = Harness(cfg, [11, 11, 11], seed=int(np.random.default_rng().integers(2**31)))
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  for active in ([True], [False], np.ones((1, 3), bool), [1, 0, 1]):
+    with pytest.raises(ValueError, match="active must be bool\\[3\\]"):
+      h.decoder._driver.step(h.state, *step_inputs(h.rng, cfg), jnp.asarray(sel), None,
+                             active=active)
+  assert h.decoder.seq_len.tolist() == [11, 11, 11]
+
+
+def test_index_sharing_refuses_rows_the_sharing_layers_would_not_attend():
+  """Layer 1 takes layer 0's selection (index_share=2): another row given for it
+  was checked and then ignored (its output was the anchor's positions', 1.8 off
+  the full-KV reference over its own), as was its prefetch row."""
+  cfg = make_cfg(index_share=2)
+  h = Harness(cfg, [40, 50, 60], seed=int(np.random.default_rng().integers(2**31)))
+  h.step()
+  sel = draw_selection(h.rng, cfg, h.decoder.seq_len, h.prev)
+  other = sel.copy()
+  other[3, 1, 0, 0] = -1 if other[3, 1, 0, 0] >= 0 else 0
+  with pytest.raises(ValueError, match="layer 3 takes layer 2's selections"):
+    h.step(other)
+  ahead = np.where(sel < h.decoder.seq_len[None, :, None, None], sel, -1)
+  wrong_ahead = ahead.copy()
+  wrong_ahead[1] = -1
+  if (wrong_ahead == ahead).all():
+    wrong_ahead[1, 0, 0, 0] = 0
+  with pytest.raises(ValueError, match="layer 1 takes layer 0's prefetch"):
+    h.step(sel, prefetch=jnp.asarray(wrong_ahead))
+  out, ref = h.step(sel, prefetch=jnp.asarray(ahead))
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
 
 
 def test_prompt_pages_off_a_page_boundary_are_refused():

@@ -80,6 +80,9 @@ def draw_selection(rng, cfg, seq_len, prev):
     if rng.random() < 0.2:
       row = row[:max(1, len(row) - 3)]  # some padding
     sel[l, r, u, :len(row)] = rng.permutation(row)
+  share = getattr(cfg, "index_share", 1)  # the layers sharing a selection repeat it
+  for l in range(cfg.num_layers):
+    sel[l] = sel[l - l % share]
   return sel
 
 
