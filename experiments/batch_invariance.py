@@ -86,6 +86,8 @@ def main(argv):
   if FLAGS.decode_row_tile is not None:
     raise app.UsageError("--decode_row_tile: this runner compares an untiled model with "
                          "one of --tile")
+  model_setup.refuse_given(["impl"], "this runner's tiered cache runs the default "
+                           "(XLA) step, whose batch invariance it measures")
   model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, FLAGS.prompt_tokens,
                                                     FLAGS.offset)
   out = common.start_run("batch_invariance", FLAGS.flag_values_dict(), FLAGS.out_root)

@@ -51,19 +51,20 @@ def start_run(experiment: str, flag_values: dict, out_root: str | None = None) -
             "git_sha": git_sha(), "started": stamp}
   # Strict JSON (a default --request_rate=inf is "inf", not Infinity, which other
   # readers refuse).
-  (out / "config.json").write_text(json.dumps(_finite(config), indent=2, default=str,
+  (out / "config.json").write_text(json.dumps(strict_json(config), indent=2, default=str,
                                               allow_nan=False) + "\n")
   return out
 
 
-def _finite(value):
-  """``value`` with every non-finite float as its str ("inf", "nan")."""
+def strict_json(value):
+  """``value`` with every non-finite float as its str ("inf", "nan"): JSON that
+  strict readers take (Python writes Infinity and NaN, which they refuse)."""
   if isinstance(value, float) and not math.isfinite(value):
     return str(value)
   if isinstance(value, dict):
-    return {k: _finite(v) for k, v in value.items()}
+    return {k: strict_json(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [_finite(v) for v in value]
+    return [strict_json(v) for v in value]
   return value
 
 

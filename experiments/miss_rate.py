@@ -13,7 +13,7 @@ ours a little higher, e.g. Quest's rows hold 247.5 of 256 entries on average, NS
 the cold count; its warm rate is not a strict lower bound (a policy can move a few
 misses, at most about B per stream, into the uncounted steps).
 
-Command (~2-4 min on a 2-core CPU for the default trace):
+Command (~10 min on a 2-core CPU for the default trace):
   python -m experiments.miss_rate    # the latest trace of the pydoc text (not
                                      # the held-out or test text, kept for policies)
 """

@@ -140,12 +140,16 @@ def main(argv):
                          "requires of a model)")
   model_setup.refuse_given(("lookahead", "lookahead_cap"), "this runner compares its "
                            "own predictors (the draft token among them)")
+  model_setup.refuse_given(("selector", "impl"), "this runner traces every selector of "
+                           "--selectors through its own XLA cache model")
   model_setup.check_draft_ckpt()
   prompt, steps = (384, 12) if FLAGS.smoke else (4096, FLAGS.steps)
   if FLAGS["prompt_tokens"].present:  # (the shared flag's default is not this table's)
     prompt = FLAGS.prompt_tokens
-  out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt),
-                         FLAGS.out_root)
+  if FLAGS["steps"].present:
+    steps = FLAGS.steps
+  out = common.start_run("prefetch", dict(FLAGS.flag_values_dict(), prompt_tokens=prompt,
+                                          steps=steps), FLAGS.out_root)
   model, _, ids = model_setup.load_model_and_prompt(FLAGS.prompt_file, prompt + steps + 1,
                                                     FLAGS.offset)
   cfg = model.cfg
@@ -233,7 +237,7 @@ def main(argv):
                        # (None without critical misses: no miss to divide by)
                        prefetched_per_miss=(pref.sum() / miss.sum() if miss.sum()
                                             else None),
-                       useful_share=useful.sum() / max(1, pref.sum()),
+                       useful_share=useful.sum() / pref.sum() if pref.sum() else None,
                        agreement=agreement.get(variant),
                        io_h200_ms=exposed_io_ms(rate, "h200_pcie5"),
                        io_gh200_ms=exposed_io_ms(rate, "gh200_c2c")))

@@ -57,7 +57,7 @@ def timed_cache_stats(before: dict, after: dict, steps: int, row_bytes: int) -> 
 def time_backend(model, ids, backend, context, selector, params):
   kwargs = {} if backend == "dense" else dict(selector=selector, selector_params=params)
   if backend == "tiered":
-    kwargs["hot_slots"] = 2 * selector.top_k
+    kwargs.update(hot_slots=2 * selector.top_k, impl=model_setup.tier_impl())
   runner = backends.Runner(model, backend, context + FLAGS.steps + 3, **kwargs)
   tokens = np.asarray(ids[:context], np.int32)[None]
   logits = runner.prefill(tokens, [context])
@@ -77,10 +77,11 @@ def time_backend(model, ids, backend, context, selector, params):
   return row
 
 
-def latest_lru_miss_rate() -> tuple[float, str]:
+def latest_lru_miss_rate(root=None) -> tuple[float, str]:
   """The newest full miss_rate run's warm LRU rate at B = 2k on the DSA trace of
-  the pydoc text (not the held-out or test text, nor a --smoke run)."""
-  runs = sorted(pathlib.Path(common.RESULTS, "miss_rate").glob("*/rows.jsonl"))
+  the pydoc text (not the held-out or test text, nor a --smoke run), under the
+  results root ``root`` (default ``results/``)."""
+  runs = sorted(pathlib.Path(root or common.RESULTS, "miss_rate").glob("*/rows.jsonl"))
   for run in reversed(runs):
     smoke = json.loads((run.parent / "config.json").read_text())["flags"].get("smoke")
     if smoke or common.run_text(run.parent) != (True, None):
@@ -94,7 +95,7 @@ def latest_lru_miss_rate() -> tuple[float, str]:
 
 def io_rows():
   miss, source = ((FLAGS.miss_rate, "flag") if FLAGS.miss_rate is not None
-                  else latest_lru_miss_rate())
+                  else latest_lru_miss_rate(FLAGS.out_root))
   cfg = ModelConfig.glm_5_1()
   rows = []
   for spec in FLAGS.links:
@@ -140,7 +141,8 @@ def main(argv):
                                            "useful_kib_per_token",
                                            "moved_kib_per_token"]),
           "", f"## Modelled exposed IO per decode step, GLM-5.1 (k=2048, 78 layers, "
-          f"1152 B rows), batch {FLAGS.batch}, synchronous fetch",
+          f"1152 B rows), batch {FLAGS.batch}, synchronous fetch; miss rate: "
+          f"{modelled[0]['miss_source']}",
           common.markdown_table(modelled, ["link", "GBps", "miss_rate", "transfer_ms",
                                            "latency_ms", "exposed_io_ms",
                                            "paper_sync_ms", "paper_prefetch_ms"])]

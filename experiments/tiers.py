@@ -108,7 +108,8 @@ def main(argv):
                       load_wins=per_token < measured["prefill_s_per_token"],
                       breakeven_gbps=None))
   for row in rows + loads:
-    common.append_row(out, row)
+    # (A link that never bounds the step reads "inf": strict JSON.)
+    common.append_row(out, common.strict_json(row))
   assumptions = [f"- accelerator: {acc.name}, ${acc.usd:,.0f}, {acc.kv_budget_gb:g} GB of "
                  f"HBM for KV, {acc.hbm_bandwidth / 1e12:g} TB/s, weights "
                  f"{acc.weight_bytes / 1e9:g} GB read per step, batch <= {acc.max_batch}, "

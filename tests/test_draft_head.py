@@ -325,6 +325,11 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   ceiling = rows["prefetch: next selection (offline)"]
   assert ceiling["agreement"] == 1.0 and ceiling["useful_share"] == 1.0
   assert ceiling["critical_miss_rate"] < rows["sync (no prefetch)"]["critical_miss_rate"]
+  # Nothing prefetched: no share of it (it read 0%).
+  assert rows["sync (no prefetch)"]["useful_share"] is None
+  # The smoke's 12 steps are what config.json says ran (it said 128).
+  config = json.loads(next(tmp_path.glob("prefetch/*/config.json")).read_text())
+  assert config["flags"]["steps"] == 12
   # The head is refused on the text it was trained on (the pydoc default).
   import subprocess
   import sys
@@ -339,6 +344,12 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
                          "--share=4", f"--out_root={tmp_path / 'share'}", layers],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "--share=4 must divide" in proc.stderr
+  # Shared flags it would not read: refused.
+  for flag in ("--impl=fused", "--selector=dsa"):
+    proc = subprocess.run([sys.executable, "-m", "experiments.prefetch", "--smoke", flag,
+                           f"--out_root={tmp_path / 'ignored'}", layers],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and f"{flag.split('=')[0]}: this runner" in proc.stderr
   # The CLI's look-ahead with the head: the library's jitted draft pass prefetches,
   # and the greedy tokens are those of the run without it.
   generate = ("experiments.generate", layers, f"--prompt_file={run_dir / 'heldout.txt'}",

@@ -126,6 +126,11 @@ def test_step_time_reads_the_lru_miss_rate_of_the_pydoc_texts_trace(tmp_path,
         selector="dsa", policy="lru", B_over_k=2.0, warm=float(rate))) + "\n")
   rate, source = step_time.latest_lru_miss_rate()
   assert rate == rates[0] and "20000101-000000" in source
+  # A run's --out_root is where its miss_rate runs are (it read results/ always).
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.setattr(common, "RESULTS", tmp_path / "elsewhere")
+  assert step_time.latest_lru_miss_rate()[0] == 0.134
+  assert step_time.latest_lru_miss_rate(tmp_path)[0] == rates[0]
 
 
 def test_step_time_counts_cache_traffic_over_the_timed_steps_only():

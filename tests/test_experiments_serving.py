@@ -5,6 +5,8 @@ so the test workers split the experiment smokes (each is a subprocess of ~1 min)
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,3 +280,8 @@ def test_batch_invariance_runner_tiled_logits_are_the_same_bits_at_every_slot_co
   assert [r["slots"] for r in tiled] == [1, 3, 5]
   assert all(r["same_bits"] and r["same_tokens"] for r in tiled), tiled
   assert [r["batch"] for r in rows if r["part"] == "step"] == [1, 4]
+  # --impl would be recorded and ignored (its tiered cache runs the XLA step).
+  refused = subprocess.run([sys.executable, "-m", "experiments.batch_invariance",
+                            "--impl=fused", f"--out_root={tmp_path / 'impl'}"],
+                           capture_output=True, text=True, timeout=600)
+  assert refused.returncode and "--impl: this runner" in refused.stderr, refused.stderr

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import common
 from models import capacity, tiers
 from models.config import ModelConfig
 from tests.test_experiments import only_run, run
@@ -180,6 +181,22 @@ def test_placement_on_nvme_uses_the_miss_bandwidth_and_the_exposed_io(exposed_io
       (acc.weight_bytes / acc.hbm_bandwidth) / (io - hbm), rel=1e-12), seed
 
 
+def test_tiers_rows_are_strict_json_where_the_link_never_bounds_the_step(tmp_path):
+  """At a 1% miss rate DDR5's link never bounds the step (link_bound_batch = inf):
+  rows.jsonl said Infinity, which strict JSON readers refuse; it says "inf"."""
+  run("experiments.tiers", f"--out_root={tmp_path}", "--contexts=131072",
+      "--miss_rate=0.01")
+  run_dir = next((tmp_path / "tiers").iterdir())
+
+  def refuse(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+  rows = [json.loads(line, parse_constant=refuse)
+          for line in (run_dir / "rows.jsonl").read_text().splitlines()]
+  never = [r for r in rows if r.get("link_bound_batch") == "inf"]
+  assert never and all(r["placement"] != "HBM (full KV)" for r in never)
+
+
 def test_tiers_runner_rows_flags_and_serve_results(tmp_path):
   """Every placement row is the model's at the run's flags and shared fractions
   (the flag's and the --serve_results run's last prefix_hit); --ddr5_gb bounds
@@ -220,7 +237,7 @@ def test_tiers_runner_rows_flags_and_serve_results(tmp_path):
             shared_fraction=fraction, exposed_io=exposed)))
   assert len(placements) == len(want), seed
   for got, w in zip(placements, want):
-    assert rows_close(got, w), (got, w, seed)
+    assert rows_close(got, common.strict_json(w)), (got, w, seed)
   # --ddr5_gb: the tier holds three requests' KV at the longest context.
   pick = {r["placement"]: r for r in placements
           if r["context"] == longest and r["shared"] == 0.0}
