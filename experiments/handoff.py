@@ -84,6 +84,17 @@ def receive(engine, handoff) -> tuple[float, object, int]:
   return seconds, req, engine.imported_tokens - imported
 
 
+def answer(engine, frame: bytes) -> dict:
+  """The reply to one frame: the finished request's, or why the frame or the
+  handoff was refused (the sender raises that; the receiver serves on)."""
+  try:
+    seconds, req, imported = receive(engine, handoff_lib.Handoff.from_bytes(frame))
+  except ValueError as e:  # an unparsable frame, a handoff the engine refuses
+    return dict(error=f"{type(e).__name__}: {e}")
+  return dict(id=req.id, output=req.output, seconds=seconds, state=req.state.value,
+              imported=imported)
+
+
 def serve_receiver(port: int) -> None:
   """The MainDecode process: accept handoffs from the socket, finish them, reply."""
   model, _, _ = model_setup.load_model_and_prompt(None, 1)
@@ -94,11 +105,7 @@ def serve_receiver(port: int) -> None:
         frame = handoff_lib.recv(sock)
       except ConnectionError:
         return
-      handoff = handoff_lib.Handoff.from_bytes(frame)
-      seconds, req, imported = receive(engine, handoff)
-      reply = dict(id=req.id, output=req.output, seconds=seconds, state=req.state.value,
-                   imported=imported)
-      handoff_lib.send(sock, json.dumps(reply).encode())
+      handoff_lib.send(sock, json.dumps(answer(engine, frame)).encode())
 
 
 def main(argv):
@@ -156,6 +163,9 @@ def main(argv):
       return None, seconds, got.output, len(frame), imported
     sent_s = handoff_lib.send(conn, frame, FLAGS.link_mbps * 1e6)
     reply = json.loads(handoff_lib.recv(conn))
+    if "error" in reply:  # (it used to die: the sender read "peer closed")
+      raise RuntimeError(f"the receiver refused handoff {handoff.request_id}: "
+                         f"{reply['error']}")
     return sent_s, reply["seconds"], reply["output"], len(frame), reply["imported"]
 
   reference = {}

@@ -147,6 +147,22 @@ def test_malformed_frames_are_refused_clearly():
   assert not engine.requests
 
 
+def test_the_receiver_process_answers_a_frame_it_refuses_and_serves_on():
+  """``experiments.handoff --two_process``'s receiver died on a frame it could not
+  parse or a handoff its engine refused (the sender read "peer closed"): it now
+  replies the error, and the next handoff is served."""
+  from experiments import handoff as runner
+  engine = Engine(FakeModel())
+  prompt = list(range(1, 20))
+  for frame, why in ((b"junk", "truncated handoff"),
+                     (handoff_lib.Handoff("r", prompt, [1.5], 6).to_bytes(),
+                      "not integer ids")):
+    reply = runner.answer(engine, frame)
+    assert set(reply) == {"error"} and why in reply["error"], reply
+  reply = runner.answer(engine, handoff_lib.Handoff("ok", prompt, [], 6).to_bytes())
+  assert reply["state"] == "finished" and reply["output"] == solo(FakeModel, prompt, 6)
+
+
 def test_relayed_tokens_must_be_ids_and_the_receivers_eos_ends_them():
   """Relayed outputs that are not integer ids (a float through JSON, a bool) are
   refused, not truncated into the feed; so is an output holding one of the
