@@ -559,6 +559,12 @@ def run_sampler():
       log("sampler", **row)
 
 
+def probe_rows(stdout: str) -> list[dict]:
+  """The rows ``experiments.triton_probe --check=...`` printed."""
+  return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines()
+          if line.startswith("PROBE_ROW ")]
+
+
 def run_triton():
   """Issue 16 part 4: the probe kernel written in the Triton language (through
   jax-triton) against the same algorithm in Pallas Triton, both compiled on this
@@ -580,11 +586,12 @@ def run_triton():
     proc = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="0"),
                           timeout=min(180.0, remaining() - 10), capture_output=True,
                           text=True)
-  except subprocess.TimeoutExpired as err:  # what it said so far, to see where
+  except subprocess.TimeoutExpired as err:  # the rows it printed, and where it was
+    for row in probe_rows(_text(err.stdout)):
+      log("triton", **row)
     log("triton", error="timed out", tail=_text(err.stderr)[-3000:])
     return
-  rows = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-          if line.startswith("PROBE_ROW ")]
+  rows = probe_rows(proc.stdout)
   for row in rows:
     log("triton", **row)
   if proc.returncode or not rows:

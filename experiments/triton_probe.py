@@ -179,27 +179,33 @@ def _compiled(check: str, fn, args, host_shape) -> tuple[str, dict]:
                    host_operand_in_host_memory=on_host, seconds=round(seconds, 1))
 
 
-def check_device(sel, slot_of, host) -> list[dict]:
-  """Both kernels compiled on this GPU: exact against numpy, then timed."""
+def check_device(sel, slot_of, host):
+  """Both kernels compiled on this GPU: exact against numpy, then timed. Yields
+  each row as it is known (main prints it at once: a run cut short by its
+  caller's limit keeps the exactness rows)."""
   if jax.default_backend() != "gpu":
-    return [dict(check="device", skipped="needs a CUDA GPU")]
+    yield dict(check="device", skipped="needs a CUDA GPU")
+    return
   kernel = _kernel()
   triton_fn = jax.jit(lambda *a: _triton_call(kernel, *a))
   pallas_fn = jax.jit(miss_fetch_pallas)
   args = (jnp.asarray(sel), jnp.asarray(slot_of), _on_host(host, jax.devices()[0]))
   want = reference(sel, slot_of, host, np.full(sel.shape, -7, np.int32),
                    np.full(sel.shape + host.shape[-1:], np.nan, np.float32))
-  exact = {name: written_lanes_match(fn(*args), want)
-           for name, fn in (("triton", triton_fn), ("pallas", pallas_fn))}
+  exact = {}
+  for name, fn in (("triton", triton_fn), ("pallas", pallas_fn)):
+    exact[name] = written_lanes_match(fn(*args), want)
+    yield dict(check="device exact", ok=exact[name], kernel=name, misses=int(want[2][0]),
+               device=jax.devices()[0].device_kind)
   medians, ratios = timing.interleaved_ms(
       {"pallas": lambda: pallas_fn(*args), "triton": lambda: triton_fn(*args)},
       FLAGS.warmup, FLAGS.iters)
   moved = int(want[2][0]) * host.shape[-1] * host.itemsize  # missed rows' bytes
-  return [dict(check="device", ok=exact[name], kernel=name, misses=int(want[2][0]),
+  for name in ("pallas", "triton"):
+    yield dict(check="device", ok=exact[name], kernel=name, misses=int(want[2][0]),
                median_us=round(1e3 * medians[name], 2), vs_pallas=round(ratios[name], 3),
                host_gb_s=round(moved / (medians[name] * 1e-3) / 1e9, 1),
                device=jax.devices()[0].device_kind)
-          for name in ("pallas", "triton")]
 
 
 def _on_host(x, device=None):
@@ -220,7 +226,8 @@ def _in_child(check: str, seed: int) -> list[dict]:
   return rows
 
 
-def _run_check(check: str, seed: int) -> list[dict]:
+def _run_check(check: str, seed: int):
+  """The rows of ``check`` (an iterable: the device check's come as they are known)."""
   sel, slot_of, host = draw_inputs(np.random.default_rng(seed), FLAGS.rows, FLAGS.top_k,
                                    FLAGS.positions, FLAGS.head_dim)
   if check == "interpret":

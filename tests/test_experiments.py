@@ -275,6 +275,35 @@ def test_config_json_is_strict_json(tmp_path):
   assert strict["flags"] == dict(request_rate="inf", rates=[1.0, "nan"], depth=dict(x="-inf"))
 
 
+TRITON_TIMEOUT = """
+import importlib.util, json, subprocess, sys
+from absl import flags
+from experiments import gpu_check
+
+flags.FLAGS(["gpu_check", "--out_dir=" + sys.argv[1]])
+importlib.util.find_spec = lambda name: object()  # jax_triton "installed"
+printed = "PROBE_ROW " + json.dumps(dict(check="device exact", ok=True, kernel="triton"))
+
+def times_out(cmd, **kwargs):
+  raise subprocess.TimeoutExpired(cmd, 180, output=printed.encode() + b"\\n",
+                                  stderr=b"timing...")
+
+subprocess.run = times_out
+gpu_check.run_triton()
+"""
+
+
+def test_gpu_check_keeps_the_triton_probes_rows_when_it_times_out(tmp_path):
+  """The probe's device check prints each row as it is known (its exactness before
+  its timing); a probe cut at its limit kept none of them (only stderr's tail)."""
+  proc = subprocess.run([sys.executable, "-c", TRITON_TIMEOUT, str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(l) for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+  assert rows == [dict(section="triton", check="device exact", ok=True, kernel="triton"),
+                  dict(section="triton", error="timed out", tail="timing...")], rows
+
+
 @pytest.mark.slow  # end to end in subprocesses: CI runs it (--runslow)
 def test_gpu_check_smoke_runs_clean(tmp_path):
   """The device script's smoke path (kernels interpreted): every check passes and no
