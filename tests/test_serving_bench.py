@@ -413,9 +413,12 @@ def test_a_run_cut_short_counts_the_tokens_its_running_requests_made():
   reqs = [hand_request("a", 10, 0.0, [1.0, 2.0]),
           hand_request("b", 10, 0.0, [1.0, 2.0, 3.0], State.DECODING),
           hand_request("c", 10, 0.0, [1.0], State.FAILED)]
+  reqs.append(hand_request("d", 10, 0.0, [], State.PREFILLING))  # no token yet
   row = bench.summarize(bench.Served(reqs, [], 0.0, 4.0))
-  assert row["finished"] == 1 and row["unfinished"] == 1 and row["output_tokens"] == 5
+  assert row["finished"] == 1 and row["unfinished"] == 2 and row["output_tokens"] == 5
   assert row["output_throughput"] == pytest.approx(5 / 4)
+  # The prompts beside those tokens: a's and b's (b's were left out), not d's.
+  assert row["total_token_throughput"] == pytest.approx((20 + 5) / 4)
   rows = [dict(context=1, concurrency=1, cache=c, prefill_policy="p", cut=cut,
                output_throughput=2.0, decode_throughput=2.0)
           for c, cut in (("sparse", False), ("tiered", True))]

@@ -345,8 +345,13 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
   # relayed); failed and aborted ones are left out.
   running = [r for r in reqs if not r.state.done]
   handed_off = [r for r in reqs if r.state is State.HANDED_OFF]
-  output_tokens = sum(len(r.output) - max(r.relayed, before.get(r.id, 0))
-                      for r in done + running + handed_off)
+  made = {r.id: len(r.output) - max(r.relayed, before.get(r.id, 0))
+          for r in done + running + handed_off}
+  output_tokens = sum(made.values())
+  # The prompts beside those tokens: a finished request's (vLLM's count), and a
+  # running or handed-off one's that generated here (a run cut at a deadline).
+  served_prompts = prompt_tokens + sum(len(r.prompt) for r in running + handed_off
+                                       if made[r.id] > 0)
   # Steps with no prompt chunk: the steady decode a disaggregated decode instance runs.
   decode_only = [s for s in steps if s.get("decode_batch") and not s.get("prefill_tokens")]
 
@@ -360,7 +365,7 @@ def summarize(served: Served, *, host_page_bytes: int = 0,
              duration_s=duration, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
              request_throughput=len(done) / duration,
              output_throughput=output_tokens / duration,
-             total_token_throughput=(prompt_tokens + output_tokens) / duration,
+             total_token_throughput=(served_prompts + output_tokens) / duration,
              # Without an SLO every request would count: no goodput (as vLLM).
              goodput=(sum(map(good, per)) / duration
                       if (slo_ttft_s, slo_tpot_s) != (None, None) else None),
