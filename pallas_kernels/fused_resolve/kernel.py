@@ -290,7 +290,7 @@ def _commit_kernel(layer_ref, prior_status_ref, active_ref, info_ref, new_pos_re
     # The OR of the rows' words, one bit at a time (the bits are distinct).
     status_ref[0] = (prior_status | sum(
         jnp.max(((statuses & bit) != 0).astype(jnp.int32)) * bit for bit in _STATUS_BITS)
-                     | jnp.where(layer_ok, 0, common.STATUS_OUT_OF_RANGE))
+                     | (1 - layer_ok.astype(jnp.int32)) * common.STATUS_OUT_OF_RANGE)
     real = jnp.arange(rows_pad) < num_rows
     moved = jnp.sum(jnp.where(real, info_ref[every_row, 3], 0))
 
