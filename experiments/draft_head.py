@@ -77,11 +77,15 @@ def greedy_tokens(cfg, weights, feats, chunk: int = 2048):
 
 def main(argv):
   del argv
-  window = 128 if FLAGS.smoke else FLAGS.window
-  train_windows, eval_windows = (2, 1) if FLAGS.smoke else (FLAGS.train_windows,
-                                                             FLAGS.eval_windows)
-  steps = 6 if FLAGS.smoke else FLAGS.steps
-  out = common.start_run("draft_head", FLAGS.flag_values_dict(), FLAGS.out_root)
+  # --smoke's sizes, each unless given on the command line; config.json records
+  # what ran.
+  smoke = dict(window=128, train_windows=2, eval_windows=1, steps=6)
+  ran = {name: value if FLAGS.smoke and not FLAGS[name].present else FLAGS[name].value
+         for name, value in smoke.items()}
+  window, train_windows, eval_windows, steps = (
+      ran["window"], ran["train_windows"], ran["eval_windows"], ran["steps"])
+  out = common.start_run("draft_head", dict(FLAGS.flag_values_dict(), **ran),
+                         FLAGS.out_root)
   model, tokenizer, _ = tfm.load_smollm2(num_layers=FLAGS.model_layers)
   cfg, weights = model.cfg, model.weights()
   train_ids = text.tokenize_prompt(tokenizer, text.load_text(), train_windows * window)

@@ -6,9 +6,12 @@ Compiles the tiered decode step (the one ``tiered_attend`` path, via
 cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
 
 * whole-host-tier copies (must be 0): any copy of a host-tier-shaped array, or any
-  host-tier-shaped value materialised in device memory;
-* host->device bytes per miss, read off the HostExecute gathers (XLA fetch) or the
-  zero-copy kernel's operands;
+  host-tier-shaped value materialised in device memory, an entry parameter
+  included (a tier handed to the step in device memory);
+* host->device bytes per miss, read off the HostExecute gathers (XLA fetch); for
+  the zero-copy kernels, 2 rows (K and V) per miss by their construction (what a
+  kernel reads is not in the HLO: the audit checks its host operands are the
+  entry's, in host memory, ``:S(5)``);
 * in-place aliasing of every state buffer (``input_output_alias`` of the entry);
 * the Pallas (Triton) kernels present and the async host copies;
 * SmolLM2-135M's whole decode step (weights, Quest selector; abstract inputs, no
@@ -16,9 +19,11 @@ cannot show (on CPU, memory kinds are annotations; docs/DESIGN.md, "The audit"):
   sparse (full-KV) backend and the tiered one (default and fused kernels). A copy
   there runs every layer: one of the selector state once cost 1.4 GB per layer;
 * the step sharded over an 8xH200 node (``shard_map``: requests over mesh axis
-  ``data`` = 8, or 4 x KV heads over ``model`` = 2; each device's host tier in its
-  own pinned host memory): whole-host copies and every collective
-  (kvtier_jax/sharding.py: one per layer);
+  ``data`` = 8, or 4 x KV heads over ``model`` = 2): whole-host copies by the
+  step's operations and every collective (kvtier_jax/sharding.py: one per layer).
+  The compile-only devices drop ``pinned_host`` from a sharding, so there the tier
+  compiles in device memory (its row says so); the one-device audit checks that
+  the tier enters the step in host memory;
 * the serving sampler's draw: its ``lax.cond``s that stay conditionals the host
   waits on (outside CUDA graphs), a predicate copied to the host each.
 
@@ -94,10 +99,28 @@ def _instructions(hlo: str):
       yield m.group(1), m.group(2), line
 
 
-def count_whole_host_copies(hlo: str, host_shape: tuple[int, ...], dtype: str) -> int:
-  """Copies of a host-tier-shaped array, or such an array placed in device memory."""
+def _entry_lines(hlo: str):
+  """The lines of the module's entry computation."""
+  lines = iter(hlo.splitlines())
+  for line in lines:
+    if line.startswith("ENTRY "):
+      break
+  for line in lines:
+    if line.startswith("}"):
+      return
+    yield line
+
+
+def count_whole_host_copies(hlo: str, host_shape: tuple[int, ...], dtype: str,
+                            entry_params: bool = True) -> int:
+  """Copies of a host-tier-shaped array, or such an array placed in device memory:
+  an entry parameter too (a tier handed to the step in device memory; parameters
+  are passive inside the computations, where they name the entry's), unless
+  ``entry_params`` is False (a compile whose inputs could not be host-placed)."""
   shape = f"{dtype}[{','.join(map(str, host_shape))}]"
-  n = 0
+  n = sum(1 for typ, op, _ in _instructions("\n".join(_entry_lines(hlo)))
+          if entry_params and op == "parameter" and typ.startswith(shape + "{")
+          and ":S(5)" not in typ)
   for typ, op, _ in _instructions(hlo):
     if not typ.startswith(shape + "{"):
       continue
@@ -542,7 +565,12 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   host tier in its pinned host memory; compiled SPMD-partitioned deviceless.
   Returns (whole-host copies of the per-device or the global tier, the collectives
   inside the layer loop (each runs once per layer), the collectives of the whole
-  step, launches per layer)."""
+  step, launches per layer, whether the tier was placed in host memory).
+
+  The compile-only topology's devices report no memories, so a ``NamedSharding``
+  over them drops ``pinned_host`` (silently): the tier compiles in device memory
+  here, and the copies counted are the step's operations only (the one-device
+  audit checks the host placement)."""
   devices = np.array(deviceless.h200_node(data * model)).reshape(data, model)
   mesh = jax.sharding.Mesh(devices, sharding.AXES)
   local = cfg.replace(mesh_axes=sharding.AXES, per_kv_head=cfg.per_kv_head or model > 1)
@@ -558,6 +586,7 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
                               sharding.per_device_leaves(data_axes, ("fetched_rows",)))
   state = sharding.global_abstract(small, specs, mesh,
                                    lambda path: "pinned_host" if "host" in path else None)
+  on_host = state.tier.host_k.sharding.memory_kind == "pinned_host"
   rows = jax.sharding.PartitionSpec(None, sharding.DATA, sharding.MODEL)
   L, R, D = cfg.num_layers, cfg.num_requests * data, cfg.head_dim
   sds = lambda heads: jax.ShapeDtypeStruct(
@@ -575,12 +604,13 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   whole = list(shape)
   whole[1] *= data
   whole[3] *= model
-  copies = sum(count_whole_host_copies(hlo, tuple(s), hlo_dtype(cfg))
+  copies = sum(count_whole_host_copies(hlo, tuple(s), hlo_dtype(cfg), on_host)
                for s in (shape, whole))
   comps = _computations(hlo)
   bodies = set(re.findall(r"body=(%[\w.\-]+)", hlo))
   in_loop = [c for name, text in comps.items() if name in bodies for c in collectives(text)]
-  return copies, in_loop, len(collectives(hlo)), layer_loop_launches(hlo, cfg.num_layers)
+  return (copies, in_loop, len(collectives(hlo)), layer_loop_launches(hlo, cfg.num_layers),
+          on_host)
 
 
 @dataclasses.dataclass
@@ -788,10 +818,13 @@ def main(argv):
         f"{waited_graphs} with conditionals allowed into them")
   dp_copies = 0
   for data, model in ((8, 1), (4, 2)):
-    copies_, in_loop, total, launches_ = audit_sharded(configs[0][1], data, model)
+    copies_, in_loop, total, launches_, on_host = audit_sharded(configs[0][1], data, model)
     dp_copies += copies_
+    where = ("in pinned host memory" if on_host else "compiled in device memory: the "
+             "compile-only devices drop pinned_host, so only the step's own copies count")
     print(f"sharded over 8 H200s (shard_map, data={data}, model={model}; "
-          f"{configs[0][0]}): {copies_} whole-host copies, collectives per layer: "
+          f"{configs[0][0]}; tier {where}): {copies_} whole-host copies, "
+          "collectives per layer: "
           f"{', '.join(in_loop) or 'none'}; collectives per step: {total}; "
           f"launches per layer {launches_:g}")
   model_rows = audit_model(FLAGS.smoke)

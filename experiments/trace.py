@@ -82,6 +82,8 @@ def main(argv):
   del argv
   model_setup.refuse_given(model_setup.NO_LOOKAHEAD, "this runner runs no look-ahead "
                            "(generate, serve and prefetch do)")
+  model_setup.refuse_given(("selector", "impl"), "this runner traces every selector of "
+                           "--selectors on the sparse full-KV step")
   prompt, steps = (512, 16) if FLAGS.smoke else (FLAGS.prompt_tokens, FLAGS.steps)
   if not FLAGS.smoke and FLAGS["prompt_tokens"].using_default_value:
     prompt = 7680

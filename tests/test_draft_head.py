@@ -305,12 +305,16 @@ def test_draft_head_runner_and_its_prefetch_on_the_heldout_text(tmp_path):
   speed)."""
   smollm2_or_skip()
   layers = f"--model_layers={SMOKE_LAYERS}"
-  run("experiments.draft_head", "--smoke", layers, f"--out_root={tmp_path}")
+  run("experiments.draft_head", "--smoke", layers, "--steps=8", f"--out_root={tmp_path}")
+  # config.json records what ran: the smoke's sizes, and the --steps given.
+  flags_ran = json.loads(next(tmp_path.glob("draft_head/*/config.json")).read_text())["flags"]
+  assert {k: flags_ran[k] for k in ("window", "train_windows", "eval_windows", "steps")} \
+      == dict(window=128, train_windows=2, eval_windows=1, steps=8)
   by = {r["draft"]: r for r in rows_of(tmp_path, "draft_head")}
   assert set(by) == {"draft head", "prompt lookup", "prompt lookup (n >= 2), else draft head",
                      "model's next token (after the step)"}
   assert by["model's next token (after the step)"]["acceptance_vs_greedy"] == 1.0
-  # Its first and last losses average disjoint steps (6 smoke steps: 3 and 3).
+  # Its first and last losses average disjoint steps (8 steps: 4 and 4).
   assert by["draft head"]["train_loss_first"] != by["draft head"]["train_loss_last"]
   run_dir = next(tmp_path.glob("draft_head/*"))
   prefetch = ("experiments.prefetch", "--smoke", "--selectors=quest",

@@ -378,6 +378,12 @@ def test_trace_smoke_records_rankings(tmp_path):
     np.testing.assert_array_equal(ranks[..., :sel.shape[-1]], sel)
   assert "nsa_ranks" not in data.files
   assert {r["selector"]: r["k"] for r in rows} == {"quest": 256, "oracle": 256, "nsa": 320}
+  # The shared flags it would record and not read: refused.
+  for flag in ("--selector=oracle", "--impl=pallas"):
+    proc = subprocess.run([sys.executable, "-m", "experiments.trace", "--smoke", flag,
+                           f"--out_root={tmp_path / 'ignored'}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode and f"{flag.split('=')[0]}: this runner" in proc.stderr
   # The draft's picks (--draft, the default): each step's draft is the prompt lookup
   # over the prompt and the tokens fed so far; where it was the next token, its
   # picks are the next step's selection (the same position, the same context).

@@ -635,15 +635,20 @@ def test_a_step_run_twice_at_one_position_is_the_second_run(sel):
     make_nsa("paper"),
     NSASelector(num_kv_heads=3, q_per_kv=1, head_dim=6, block_size=16, num_blocks=3,
                 window=16, cmp_block=16, cmp_stride=16),
+    QuestSelector(token_budget=34, page_size=17, num_kv_heads=3, q_per_kv=3, head_dim=64),
+    NSASelector(num_kv_heads=3, q_per_kv=3, head_dim=64, block_size=17, num_blocks=1,
+                num_initial=0, num_local=1, window=0, cmp_block=17, cmp_stride=17),
     OracleSelector(top_k=16, granularity="kv_head", **HEADS),
-], ids=["quest", "quest_fractional", "dsa", "nsa", "nsa_fractional", "oracle"])
+], ids=["quest", "quest_fractional", "dsa", "nsa", "nsa_fractional", "quest_page_17",
+        "nsa_stride_17", "oracle"])
 def test_state_bytes_match_init_state(sel):
   """What admission charges a request (``state_bytes``: per token in whole pages
   or strides, plus the rings) is what ``init_state`` allocates for it, at lengths
-  on and off the page grid."""
+  on and off the page grid. Pages of 17 tokens: 1536/17 bytes per token as a
+  float times 85 held tokens rounded up to one byte too many."""
   num_layers, num_req = 2, 3
   rng = np.random.default_rng()
-  for max_len in (96, 192, *rng.integers(97, 400, 3)):
+  for max_len in (85, 96, 192, *rng.integers(97, 400, 3)):
     max_len = int(max_len)
     state = sel.init_state(num_layers, num_req, max_len)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))

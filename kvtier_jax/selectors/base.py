@@ -27,6 +27,7 @@ therefore kept as a ring of its raw keys (``write_recent``), folded by a set.
 from __future__ import annotations
 
 import functools
+import fractions
 import math
 from typing import Any, NamedTuple, Protocol
 
@@ -115,7 +116,10 @@ def state_bytes(selector, length: int) -> int:
   block = getattr(selector, "state_block_tokens", None)
   block = block() if block else 1
   held = -(-length // block) * block  # whole units of the growing state
-  return math.ceil(selector.state_bytes_per_token() * held) + (fixed() if fixed else 0)
+  # Bytes per token are a page's or stride's bytes over its tokens, a float when
+  # they do not divide: as the exact fraction, so that whole pages round to none.
+  per_token = fractions.Fraction(selector.state_bytes_per_token()).limit_denominator(1 << 20)
+  return math.ceil(per_token * held) + (fixed() if fixed else 0)
 
 
 def check_state_capacity(selector, state, max_len: int) -> None:
