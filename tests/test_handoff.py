@@ -151,16 +151,29 @@ def test_the_receiver_process_answers_a_frame_it_refuses_and_serves_on():
   """``experiments.handoff --two_process``'s receiver died on a frame it could not
   parse or a handoff its engine refused (the sender read "peer closed"): it now
   replies the error, and the next handoff is served."""
-  from experiments import handoff as runner
-  engine = Engine(FakeModel())
-  prompt = list(range(1, 20))
-  for frame, why in ((b"junk", "truncated handoff"),
-                     (handoff_lib.Handoff("r", prompt, [1.5], 6).to_bytes(),
-                      "not integer ids")):
-    reply = runner.answer(engine, frame)
+  import pathlib
+  import subprocess
+  import sys
+  # (In its own process: the runner defines absl flags other runners define too.)
+  code = """
+import json
+from experiments import handoff as runner
+from kvtier_jax.serving import Engine
+from kvtier_jax.serving import handoff as handoff_lib
+from tests.test_serving import FakeModel
+engine = Engine(FakeModel())
+prompt = list(range(1, 20))
+for frame in (b"junk", handoff_lib.Handoff("r", prompt, [1.5], 6).to_bytes(),
+              handoff_lib.Handoff("ok", prompt, [], 6).to_bytes()):
+  print(json.dumps(runner.answer(engine, frame)))
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300, cwd=pathlib.Path(__file__).parents[1])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  junk, floats, ok = map(json.loads, proc.stdout.strip().splitlines()[-3:])
+  for reply, why in ((junk, "truncated handoff"), (floats, "not integer ids")):
     assert set(reply) == {"error"} and why in reply["error"], reply
-  reply = runner.answer(engine, handoff_lib.Handoff("ok", prompt, [], 6).to_bytes())
-  assert reply["state"] == "finished" and reply["output"] == solo(FakeModel, prompt, 6)
+  assert ok["state"] == "finished" and ok["output"] == solo(FakeModel, list(range(1, 20)), 6)
 
 
 def test_relayed_tokens_must_be_ids_and_the_receivers_eos_ends_them():
