@@ -562,7 +562,8 @@ def audit_sharded(cfg: TierConfig, data: int = 8, model: int = 1):
   """The tiered step under shard_map over ``data`` x ``model`` H200s of one node:
   each device runs ``cfg.num_requests`` requests (and, with ``model`` > 1, its
   ``cfg.num_kv_heads`` KV heads as per-KV-head units: tensor parallel) with its own
-  host tier in its pinned host memory; compiled SPMD-partitioned deviceless.
+  host tier, asked for in its pinned host memory; compiled SPMD-partitioned
+  deviceless.
   Returns (whole-host copies of the per-device or the global tier, the collectives
   inside the layer loop (each runs once per layer), the collectives of the whole
   step, launches per layer, whether the tier was placed in host memory).

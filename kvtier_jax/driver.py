@@ -279,7 +279,7 @@ class TieredDecoder:
     elif selections is not None:  # it would be ignored
       raise ValueError(f"{type(self.selector).__name__} picks the positions itself: "
                        "selections must be None")
-    if prefetch is not None:
+    if prefetch is not None and self.cfg.index_share > 1:  # (no host copy otherwise)
       self._check_shared(np.asarray(prefetch), "prefetch")
     self._check_traces(state, q, k_new, v_new, selections, prefetch)
     try:
